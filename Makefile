@@ -1,0 +1,28 @@
+# Quickstart targets: each makes .venv and installs what it needs itself.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint docs check
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade "pip>=25.1"
+	$(BIN)/python -m pip install --quiet -e ".[demo,tensorboard]" --group dev
+	touch $@
+
+demo: $(BIN)/.installed
+	$(BIN)/python -m eqxctx.demo $(ARGS)
+
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest --hypothesis-profile=ci $(ARGS)
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+	PYRIGHT_PYTHON_IGNORE_WARNINGS=1 $(BIN)/pyright
+
+docs: $(BIN)/.installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build
+
+check: lint test docs

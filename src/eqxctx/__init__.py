@@ -1,0 +1,23 @@
+"""eqxctx: AXLearn's invocation contexts for Equinox, as explicit immutable PyTrees."""
+
+from ._collection import (
+    IterationSummaries as IterationSummaries,
+    OutputCollection as OutputCollection,
+)
+from ._context import Context as Context
+from ._errors import OutputConflictError as OutputConflictError
+from ._functional import functional as functional
+from ._summary import (
+    AudioSummary as AudioSummary,
+    CallbackSummary as CallbackSummary,
+    HistogramSummary as HistogramSummary,
+    ImageSummary as ImageSummary,
+    MaxSummary as MaxSummary,
+    MinSummary as MinSummary,
+    Summary as Summary,
+    SumSummary as SumSummary,
+    WeightedSummary as WeightedSummary,
+)
+
+
+__version__ = "0.1.0"

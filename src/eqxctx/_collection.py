@@ -1,0 +1,374 @@
+"""OutputCollection: the summaries, state updates and module outputs of a call tree.
+
+Follows AXLearn's `OutputCollection` (`axlearn/common/module.py`), as an immutable
+`eqx.Module` PyTree: every method returns a new collection.
+"""
+
+import re
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Final, Literal, TypeAlias
+
+import equinox as eqx
+import jax
+
+from ._errors import PREFIX_HINT, OutputConflictError
+from ._summary import Summary, is_array_leaf
+
+
+Kind: TypeAlias = Literal["summaries", "state_updates", "module_outputs"]
+KINDS: Final[tuple[Kind, Kind, Kind]] = ("summaries", "state_updates", "module_outputs")
+_CHILD_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+def validate_child_name(name: object, *, where: str) -> str:
+    """Return `name` if it is a valid child name, else raise `ValueError`."""
+    if not isinstance(name, str) or not _CHILD_NAME.match(name):
+        raise ValueError(
+            f"`{where}`: invalid child name {name!r}. Child names must match "
+            f"'^[a-z][a-z0-9_]*$' (lower case letters, digits and '_', starting with "
+            "a letter), e.g. 'encoder' or 'layer_3'."
+        )
+    return name
+
+
+def _validate_leaf_name(name: object, *, where: str) -> str:
+    if not isinstance(name, str) or not name or "/" in name:
+        raise ValueError(
+            f"`{where}`: invalid name {name!r}. Summary, state update and module "
+            "output names are non-empty strings without '/'; use `ctx.call` or "
+            "`add_child` to nest outputs."
+        )
+    return name
+
+
+class IterationSummaries(eqx.Module):
+    """The summaries of `length` iterations of a scan or a vmap, kept stacked.
+
+    Stored in `OutputCollection.summaries` under the key `prefix`, it stands for the
+    children `{prefix}0` … `{prefix}{length-1}` (and for an empty `{prefix}` child),
+    without slicing every summary of every iteration inside the compiled program.
+    `OutputCollection.flatten`, `child`, `materialize` and the writers expand it.
+
+    Attributes:
+        length: the number of iterations N, static.
+        stacked: a nested summary mapping whose leaves have a leading axis N (traced).
+    """
+
+    length: int = eqx.field(static=True)
+    stacked: dict[str, Any]
+
+    def iteration(self, i: int) -> dict[str, Any]:
+        """Return iteration `i`'s summaries (a nested mapping); `self` is unchanged.
+
+        Raises:
+            IndexError: if `i` is not in `[0, length)`.
+        """
+        if not 0 <= i < self.length:
+            raise IndexError(f"iteration {i} out of range for {self.length} iterations")
+        return jax.tree_util.tree_map(
+            lambda x: x[i],
+            self.stacked,
+            is_leaf=lambda x: isinstance(x, IterationSummaries),
+        )
+
+
+def _copy_tree(tree: Any, path: str) -> dict[str, Any]:
+    """Copy the mappings of `tree` (not its leaves) and check every leaf's type."""
+    if not isinstance(tree, Mapping):
+        raise TypeError(f"`OutputCollection`: {path!r} must be a mapping, got {tree!r}")
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        sub = f"{path}/{key}"
+        if not isinstance(key, str):
+            raise TypeError(
+                f"`OutputCollection`: key {key!r} at {path!r} is not a str."
+            )
+        if isinstance(value, Mapping):
+            out[key] = _copy_tree(value, sub)
+        elif isinstance(value, IterationSummaries):
+            out[key] = IterationSummaries(value.length, _copy_tree(value.stacked, sub))
+        else:
+            check_leaf(value, sub)
+            out[key] = value
+    return out
+
+
+def check_leaf(value: object, path: str) -> None:
+    """Raise `TypeError` naming `path` unless `value` is a valid collection leaf."""
+    if isinstance(value, Summary) or is_array_leaf(value):
+        return
+    raise TypeError(
+        f"`OutputCollection`: the value at {path!r} has type {type(value).__name__}; "
+        "leaves must be JAX or NumPy arrays, Python bool/int/float, or `Summary` "
+        "objects. Add one output per leaf, or use `ctx.call` to nest them."
+    )
+
+
+def _converter(path: str) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
+    return lambda tree: _copy_tree(tree, path)
+
+
+def _reserved(key: str, value: Any) -> Iterator[str]:
+    """Yield the child names that the entry `key: value` stands for."""
+    yield key
+    if isinstance(value, IterationSummaries):
+        for i in range(value.length):
+            yield f"{key}{i}"
+
+
+def _is_child(value: Any) -> bool:
+    return isinstance(value, (dict, IterationSummaries))
+
+
+class OutputCollection(eqx.Module):
+    """Summaries, state updates and module outputs, as three nested mappings.
+
+    A child (from `add_child`, `Context.call` or a scan) is a nested mapping present
+    in all three kinds; leaves are arrays, Python numbers or `Summary` objects. Every
+    method returns a new collection and leaves `self` and its arguments unchanged.
+
+    Scans and vmaps keep per-iteration summaries stacked in an `IterationSummaries`
+    entry; `flatten`, `child` and `materialize` expand it into `{prefix}{i}` children.
+
+    Attributes:
+        summaries: nested mapping of summaries (metrics for TensorBoard).
+        state_updates: nested mapping of state updates (e.g. batch-norm statistics).
+        module_outputs: nested mapping of module outputs (intermediate activations).
+    """
+
+    summaries: dict[str, Any] = eqx.field(converter=_converter("summaries"))
+    state_updates: dict[str, Any] = eqx.field(converter=_converter("state_updates"))
+    module_outputs: dict[str, Any] = eqx.field(converter=_converter("module_outputs"))
+
+    @classmethod
+    def empty(cls) -> "OutputCollection":
+        """Return a collection with no entries."""
+        return cls({}, {}, {})
+
+    # -- names -------------------------------------------------------------------
+
+    def child_names(self) -> set[str]:
+        """Return the child names at this level, including per-iteration ones."""
+        names: set[str] = set()
+        for kind in KINDS:
+            for key, value in getattr(self, kind).items():
+                if _is_child(value):
+                    names.update(_reserved(key, value))
+        return names
+
+    def _leaf_names(self, kind: Kind) -> set[str]:
+        return {k for k, v in getattr(self, kind).items() if not _is_child(v)}
+
+    def leaf_names(self) -> set[str]:
+        """Return the leaf names at this level, of all three kinds."""
+        return set().union(*(self._leaf_names(kind) for kind in KINDS))
+
+    def _add_leaf(self, kind: Kind, name: str, value: Any) -> "OutputCollection":
+        where = f"add_{kind.rstrip('s')}"
+        _validate_leaf_name(name, where=where)
+        check_leaf(value, f"{kind}/{name}")
+        if isinstance(value, Summary):
+            value.validate()
+        if name in self._leaf_names(kind):
+            raise OutputConflictError(
+                f"`{where}`: {kind} already has an entry {name!r} (path "
+                f"{kind}/{name}). Each name can be added once per context; use another "
+                "name or a child context (`ctx.call`)."
+            )
+        if name in self.child_names():
+            raise OutputConflictError(
+                f"`{where}`: {name!r} is already a child at this level (path "
+                f"{kind}/{name}); leaf names and child names must differ."
+            )
+        fields = {k: getattr(self, k) for k in KINDS}
+        fields[kind] = {**fields[kind], name: value}
+        return OutputCollection(**fields)
+
+    # -- adding ------------------------------------------------------------------
+
+    def add_summary(self, name: str, value: Any) -> "OutputCollection":
+        """Return a new collection with summary `name` added; `self` is unchanged.
+
+        Args:
+            name: a non-empty string without '/'.
+            value: an array (any shape, dtype), a Python number or a `Summary`.
+
+        Raises:
+            ValueError: for an invalid name or an invalid `Summary` (its `validate`).
+            TypeError: if `value` is not a valid leaf.
+            OutputConflictError: if `name` is already a summary or a child here.
+        """
+        return self._add_leaf("summaries", name, value)
+
+    def add_state_update(self, name: str, value: Any) -> "OutputCollection":
+        """Return a new collection with state update `name` added (as `add_summary`)."""
+        return self._add_leaf("state_updates", name, value)
+
+    def add_module_output(self, name: str, value: Any) -> "OutputCollection":
+        """Return a new collection with module output `name` added (see add_summary)."""
+        return self._add_leaf("module_outputs", name, value)
+
+    def add_child(self, name: str, child: "OutputCollection") -> "OutputCollection":
+        """Return a new collection with `child` nested under `name` in all three kinds.
+
+        The child is recorded even when it is empty, so adding it twice always raises.
+
+        Raises:
+            ValueError: if `name` does not match `^[a-z][a-z0-9_]*$`.
+            OutputConflictError: if `name` is already a child or a leaf of any kind.
+        """
+        validate_child_name(name, where="add_child")
+        if name in self.child_names() or name in self.leaf_names():
+            raise OutputConflictError(
+                f"`add_child`: {name!r} is already present in this collection "
+                f"(path {name}). "
+            )
+        return OutputCollection(
+            **{
+                kind: {**getattr(self, kind), name: getattr(child, kind)}
+                for kind in KINDS
+            }
+        )
+
+    def merge(self, other: "OutputCollection") -> "OutputCollection":
+        """Return the union of `self` and `other` (one level deep); both unchanged.
+
+        Raises:
+            OutputConflictError: if a child name is in both, a leaf name is in the same
+                kind of both, or a child name of one equals a leaf name of the other.
+                The message names the path.
+        """
+        mine, theirs = self.child_names(), other.child_names()
+        clash = mine & theirs
+        if clash:
+            name = sorted(clash)[0]
+            raise OutputConflictError(
+                f"`merge`: both collections have a child {name!r} (path {name}). "
+                + PREFIX_HINT
+            )
+        for kind in KINDS:
+            clash = self._leaf_names(kind) & other._leaf_names(kind)
+            if clash:
+                name = sorted(clash)[0]
+                raise OutputConflictError(
+                    f"`merge`: both collections have {kind} entry {name!r} "
+                    f"(path {kind}/{name})."
+                )
+        clash = (mine & other.leaf_names()) | (theirs & self.leaf_names())
+        if clash:
+            name = sorted(clash)[0]
+            raise OutputConflictError(
+                f"`merge`: {name!r} is a child in one collection and a leaf in the "
+                f"other (path {name}). " + PREFIX_HINT
+            )
+        return OutputCollection(
+            **{kind: {**getattr(self, kind), **getattr(other, kind)} for kind in KINDS}
+        )
+
+    # -- reading -----------------------------------------------------------------
+
+    def child(self, name: str) -> "OutputCollection":
+        """Return the collection of child `name`, including per-iteration children.
+
+        `coll.child("iter3")` returns iteration 3's view of a scan's summaries.
+
+        Raises:
+            KeyError: if there is no such child; the message lists the children.
+        """
+        for key, value in self.summaries.items():
+            if isinstance(value, IterationSummaries) and name != key:
+                for i in range(value.length):
+                    if name == f"{key}{i}":
+                        return OutputCollection(value.iteration(i), {}, {})
+        if name not in self.child_names():
+            raise KeyError(
+                f"`child`: no child {name!r}; children: {sorted(self.child_names())}"
+            )
+
+        def get(kind: Kind) -> dict[str, Any]:
+            value = getattr(self, kind).get(name, {})
+            return value if isinstance(value, dict) else {}
+
+        return OutputCollection(*(get(kind) for kind in KINDS))
+
+    def materialize(self) -> "OutputCollection":
+        """Return a collection with every `IterationSummaries` expanded into children.
+
+        The result has AXLearn's layout (`summaries["iter3"]["loss"]`). Inside `jax.jit`
+        this slices every summary of every iteration; prefer `flatten` and `child`.
+        """
+        return OutputCollection(
+            _materialize(self.summaries), self.state_updates, self.module_outputs
+        )
+
+    def flatten(self, kind: Kind, sep: str = "/") -> dict[str, Any]:
+        """Return `{path: leaf}` for one kind, with `sep`-joined paths.
+
+        Per-iteration summaries appear as `iter{i}/name` paths with their own values.
+        Empty mappings do not appear. `Summary` leaves are returned as they are.
+
+        Raises:
+            ValueError: if `kind` is not one of the three kinds.
+        """
+        if kind not in KINDS:
+            raise ValueError(f"`flatten`: kind must be one of {KINDS}, got {kind!r}.")
+        tree = getattr(self, kind)
+        return dict(_flatten(tree, "", sep))
+
+    def prune(self, drop: Callable[[str], bool]) -> "OutputCollection":
+        """Return a collection without the entries for which `drop(path)` is True.
+
+        Follows AXLearn's `prune_tree` over `{"summaries": ..., "state_updates": ...,
+        "module_outputs": ...}`: `drop` is called bottom-up on every mapping entry with
+        "/"-joined paths such as `"summaries/iter/loss"`, and on the kind roots
+        (`"summaries"`), whose dropping empties that kind. Per-iteration summaries are
+        materialized first so that their paths are `"summaries/iter3/loss"`.
+        """
+        tree = {
+            "summaries": _materialize(self.summaries),
+            "state_updates": self.state_updates,
+            "module_outputs": self.module_outputs,
+        }
+        pruned = _prune(tree, drop, "")
+        return OutputCollection(*(pruned.get(kind, {}) for kind in KINDS))
+
+    def is_empty(self) -> bool:
+        """Return whether no kind has any leaf (empty children do not count)."""
+        return not any(self.flatten(kind) for kind in KINDS)
+
+
+def _materialize(tree: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, IterationSummaries):
+            out[key] = {}
+            for i in range(value.length):
+                out[f"{key}{i}"] = _materialize(value.iteration(i))
+        elif isinstance(value, dict):
+            out[key] = _materialize(value)
+        else:
+            out[key] = value
+    return out
+
+
+def _flatten(tree: dict[str, Any], prefix: str, sep: str) -> Iterator[tuple[str, Any]]:
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, IterationSummaries):
+            for i in range(value.length):
+                yield from _flatten(value.iteration(i), f"{path}{i}{sep}", sep)
+        elif isinstance(value, dict):
+            yield from _flatten(value, f"{path}{sep}", sep)
+        else:
+            yield path, value
+
+
+def _prune(tree: dict[str, Any], drop: Callable[[str], bool], prefix: str) -> Any:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        path = f"{prefix}/{key}" if prefix else key
+        if isinstance(value, dict):
+            value = _prune(value, drop, path)
+        if not drop(path):
+            out[key] = value
+    return out

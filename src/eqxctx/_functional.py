@@ -1,0 +1,64 @@
+"""functional: run a context-taking function from a fresh root context."""
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from ._collection import KINDS, OutputCollection
+from ._context import Context, check_returns_context
+
+
+R = TypeVar("R")
+
+
+def functional(
+    fn: Callable[..., tuple[R, Context]],
+    *,
+    prng_key: Any,
+    is_training: bool,
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    drop_output_collections: Sequence[str] = ("module_outputs",),
+) -> tuple[R, OutputCollection]:
+    """Run `fn(*args, ctx, **kwargs)` in a new root context; return its outputs.
+
+    Follows AXLearn's `functional` (`axlearn/common/module.py`): the root context gets
+    `prng_key` and `is_training`, and the returned collection has the kinds named in
+    `drop_output_collections` emptied. Nothing is global: concurrent calls (threads)
+    are independent.
+
+    Args:
+        fn: called as `fn(*args, ctx, **kwargs) -> (outputs, ctx)`.
+        prng_key: the root key (raw `uint32[2]` or typed), or None.
+        is_training: training mode of the root context (static).
+        args: positional arguments before the context.
+        kwargs: keyword arguments (not mutated).
+        drop_output_collections: kinds to empty in the returned collection, among
+            `"summaries"`, `"state_updates"`, `"module_outputs"`.
+
+    Returns:
+        `(outputs, collection)`.
+
+    Raises:
+        ValueError: for an unknown kind in `drop_output_collections`.
+        TypeError: if `fn` does not return `(outputs, Context)`.
+
+    Examples:
+        >>> def f(x, ctx):
+        ...     return x + 1, ctx.add_summary("x", x)
+        >>> out, coll = functional(f, prng_key=None, is_training=False, args=(1,))
+        >>> out, coll.flatten("summaries")
+        (2, {'x': 1})
+    """
+    drop = tuple(drop_output_collections)
+    for kind in drop:
+        if kind not in KINDS:
+            raise ValueError(
+                f"`functional(drop_output_collections=...)`: unknown kind {kind!r}; "
+                f"expected some of {KINDS}."
+            )
+    ctx = Context.root(prng_key=prng_key, is_training=is_training)
+    result = fn(*args, ctx, **(kwargs or {}))
+    outputs, out_ctx = check_returns_context(result, "`functional(fn)`: fn")
+    coll = out_ctx.collection
+    fields = {kind: {} if kind in drop else getattr(coll, kind) for kind in KINDS}
+    return outputs, OutputCollection(**fields)
