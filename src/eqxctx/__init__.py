@@ -4,9 +4,16 @@ from ._collection import (
     IterationSummaries as IterationSummaries,
     OutputCollection as OutputCollection,
 )
+from ._combinators import (
+    scan_in_context as scan_in_context,
+    vmap_in_context as vmap_in_context,
+)
 from ._context import Context as Context
 from ._errors import OutputConflictError as OutputConflictError
 from ._functional import functional as functional
+from ._repeat import (
+    propagate_repeated_output_collections as propagate_repeated_output_collections,
+)
 from ._summary import (
     AudioSummary as AudioSummary,
     CallbackSummary as CallbackSummary,

@@ -65,11 +65,9 @@ class IterationSummaries(eqx.Module):
         """
         if not 0 <= i < self.length:
             raise IndexError(f"iteration {i} out of range for {self.length} iterations")
-        return jax.tree_util.tree_map(
-            lambda x: x[i],
-            self.stacked,
-            is_leaf=lambda x: isinstance(x, IterationSummaries),
-        )
+        # A nested `IterationSummaries` (a scan inside a scan) is a PyTree with a
+        # static length: slicing its leaves on the outer axis keeps it intact.
+        return jax.tree_util.tree_map(lambda x: x[i], self.stacked)
 
 
 def _copy_tree(tree: Any, path: str) -> dict[str, Any]:

@@ -1,0 +1,390 @@
+"""scan_in_context and vmap_in_context: `jax.lax.scan` / `jax.vmap` with contexts.
+
+Follows AXLearn's `scan_in_context` (`axlearn/common/module.py`) with the differences
+listed in `docs/differences.md`.
+"""
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ._collection import OutputCollection, validate_child_name
+from ._context import Context, fold_in_name
+from ._repeat import accumulate_trees, accumulator_shape, assemble, cast_like
+from ._repeat import propagate_repeated_output_collections as propagate
+from ._typing import Carry, X, Y
+
+
+_PER_ITERATION_KEYS = ("prng_key",)
+
+
+def _leaves_with_names(tree: Any, root: str) -> list[tuple[str, Any]]:
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    return [(f"{root}{jax.tree_util.keystr(path)}", leaf) for path, leaf in leaves]
+
+
+def _scan_length(xs: Any, per_iteration: Mapping[str, Any], length: int | None) -> int:
+    """Return N, checking every leading axis before anything is traced."""
+    where = "`scan_in_context`"
+    if length is not None and (
+        isinstance(length, bool) or not isinstance(length, int) or length < 0
+    ):
+        raise ValueError(f"{where}: length must be a non-negative int, got {length!r}.")
+    leaves = _leaves_with_names(xs, "xs") + _leaves_with_names(
+        dict(per_iteration), "per_iteration"
+    )
+    sizes: list[tuple[str, tuple[int, ...]]] = []
+    for name, leaf in leaves:
+        shape = tuple(jnp.shape(leaf))
+        if not shape:
+            raise ValueError(
+                f"{where}: {name} has shape (); every leaf of `xs` and "
+                "`per_iteration` needs a leading axis N (the iterations)."
+            )
+        sizes.append((name, shape))
+    distinct = {shape[0] for _, shape in sizes}
+    if length is not None:
+        distinct.add(length)
+    if len(distinct) > 1:
+        listing = ", ".join(f"{name} {shape}" for name, shape in sizes)
+        extra = f" and length={length}" if length is not None else ""
+        raise ValueError(
+            f"{where}: the leading axes of `xs` and `per_iteration` must all equal N, "
+            f"but they disagree: {listing}{extra}. Give every leaf the same leading "
+            "axis (one entry per iteration)."
+        )
+    if not distinct:
+        raise ValueError(
+            f"{where}: cannot tell the number of iterations: `xs` has no array leaf "
+            "and `length` is None. Pass `length=N` (with `xs=None`) or non-empty `xs`."
+        )
+    return distinct.pop()
+
+
+def _check_per_iteration(per_iteration: Mapping[str, Any] | None) -> dict[str, Any]:
+    if per_iteration is None:
+        return {}
+    if not isinstance(per_iteration, Mapping):
+        raise ValueError(
+            "`scan_in_context(per_iteration=...)`: expected a mapping such as "
+            f"{{'prng_key': keys}}, got {type(per_iteration).__name__}."
+        )
+    unknown = sorted(set(per_iteration) - set(_PER_ITERATION_KEYS))
+    if unknown:
+        raise ValueError(
+            f"`scan_in_context(per_iteration=...)`: unknown keys {unknown}; only "
+            f"{list(_PER_ITERATION_KEYS)} can be overridden per iteration."
+        )
+    return dict(per_iteration)
+
+
+def _check_remat(remat_kwargs: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    if remat_kwargs is None:
+        return None
+    kwargs = {"prevent_cse": False, **remat_kwargs}  # a copy: never mutate the caller's
+    if kwargs["prevent_cse"]:
+        raise ValueError(
+            "`scan_in_context(remat_kwargs=...)`: prevent_cse=True is not supported: "
+            "inside `jax.lax.scan` it only adds cost (see the `jax.checkpoint` docs). "
+            "Leave it unset or pass prevent_cse=False."
+        )
+    return kwargs
+
+
+def _run_body(
+    fn: Callable[..., tuple[Any, ...]], args: tuple[Any, ...], what: str, arity: int
+) -> tuple[Any, ...]:
+    result = fn(*args)
+    if (
+        not isinstance(result, tuple)
+        or len(result) != arity
+        or not isinstance(result[-1], Context)
+    ):
+        shape = "(carry, y, ctx)" if arity == 3 else "(y, ctx)"
+        raise TypeError(
+            f"{what}: fn must return `{shape}` with the context last, got "
+            f"{type(result).__name__}. Return the context you were given, after adding "
+            "outputs to it."
+        )
+    return result
+
+
+def scan_in_context(
+    fn: Callable[[Carry, X, Context], tuple[Carry, Y, Context]],
+    *,
+    context: Context,
+    carry: Carry,
+    xs: X,
+    length: int | None = None,
+    reverse: bool = False,
+    per_iteration: Mapping[str, Any] | None = None,
+    split_prng_key: bool = True,
+    drop_output: Callable[[str], bool] | None = None,
+    child_name_prefix: str = "iter",
+    unroll: int | bool = 1,
+    remat_kwargs: Mapping[str, Any] | None = None,
+    merge_summaries: bool = False,
+) -> tuple[Carry, Y, OutputCollection]:
+    """Run `fn` over the leading axis of `xs` with `jax.lax.scan`, collecting outputs.
+
+    Iteration i calls `fn(carry, xs[i], ctx_i) -> (carry, y_i, ctx_i)` in a fresh
+    context `ctx_i` (path `(*context.path, child_name_prefix)`, `context`'s training
+    flag, an empty collection). The returned collection is the scan's own; merge it
+    into the caller's context with `ctx.merge(collection)`:
+
+    - child `{prefix}` holds module outputs and state updates stacked `[N, ...]`;
+    - child `{prefix}{i}` holds iteration i's summaries (i is the `xs` index, also
+      under `reverse=True`). They are kept stacked in one `IterationSummaries` entry,
+      so the compiled program returns one array per summary name, not N;
+      `collection.flatten("summaries")`, `collection.child("iter3")` and the writers
+      give per-iteration views;
+    - with `merge_summaries=True`, summaries are instead accumulated across
+      iterations into child `{prefix}` (`Summary.accumulate`, `+` for raw arrays, so a
+      mean should be a `WeightedSummary`), in execution order, inside the loop: the
+      memory does not grow with N. N == 0 gives no summaries, N == 1 no accumulation.
+
+    Keys: with `child_key = fold_in(context.prng_key, seed(child_name_prefix))`
+    (AXLearn's child seed), iteration i gets `jax.random.fold_in(child_key, i)`, or
+    `child_key` itself when `split_prng_key=False`, or `per_iteration["prng_key"][i]`.
+    A key-less context gives key-less iterations.
+
+    Args:
+        fn: the body, `fn(carry, x_i, ctx_i) -> (carry, y_i, ctx_i)`; traced once.
+        context: the calling context (its key, path and training flag are used; its
+            collection is not).
+        carry: the initial carry, any PyTree (traced).
+        xs: a PyTree whose leaves have a leading axis N, or None with `length`.
+        length: N, static; optional when `xs` has leaves (then it must agree).
+        reverse: run from the last index to the first, as `jax.lax.scan`.
+        per_iteration: context overrides with leading axis N; only `"prng_key"`
+            (raw `uint32[N, 2]` or typed `key[N]`).
+        split_prng_key: give iterations distinct keys (True) or `child_key` (False).
+        drop_output: `drop_output(path) -> bool` prunes each iteration's collection
+            before stacking (paths such as `"summaries"`, `"summaries/loss"`,
+            `"module_outputs/h"`; see `OutputCollection.prune`).
+        child_name_prefix: the children's prefix, matching `^[a-z][a-z0-9_]*$`.
+        unroll: passed to `jax.lax.scan` (int, or bool for full/no unrolling).
+        remat_kwargs: if not None, the body is wrapped in
+            `jax.checkpoint(body, **remat_kwargs)` with `prevent_cse=False` unless
+            given; the mapping is not mutated.
+        merge_summaries: accumulate summaries instead of per-iteration children.
+
+    Returns:
+        `(carry, ys, collection)`: the final carry, the `y_i` stacked `[N, ...]`, and
+        the scan's collection laid out as above.
+
+    Raises:
+        ValueError: before tracing `fn`: leading axes of `xs` / `per_iteration` leaves
+            (or `length`) that disagree (the message names the leaves and shapes), no
+            `xs` leaves and no `length`, an invalid prefix, unknown `per_iteration`
+            keys, `remat_kwargs` with `prevent_cse=True`.
+        TypeError: at trace time, if `fn` does not return `(carry, y, ctx)`.
+        OutputConflictError: from `ctx.merge(collection)`, if the prefix's children
+            collide with names already in the caller's collection.
+
+    References:
+        AXLearn's `scan_in_context`; `jax.lax.scan` and `jax.checkpoint`.
+
+    Examples:
+        >>> def body(c, x, ctx):
+        ...     return c + x, c, ctx.add_summary("x", x)
+        >>> ctx = Context.root()
+        >>> c, ys, coll = scan_in_context(body, context=ctx, carry=0.0, xs=jnp.ones(3))
+        >>> float(c), sorted(coll.flatten("summaries"))
+        (3.0, ['iter0/x', 'iter1/x', 'iter2/x'])
+    """
+    prefix = validate_child_name(
+        child_name_prefix, where="scan_in_context(child_name_prefix=...)"
+    )
+    overrides = _check_per_iteration(per_iteration)
+    n = _scan_length(xs, overrides, length)
+    remat = _check_remat(remat_kwargs)
+    child_key = fold_in_name(context.prng_key, prefix)
+    if "prng_key" in overrides:
+        keys: Any = overrides["prng_key"]
+    elif child_key is not None and split_prng_key:
+        keys = jnp.arange(n, dtype=jnp.uint32)  # folded in inside the body
+    else:
+        keys = None
+
+    def one_iteration(c: Any, x: Any, k: Any) -> tuple[Any, Any, OutputCollection]:
+        if "prng_key" in overrides:
+            key = k
+        elif keys is not None:
+            key = jax.random.fold_in(child_key, k)
+        else:
+            key = child_key
+        ctx_i = context.child(prefix, prng_key=key)
+        c, y, ctx_i = _run_body(fn, (c, x, ctx_i), "`scan_in_context`", 3)
+        coll = ctx_i.collection
+        if drop_output is not None:
+            coll = coll.prune(drop_output)
+        return c, y, coll
+
+    merge = merge_summaries and n >= 2
+    if merge:
+        x0 = jax.tree_util.tree_map(
+            lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), xs
+        )
+        k0 = None if keys is None else jax.ShapeDtypeStruct(keys.shape[1:], keys.dtype)
+        shapes = jax.eval_shape(one_iteration, carry, x0, k0)
+        like = accumulator_shape(shapes[2].summaries)
+        init: Any = (
+            carry,
+            jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), like),
+            jnp.array(True),
+        )
+    else:
+        like = None
+        init = carry
+
+    def body(state: Any, inputs: tuple[Any, Any]) -> tuple[Any, Any]:
+        x, k = inputs
+        if not merge:
+            c, y, coll = one_iteration(state, x, k)
+            return c, (y, coll)
+        c, acc, first = state
+        c, y, coll = one_iteration(c, x, k)
+        new = cast_like(coll.summaries, like)
+        summed = cast_like(accumulate_trees(acc, new), like)
+        acc = jax.tree_util.tree_map(lambda a, b: jnp.where(first, a, b), new, summed)
+        coll = OutputCollection({}, coll.state_updates, coll.module_outputs)
+        return (c, acc, jnp.array(False)), (y, coll)
+
+    if remat is not None:
+        body = jax.checkpoint(body, **remat)
+    with jax.named_scope(prefix):
+        state, (ys, stacked) = jax.lax.scan(
+            body, init, (xs, keys), length=n, reverse=reverse, unroll=unroll
+        )
+    if merge:
+        carry_out, merged, _ = state
+    else:
+        carry_out = state
+        merged = (
+            jax.tree_util.tree_map(lambda a: a[0], stacked.summaries)
+            if merge_summaries and n == 1
+            else ({} if merge_summaries else None)
+        )
+    return (
+        carry_out,
+        ys,
+        assemble(stacked, prefix=prefix, length=n, merged_summaries=merged),
+    )
+
+
+def _vmap_length(xs: Any, in_axes: Any) -> int:
+    where = "`vmap_in_context`"
+    try:
+        axes = jax.tree_util.tree_map(
+            lambda ax, sub: jax.tree_util.tree_map(lambda _: ax, sub),
+            in_axes,
+            xs,
+            is_leaf=lambda a: a is None,
+        )
+    except ValueError as e:
+        raise ValueError(
+            f"{where}: `in_axes` must be a prefix of the structure of `xs` (as in "
+            f"`jax.vmap`): {e}"
+        ) from None
+    sizes: list[tuple[str, int, tuple[int, ...]]] = []
+    flat_axes = jax.tree_util.tree_leaves(axes, is_leaf=lambda a: a is None)
+    for (name, leaf), ax in zip(_leaves_with_names(xs, "xs"), flat_axes, strict=True):
+        if ax is None:
+            continue
+        shape = tuple(jnp.shape(leaf))
+        if not -len(shape) <= ax < len(shape):
+            raise ValueError(
+                f"{where}: in_axes {ax} is out of range for {name} with shape {shape}."
+            )
+        sizes.append((name, shape[ax], shape))
+    distinct = {size for _, size, _ in sizes}
+    if len(distinct) > 1:
+        listing = ", ".join(f"{name} {shape}" for name, _, shape in sizes)
+        raise ValueError(
+            f"{where}: the mapped axes of `xs` must all have the same size, but they "
+            f"disagree: {listing}."
+        )
+    if not distinct:
+        raise ValueError(
+            f"{where}: no leaf of `xs` is mapped (all `in_axes` are None or `xs` has "
+            "no array leaf); there must be at least one mapped axis."
+        )
+    return distinct.pop()
+
+
+def vmap_in_context(
+    fn: Callable[[X, Context], tuple[Y, Context]],
+    *,
+    context: Context,
+    xs: X,
+    in_axes: Any = 0,
+    split_prng_key: bool = True,
+    drop_output: Callable[[str], bool] | None = None,
+    child_name_prefix: str = "iter",
+    merge_summaries: bool = False,
+) -> tuple[Y, OutputCollection]:
+    """Run `fn` over a mapped axis of `xs` with `jax.vmap`, collecting outputs.
+
+    The contract of `scan_in_context` over `jax.vmap`, for ensembles and Repeat-style
+    code: example i calls `fn(x_i, ctx_i) -> (y_i, ctx_i)` with key
+    `fold_in(child_key, i)` (or `child_key` when `split_prng_key=False`); module
+    outputs and state updates are stacked `[N, ...]` in child `{prefix}`; summaries
+    form per-example children `{prefix}{i}` (kept stacked), or with
+    `merge_summaries=True` are accumulated over the examples in index order into
+    child `{prefix}`.
+
+    Args:
+        fn: the body, `fn(x_i, ctx_i) -> (y_i, ctx_i)`.
+        context: the calling context (key, path and training flag are used).
+        xs: a PyTree of arrays (traced).
+        in_axes: a prefix tree of `xs` of ints or None, as `jax.vmap`'s `in_axes`.
+        split_prng_key: give examples distinct keys (True) or `child_key` (False).
+        drop_output: prunes each example's collection (see `scan_in_context`).
+        child_name_prefix: the children's prefix, matching `^[a-z][a-z0-9_]*$`.
+        merge_summaries: accumulate summaries instead of per-example children.
+
+    Returns:
+        `(ys, collection)`: the `y_i` stacked along a new leading axis N and the
+        collection laid out as described.
+
+    Raises:
+        ValueError: before tracing `fn`: an invalid prefix, `in_axes` that is not a
+            prefix of `xs` or out of range, mapped axes of different sizes (named),
+            or no mapped axis.
+        TypeError: at trace time, if `fn` does not return `(y, ctx)`.
+
+    References:
+        `jax.vmap`; AXLearn's `propagate_repeated_output_collections`.
+
+    Examples:
+        >>> def f(x, ctx):
+        ...     return 2 * x, ctx.add_summary("x", x)
+        >>> ys, coll = vmap_in_context(f, context=Context.root(), xs=jnp.arange(2.0))
+        >>> sorted(coll.flatten("summaries"))
+        ['iter0/x', 'iter1/x']
+    """
+    prefix = validate_child_name(
+        child_name_prefix, where="vmap_in_context(child_name_prefix=...)"
+    )
+    n = _vmap_length(xs, in_axes)
+    child_key = fold_in_name(context.prng_key, prefix)
+    split = child_key is not None and split_prng_key
+
+    def body(x: Any, i: Any) -> tuple[Any, OutputCollection]:
+        key = jax.random.fold_in(child_key, i) if split else child_key
+        ctx_i = context.child(prefix, prng_key=key)
+        y, ctx_i = _run_body(fn, (x, ctx_i), "`vmap_in_context`", 2)
+        coll = ctx_i.collection
+        if drop_output is not None:
+            coll = coll.prune(drop_output)
+        return y, coll
+
+    index = jnp.arange(n, dtype=jnp.uint32)
+    with jax.named_scope(prefix):
+        ys, stacked = jax.vmap(body, in_axes=(in_axes, 0), axis_size=n)(xs, index)
+    return ys, propagate(
+        stacked, child_name_prefix=prefix, merge_summaries=merge_summaries, length=n
+    )
