@@ -17,6 +17,11 @@ from ._summary import Summary, is_array_leaf
 
 Kind: TypeAlias = Literal["summaries", "state_updates", "module_outputs"]
 KINDS: Final[tuple[Kind, Kind, Kind]] = ("summaries", "state_updates", "module_outputs")
+ADDERS: Final[dict[str, str]] = {
+    "summaries": "add_summary",
+    "state_updates": "add_state_update",
+    "module_outputs": "add_module_output",
+}
 _CHILD_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
@@ -162,7 +167,7 @@ class OutputCollection(eqx.Module):
         return set().union(*(self._leaf_names(kind) for kind in KINDS))
 
     def _add_leaf(self, kind: Kind, name: str, value: Any) -> "OutputCollection":
-        where = f"add_{kind.rstrip('s')}"
+        where = ADDERS[kind]
         _validate_leaf_name(name, where=where)
         check_leaf(value, f"{kind}/{name}")
         if isinstance(value, Summary):

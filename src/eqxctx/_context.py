@@ -14,6 +14,7 @@ import jax
 
 from ._collection import OutputCollection, validate_child_name
 from ._errors import CALL_TWICE_HINT, PREFIX_HINT, OutputConflictError
+from ._typing import PRNGKey
 
 
 class _Unset:
@@ -29,8 +30,12 @@ def child_seed(name: str) -> int:
     return int(hashlib.md5(name.encode("utf-8")).hexdigest(), 16) % (2**31 - 1)
 
 
-def fold_in_name(prng_key: Any, name: str) -> Any:
-    """Return `jax.random.fold_in(prng_key, child_seed(name))`, or None for None."""
+def fold_in_name(prng_key: PRNGKey | None, name: str) -> PRNGKey | None:
+    """Return `jax.random.fold_in(prng_key, child_seed(name))`, or None for None.
+
+    `prng_key` is a raw `uint32[2]` key or a typed key; other dtypes are rejected by
+    the runtime shape checks in the test suite (jaxtyping).
+    """
     if prng_key is None:
         return None
     return jax.random.fold_in(prng_key, child_seed(name))

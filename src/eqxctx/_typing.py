@@ -13,7 +13,7 @@ R = TypeVar("R")
 
 #: A PRNG key: a raw `uint32[2]` key (`jax.random.PRNGKey`) or a typed key
 #: (`jax.random.key`).
-PRNGKey: TypeAlias = Key[Array, ""] | UInt32[Array, "2"]
+PRNGKey: TypeAlias = Key[Array, ""] | UInt32[Array, "2"] | UInt32[np.ndarray, "2"]
 
 #: A nested mapping of names to leaves or nested mappings.
 Nested: TypeAlias = dict[str, Any]

@@ -1,0 +1,410 @@
+import contextlib
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jaxtyping
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from eqxctx import (
+    IterationSummaries,
+    MaxSummary,
+    OutputCollection,
+    OutputConflictError,
+    SumSummary,
+    WeightedSummary,
+)
+from eqxctx.testing import (
+    array_leaves,
+    assert_collections_equal,
+    child_names,
+    leaf_names,
+    output_collections,
+)
+
+
+KINDS = ("summaries", "state_updates", "module_outputs")
+
+
+def snapshot(coll: OutputCollection) -> Any:
+    """A deep copy of the three mappings, arrays as NumPy (for before/after checks)."""
+
+    def conv(tree: Any) -> Any:
+        if isinstance(tree, dict):
+            return {k: conv(v) for k, v in tree.items()}
+        return [np.array(x) for x in jax.tree_util.tree_leaves(tree)]
+
+    return copy.deepcopy({k: conv(getattr(coll, k)) for k in KINDS})
+
+
+def same_snapshot(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return (
+            isinstance(b, dict)
+            and a.keys() == b.keys()
+            and all(same_snapshot(a[k], b[k]) for k in a)
+        )
+    return len(a) == len(b) and all(
+        x.shape == y.shape and np.array_equal(x, y) for x, y in zip(a, b, strict=True)
+    )
+
+
+def reference_prune(tree: Any, drop: Callable[[str], bool], prefix: str = "") -> Any:
+    """AXLearn's prune_tree, written independently (recursive over dicts)."""
+    if not isinstance(tree, dict):
+        return tree
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        path = f"{prefix}/{k}" if prefix else k
+        v = reference_prune(v, drop, path)
+        if not drop(path):
+            out[k] = v
+    return out
+
+
+def reference_flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(reference_flatten(v, f"{prefix}{k}/"))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for path, value in flat.items():
+        *parents, leaf = path.split("/")
+        node: dict[str, Any] = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+# -- examples ----------------------------------------------------------------------
+
+
+def test_add_and_flatten_nested() -> None:
+    child = OutputCollection.empty().add_summary("acc", 0.5).add_module_output("h", 2)
+    coll = OutputCollection.empty().add_summary("loss", 1.0).add_child("enc", child)
+    assert coll.flatten("summaries") == {"loss": 1.0, "enc/acc": 0.5}
+    assert coll.flatten("module_outputs") == {"enc/h": 2}
+    assert coll.flatten("state_updates") == {}
+    assert coll.flatten("summaries", sep=".") == {"loss": 1.0, "enc.acc": 0.5}
+    assert coll.child("enc").flatten("summaries") == {"acc": 0.5}
+
+
+def test_same_name_in_different_kinds_is_allowed() -> None:
+    coll = (
+        OutputCollection.empty()
+        .add_summary("x", 1.0)
+        .add_state_update("x", 2.0)
+        .add_module_output("x", 3.0)
+    )
+    assert [coll.flatten(k) for k in KINDS] == [{"x": 1.0}, {"x": 2.0}, {"x": 3.0}]
+
+
+def test_empty_child_is_recorded() -> None:
+    coll = OutputCollection.empty().add_child("a", OutputCollection.empty())
+    assert coll.child_names() == {"a"}
+    assert coll.flatten("summaries") == {}
+    with pytest.raises(OutputConflictError, match="'a'"):
+        coll.add_child("a", OutputCollection.empty())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_duplicate_leaf_raises_naming_path(kind: str) -> None:
+    adder = {
+        "summaries": "add_summary",
+        "state_updates": "add_state_update",
+        "module_outputs": "add_module_output",
+    }[kind]
+    coll = getattr(OutputCollection.empty(), adder)("loss", 1.0)
+    with pytest.raises(OutputConflictError, match=f"{kind}/loss"):
+        getattr(coll, adder)("loss", 2.0)
+
+
+def test_leaf_name_equal_to_child_name_raises() -> None:
+    coll = OutputCollection.empty().add_child("enc", OutputCollection.empty())
+    with pytest.raises(OutputConflictError, match="enc"):
+        coll.add_summary("enc", 1.0)
+    coll = OutputCollection.empty().add_module_output("enc", 1.0)
+    with pytest.raises(OutputConflictError, match="enc"):
+        coll.add_child("enc", OutputCollection.empty())
+
+
+@pytest.mark.parametrize("name", ["", "a/b"])
+def test_bad_leaf_name(name: str) -> None:
+    with pytest.raises(ValueError, match="invalid name"):
+        OutputCollection.empty().add_summary(name, 1.0)
+
+
+@pytest.mark.parametrize("name", ["Enc", "1a", "a-b", "", "_a", "a b"])
+def test_bad_child_name(name: str) -> None:
+    with pytest.raises(ValueError, match=r"invalid child name .*\^\[a-z\]"):
+        OutputCollection.empty().add_child(name, OutputCollection.empty())
+
+
+@pytest.mark.parametrize("value", ["text", None, [1.0], {"a": 1.0}, object()])
+def test_bad_leaf_type_names_path(value: Any) -> None:
+    with pytest.raises(TypeError, match="module_outputs/h"):
+        OutputCollection.empty().add_module_output("h", value)
+
+
+def test_bad_leaf_in_constructor_names_path() -> None:
+    with pytest.raises(TypeError, match="summaries/enc/x"):
+        OutputCollection({"enc": {"x": "oops"}}, {}, {})
+
+
+def test_constructor_copies_caller_dicts() -> None:
+    inner = {"x": 1.0}
+    outer: dict[str, Any] = {"enc": inner}
+    coll = OutputCollection(outer, {}, {})
+    inner["y"] = 2.0
+    outer["z"] = 3.0
+    assert coll.flatten("summaries") == {"enc/x": 1.0}
+
+
+def test_summary_validate_at_add_time() -> None:
+    from eqxctx import AudioSummary, ImageSummary
+
+    with pytest.raises(ValueError, match="rank 2"):
+        OutputCollection.empty().add_summary("img", ImageSummary(jnp.zeros((4, 4))))
+    with pytest.raises(ValueError, match="2 channels"):
+        OutputCollection.empty().add_summary(
+            "img", ImageSummary(jnp.zeros((1, 4, 4, 2)))
+        )
+    with pytest.raises(ValueError, match="rank 3"):
+        OutputCollection.empty().add_summary("a", AudioSummary(jnp.zeros((1, 2, 3))))
+    with pytest.raises(ValueError, match="weight has shape"):
+        OutputCollection.empty().add_summary(
+            "w", WeightedSummary(jnp.zeros(()), jnp.ones(3))
+        )
+
+
+def test_merge_conflicts_name_path() -> None:
+    a = OutputCollection.empty().add_summary("loss", 1.0)
+    b = OutputCollection.empty().add_summary("loss", 2.0)
+    with pytest.raises(OutputConflictError, match="summaries/loss"):
+        a.merge(b)
+    c = OutputCollection.empty().add_child("enc", OutputCollection.empty())
+    with pytest.raises(OutputConflictError, match="child 'enc'"):
+        c.merge(c)
+    d = OutputCollection.empty().add_module_output("enc", 1.0)
+    with pytest.raises(OutputConflictError, match="'enc' is a child in one"):
+        c.merge(d)
+    with pytest.raises(OutputConflictError, match="'enc' is a child in one"):
+        d.merge(c)
+
+
+def test_merge_never_merges_children_recursively() -> None:
+    a = OutputCollection.empty().add_child(
+        "enc", OutputCollection.empty().add_summary("x", 1.0)
+    )
+    b = OutputCollection.empty().add_child(
+        "enc", OutputCollection.empty().add_summary("y", 1.0)
+    )
+    with pytest.raises(OutputConflictError, match="enc"):
+        a.merge(b)
+
+
+def test_prune_examples() -> None:
+    child = OutputCollection.empty().add_summary("acc", 0.5).add_module_output("h", 2)
+    coll = (
+        OutputCollection.empty()
+        .add_summary("loss", 1.0)
+        .add_child("enc", child)
+        .add_module_output("x", 3)
+    )
+    seen: list[str] = []
+
+    def drop(path: str) -> bool:
+        seen.append(path)
+        return path in ("summaries/enc/acc", "module_outputs")
+
+    pruned = coll.prune(drop)
+    assert pruned.flatten("summaries") == {"loss": 1.0}
+    assert pruned.flatten("module_outputs") == {}
+    assert pruned.child_names() == {"enc"}
+    # Bottom-up, on every mapping entry and on the kind roots.
+    assert seen.index("summaries/enc/acc") < seen.index("summaries/enc")
+    assert seen.index("summaries/enc") < seen.index("summaries")
+    assert "module_outputs/enc/h" in seen
+    assert "state_updates" in seen
+    # The input is unchanged.
+    assert coll.flatten("module_outputs") == {"enc/h": 2, "x": 3}
+
+
+def test_child_missing_lists_children() -> None:
+    coll = OutputCollection.empty().add_child("enc", OutputCollection.empty())
+    with pytest.raises(KeyError, match="enc"):
+        coll.child("dec")
+
+
+def test_flatten_bad_kind() -> None:
+    # Without the runtime type-checking hook the library raises ValueError itself.
+    with pytest.raises((ValueError, jaxtyping.TypeCheckError), match="metrics"):
+        OutputCollection.empty().flatten("metrics")  # pyright: ignore[reportArgumentType]
+
+
+# -- per-iteration summaries ---------------------------------------------------------
+
+
+def iteration_collection() -> OutputCollection:
+    stacked = {"loss": jnp.arange(3.0), "enc": {"m": MaxSummary(jnp.arange(3.0) * 2)}}
+    return OutputCollection(
+        {"iter": IterationSummaries(3, stacked)},
+        {"iter": {}},
+        {"iter": {"h": jnp.ones((3, 2))}},
+    )
+
+
+def test_iteration_summaries_views() -> None:
+    coll = iteration_collection()
+    flat = coll.flatten("summaries")
+    assert sorted(flat) == [f"iter{i}/{n}" for i in range(3) for n in ("enc/m", "loss")]
+    for i in range(3):
+        assert float(flat[f"iter{i}/loss"]) == i
+        assert float(flat[f"iter{i}/enc/m"].value()) == 2 * i
+    one = coll.child("iter1")
+    assert float(one.flatten("summaries")["loss"]) == 1.0
+    assert coll.child("iter").flatten("module_outputs")["h"].shape == (3, 2)
+    assert coll.child("iter").flatten("summaries") == {}
+    mat = coll.materialize()
+    assert set(mat.summaries) == {"iter", "iter0", "iter1", "iter2"}
+    assert float(mat.summaries["iter2"]["enc"]["m"].value()) == 4.0
+    assert_collections_equal(mat, coll)
+
+
+def test_iteration_names_are_reserved() -> None:
+    coll = iteration_collection()
+    assert coll.child_names() == {"iter", "iter0", "iter1", "iter2"}
+    with pytest.raises(OutputConflictError, match="iter2"):
+        coll.add_child("iter2", OutputCollection.empty())
+    with pytest.raises(OutputConflictError, match="iter0"):
+        coll.add_summary("iter0", 1.0)
+    other = OutputCollection.empty().add_child("iter1", OutputCollection.empty())
+    with pytest.raises(OutputConflictError, match="child_name_prefix"):
+        coll.merge(other)
+    assert coll.add_child("iter3", OutputCollection.empty()).child_names() >= {"iter3"}
+
+
+def test_prune_sees_iteration_paths() -> None:
+    pruned = iteration_collection().prune(lambda p: p == "summaries/iter1/loss")
+    assert "iter1/loss" not in pruned.flatten("summaries")
+    assert "iter0/loss" in pruned.flatten("summaries")
+
+
+def test_iteration_collection_through_jit() -> None:
+    coll = jax.jit(lambda c: c)(iteration_collection())
+    assert_collections_equal(coll, iteration_collection())
+    assert isinstance(coll.summaries["iter"], IterationSummaries)
+    assert coll.summaries["iter"].length == 3
+
+
+# -- properties ----------------------------------------------------------------------
+
+
+@given(output_collections(), output_collections(), st.data())
+def test_no_operation_mutates_its_inputs(
+    a: OutputCollection, b: OutputCollection, data: st.DataObject
+) -> None:
+    before_a, before_b = snapshot(a), snapshot(b)
+    name = data.draw(leaf_names())
+    child = data.draw(child_names())
+    value = data.draw(array_leaves())
+    for op in (
+        lambda: a.add_summary(name, value),
+        lambda: a.add_state_update(name, value),
+        lambda: a.add_module_output(name, value),
+        lambda: a.add_child(child, b),
+        lambda: a.merge(b),
+        lambda: a.prune(lambda p: len(p) % 2 == 0),
+        lambda: a.flatten("summaries"),
+        lambda: a.materialize(),
+    ):
+        with contextlib.suppress(OutputConflictError, ValueError):
+            op()
+        assert same_snapshot(snapshot(a), before_a)
+        assert same_snapshot(snapshot(b), before_b)
+
+
+def prefixed(coll: OutputCollection, prefix: str) -> OutputCollection:
+    """Rename every top-level entry of `coll` so that collections are disjoint."""
+    return OutputCollection(
+        *({f"{prefix}{k}": v for k, v in getattr(coll, kind).items()} for kind in KINDS)
+    )
+
+
+@given(output_collections(), output_collections(), output_collections())
+def test_merge_is_associative_on_disjoint(
+    a: OutputCollection, b: OutputCollection, c: OutputCollection
+) -> None:
+    a, b, c = prefixed(a, "a"), prefixed(b, "b"), prefixed(c, "c")
+    left = a.merge(b).merge(c)
+    right = a.merge(b.merge(c))
+    assert_collections_equal(left, right)
+    for kind in KINDS:
+        assert len(left.flatten(kind)) == sum(len(x.flatten(kind)) for x in (a, b, c))
+
+
+@given(output_collections(max_depth=1), st.data())
+def test_merge_raises_on_any_overlap(a: OutputCollection, data: st.DataObject) -> None:
+    names = sorted(a.child_names() | a.leaf_names())
+    if not names:
+        return
+    name = data.draw(st.sampled_from(names))
+    kind = data.draw(st.sampled_from(KINDS))
+    # `b` holds just `name`: as a leaf of `kind`, or as a child when that is valid.
+    as_child = data.draw(st.booleans()) and name.isidentifier() and name.islower()
+    if as_child and name[0].isalpha():
+        b = OutputCollection.empty().add_child(name, OutputCollection.empty())
+        conflict = True  # every name of `a` conflicts with a child of that name
+    else:
+        b = OutputCollection(*({name: 1.0} if k == kind else {} for k in KINDS))
+        conflict = name in a.child_names() or name in a.flatten(kind)
+    if conflict:
+        with pytest.raises(OutputConflictError) as info:
+            a.merge(b)
+        assert repr(name) in str(info.value)
+    else:
+        assert a.merge(b).flatten(kind)[name] == 1.0
+
+
+@given(output_collections(), st.sets(st.text("ab/", max_size=3), max_size=4), st.data())
+def test_prune_matches_reference(
+    coll: OutputCollection, suffixes: set[str], data: st.DataObject
+) -> None:
+    paths = [f"{k}/{p}" for k in KINDS for p in coll.flatten(k)] + list(KINDS)
+    chosen = (
+        set(data.draw(st.lists(st.sampled_from(paths), max_size=3))) if paths else set()
+    )
+    drop = lambda p: p in chosen or any(p.endswith(s) for s in suffixes if s)
+    tree = {k: getattr(coll, k) for k in KINDS}
+    expected = reference_prune(tree, drop)
+    got = coll.prune(drop)
+    for kind in KINDS:
+        assert (
+            got.flatten(kind).keys() == reference_flatten(expected.get(kind, {})).keys()
+        )
+
+
+@given(output_collections())
+def test_flatten_round_trips(coll: OutputCollection) -> None:
+    flats = [coll.flatten(k) for k in KINDS]
+    rebuilt = OutputCollection(*(unflatten(f) for f in flats))
+    assert_collections_equal(rebuilt, coll)
+    for kind, flat in zip(KINDS, flats, strict=True):
+        assert flat == reference_flatten(getattr(coll, kind))
+
+
+def test_summaries_kinds_in_collections_pass_jit() -> None:
+    coll = OutputCollection.empty().add_summary("s", SumSummary(jnp.ones(2)))
+    out = jax.jit(lambda c: c)(coll)
+    assert_collections_equal(out, coll)

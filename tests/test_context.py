@@ -1,0 +1,280 @@
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jaxtyping
+import numpy as np
+import pytest
+
+from eqxctx import (
+    Context,
+    OutputCollection,
+    OutputConflictError,
+    WeightedSummary,
+    functional,
+)
+from eqxctx.testing import assert_collections_equal
+
+
+# AXLearn's keys, from the issue: PRNGKey(0) -> "encoder" -> "attention".
+ENCODER = [482009463, 3787188805]
+ATTENTION = [814259125, 3632049740]
+
+
+def test_child_keys_match_axlearn() -> None:
+    root = Context.root(prng_key=jax.random.PRNGKey(0))
+    enc = root.child("encoder")
+    att = enc.child("attention")
+    assert np.asarray(enc.prng_key).tolist() == ENCODER
+    assert np.asarray(att.prng_key).tolist() == ATTENTION
+    assert att.path == ("root", "encoder", "attention")
+
+
+def test_typed_keys_give_same_key_data() -> None:
+    root = Context.root(prng_key=jax.random.key(0))
+    att = root.child("encoder").child("attention")
+    assert jnp.issubdtype(att.prng_key.dtype, jax.dtypes.prng_key)
+    assert np.asarray(jax.random.key_data(att.prng_key)).tolist() == ATTENTION
+
+
+def test_keyless_context_stays_keyless() -> None:
+    assert Context.root().child("a").child("b").prng_key is None
+
+
+def test_child_overrides() -> None:
+    root = Context.root(prng_key=jax.random.PRNGKey(0), is_training=True)
+    key = jax.random.PRNGKey(7)
+    child = root.child("a", prng_key=key, is_training=False)
+    assert not child.is_training
+    assert np.array_equal(child.prng_key, key)
+    assert root.child("a").is_training
+
+
+def test_runtime_shape_checks_are_on() -> None:
+    # The test suite runs with jaxtyping's import hook: a float key is refused.
+    with pytest.raises(jaxtyping.TypeCheckError):
+        Context.root(prng_key=jnp.zeros(2, jnp.float32)).child("a")
+
+
+def mlp(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+    y = jnp.tanh(x)
+    ctx = ctx.add_summary("mean", WeightedSummary(jnp.mean(y), 1.0))
+    ctx = ctx.add_module_output("y", y)
+    return y, ctx
+
+
+def model(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+    h, ctx = ctx.call("enc", mlp, x)
+    out, ctx = ctx.call("dec", mlp, h)
+    ctx = ctx.add_summary("loss", jnp.sum(out))
+    return out, ctx
+
+
+def test_call_attaches_child_collections() -> None:
+    x = jnp.arange(3.0)
+    out, ctx = model(x, Context.root())
+    flat = ctx.collection.flatten("summaries")
+    assert sorted(flat) == ["dec/mean", "enc/mean", "loss"]
+    np.testing.assert_allclose(out, jnp.tanh(jnp.tanh(x)))
+    np.testing.assert_allclose(flat["enc/mean"].value(), jnp.mean(jnp.tanh(x)))
+    np.testing.assert_allclose(ctx.collection.flatten("module_outputs")["dec/y"], out)
+
+
+def test_call_passes_child_context_with_derived_key() -> None:
+    seen: list[Context] = []
+
+    def f(x: int, ctx: Context, *, scale: int) -> tuple[int, Context]:
+        seen.append(ctx)
+        return x * scale, ctx
+
+    root = Context.root(prng_key=jax.random.PRNGKey(0))
+    out, _ = root.call("encoder", f, 2, scale=3)
+    assert out == 6
+    assert seen[0].path == ("root", "encoder")
+    assert np.asarray(seen[0].prng_key).tolist() == ENCODER
+
+
+def test_call_twice_raises_with_hint() -> None:
+    ctx = Context.root()
+    _, ctx = ctx.call("enc", lambda c: (None, c))
+    with pytest.raises(OutputConflictError, match=r"'enc'.*scan_in_context"):
+        ctx.call("enc", lambda c: (None, c))
+
+
+def test_call_requires_context_returned() -> None:
+    with pytest.raises(TypeError, match=r"Context.call\('enc', fn\)`: fn must return"):
+        Context.root().call("enc", lambda x, c: x, 1)
+    with pytest.raises(TypeError, match="must return"):
+        Context.root().call("enc", lambda x, c: (x, 1), 1)  # pyright: ignore[reportArgumentType]
+
+
+def test_call_bad_name() -> None:
+    with pytest.raises(ValueError, match="invalid child name 'Enc'"):
+        Context.root().call("Enc", lambda c: (None, c))
+    with pytest.raises(ValueError, match="invalid child name"):
+        Context.root().child("a/b")
+
+
+def test_merge_conflict_names_context_and_prefix_hint() -> None:
+    ctx = Context.root().add_summary("loss", 1.0)
+    other = OutputCollection.empty().add_summary("loss", 2.0)
+    with pytest.raises(OutputConflictError, match=r"'root'.*summaries/loss.*prefix"):
+        ctx.merge(other)
+
+
+def test_context_is_unchanged_by_operations() -> None:
+    ctx = Context.root(prng_key=jax.random.PRNGKey(0))
+    ctx.add_summary("a", 1.0)
+    ctx.call("enc", mlp, jnp.ones(2))
+    ctx.merge(OutputCollection.empty().add_summary("b", 1.0))
+    assert ctx.collection.is_empty()
+    assert ctx.collection.child_names() == set()
+
+
+def loss_fn(w: jax.Array, x: jax.Array, with_summaries: bool) -> jax.Array:
+    def f(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+        y = jnp.tanh(x * w)
+        if with_summaries:
+            ctx = ctx.add_summary("y_mean", jnp.mean(y))
+            ctx = ctx.add_module_output("y", y)
+        return jnp.sum(y**2), ctx
+
+    out, _ = functional(f, prng_key=None, is_training=True, args=(x,))
+    return out
+
+
+def test_grad_unaffected_by_summaries() -> None:
+    w, x = jnp.asarray(0.3), jnp.linspace(-1, 1, 5)
+    g1 = jax.grad(loss_fn)(w, x, True)
+    g2 = jax.grad(loss_fn)(w, x, False)
+    np.testing.assert_allclose(g1, g2, rtol=1e-6)
+    assert float(g1) != 0.0
+
+
+def test_grad_through_collection_outputs() -> None:
+    def f(w: jax.Array) -> tuple[jax.Array, OutputCollection]:
+        out, coll = functional(
+            lambda c: (w**2, c.add_summary("w", w)), prng_key=None, is_training=False
+        )
+        return out, coll
+
+    g, coll = jax.grad(f, has_aux=True)(jnp.asarray(3.0))
+    assert float(g) == 6.0
+    assert float(coll.flatten("summaries")["w"]) == 3.0
+
+
+@pytest.mark.parametrize("jit", [jax.jit, eqx.filter_jit])
+def test_context_through_jit_as_argument_and_result(jit: Callable[..., Any]) -> None:
+    def f(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+        return model(x, ctx)
+
+    ctx = Context.root(prng_key=jax.random.PRNGKey(0), is_training=True)
+    ctx = ctx.add_summary("before", jnp.asarray(1.0))
+    out, got = jit(f)(jnp.arange(3.0), ctx)
+    want_out, want = f(jnp.arange(3.0), ctx)
+    np.testing.assert_allclose(out, want_out)
+    assert got.path == ("root",)
+    assert got.is_training
+    assert_collections_equal(got.collection, want.collection)
+    np.testing.assert_array_equal(got.prng_key, ctx.prng_key)
+
+
+def test_context_through_vmap() -> None:
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    xs = jnp.arange(12.0).reshape(4, 3)
+
+    def f(x: jax.Array, key: jax.Array) -> tuple[jax.Array, Context]:
+        return model(x, Context.root(prng_key=key).child("inner"))
+
+    outs, ctxs = jax.vmap(f)(xs, keys)
+    for i in range(4):
+        want_out, want = f(xs[i], keys[i])
+        np.testing.assert_allclose(outs[i], want_out)
+        got = jax.tree_util.tree_map(lambda a, i=i: a[i], ctxs.collection)
+        assert_collections_equal(got, want.collection)
+        np.testing.assert_array_equal(ctxs.prng_key[i], want.prng_key)
+
+
+def test_functional_drops_module_outputs_by_default() -> None:
+    out, coll = functional(model, prng_key=None, is_training=False, args=(jnp.ones(2),))
+    assert coll.flatten("module_outputs") == {}
+    assert "loss" in coll.flatten("summaries")
+    _, coll = functional(
+        model,
+        prng_key=None,
+        is_training=False,
+        args=(jnp.ones(2),),
+        drop_output_collections=("summaries",),
+    )
+    assert coll.flatten("summaries") == {}
+    assert set(coll.flatten("module_outputs")) == {"enc/y", "dec/y"}
+    np.testing.assert_allclose(out, jnp.tanh(jnp.tanh(jnp.ones(2))))
+
+
+def test_functional_passes_kwargs_and_key() -> None:
+    kwargs = {"scale": 2.0}
+
+    def f(x: float, ctx: Context, *, scale: float) -> tuple[float, Context]:
+        assert ctx.is_training
+        assert np.asarray(ctx.prng_key).tolist() == [0, 0]
+        return x * scale, ctx
+
+    out, _ = functional(
+        f, prng_key=jax.random.PRNGKey(0), is_training=True, args=(3.0,), kwargs=kwargs
+    )
+    assert out == 6.0
+    assert kwargs == {"scale": 2.0}
+
+
+def test_functional_errors() -> None:
+    with pytest.raises(ValueError, match="unknown kind 'metrics'"):
+        functional(
+            model, prng_key=None, is_training=False, drop_output_collections=["metrics"]
+        )
+    with pytest.raises(TypeError, match=r"`functional\(fn\)`: fn must return"):
+        functional(lambda c: 1, prng_key=None, is_training=False)  # pyright: ignore[reportArgumentType]
+
+
+def test_threads_get_their_own_summaries() -> None:
+    """8 threads run `functional` at once; each gets exactly its own summaries."""
+    n = 8
+    barrier = threading.Barrier(n)
+    results: dict[int, OutputCollection] = {}
+    errors: list[BaseException] = []
+
+    def f(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+        barrier.wait(timeout=30)  # all threads are inside `functional` together
+        out, ctx = model(x, ctx)
+        ctx = ctx.add_summary("x", x)
+        return out, ctx
+
+    def run(i: int) -> None:
+        try:
+            _, coll = functional(
+                f, prng_key=None, is_training=False, args=(jnp.full((2,), float(i)),)
+            )
+            results[i] = coll
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors
+    assert sorted(results) == list(range(n))
+    for i, coll in results.items():
+        flat = coll.flatten("summaries")
+        assert sorted(flat) == ["dec/mean", "enc/mean", "loss", "x"]
+        np.testing.assert_array_equal(flat["x"], np.full((2,), float(i)))
+        _, want = functional(
+            model,
+            prng_key=None,
+            is_training=False,
+            args=(jnp.full((2,), float(i)),),
+        )
+        np.testing.assert_allclose(flat["loss"], want.flatten("summaries")["loss"])

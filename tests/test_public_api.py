@@ -1,0 +1,34 @@
+import inspect
+import pathlib
+import types
+
+import eqxctx
+
+
+DOCS = pathlib.Path(__file__).parent.parent / "docs" / "api"
+
+
+def public_names() -> list[str]:
+    return sorted(
+        name
+        for name, obj in vars(eqxctx).items()
+        if not name.startswith("_") and not isinstance(obj, types.ModuleType)
+    )
+
+
+def test_every_public_name_is_documented() -> None:
+    text = "\n".join(p.read_text() for p in DOCS.glob("*.md"))
+    missing = [n for n in public_names() if f"::: eqxctx.{n}" not in text]
+    assert not missing, f"not in docs/api/*.md: {missing}"
+
+
+def test_every_public_name_has_a_docstring() -> None:
+    for name in public_names():
+        doc = inspect.getdoc(getattr(eqxctx, name))
+        assert doc, name
+        assert len(doc) > 40, name
+
+
+def test_core_names_are_exported() -> None:
+    for name in ("Context", "OutputCollection", "OutputConflictError", "functional"):
+        assert name in public_names()

@@ -1,0 +1,139 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from eqxctx import (
+    AudioSummary,
+    CallbackSummary,
+    HistogramSummary,
+    ImageSummary,
+    MaxSummary,
+    MinSummary,
+    OutputCollection,
+    SumSummary,
+    WeightedSummary,
+)
+
+
+floats = st.floats(-1e3, 1e3, width=32)
+weights = st.floats(0, 1e3, width=32)
+
+
+@given(st.lists(st.tuples(floats, weights), min_size=1, max_size=6))
+def test_weighted_accumulate_is_weighted_mean(pairs: list[tuple[float, float]]) -> None:
+    acc = WeightedSummary(jnp.float32(pairs[0][0]), jnp.float32(pairs[0][1]))
+    for m, w in pairs[1:]:
+        acc = acc + WeightedSummary(jnp.float32(m), jnp.float32(w))
+    means = np.array([m for m, _ in pairs], np.float64)
+    ws = np.array([w for _, w in pairs], np.float64)
+    total = ws.sum()
+    if len(pairs) == 1:
+        want = means[0]
+    else:
+        want = (means * ws).sum() / total if total > 0 else 0.0
+    np.testing.assert_allclose(float(acc.value()), want, rtol=1e-4, atol=1e-2)
+    np.testing.assert_allclose(float(acc.weight), total, rtol=1e-5)
+
+
+def test_weighted_zero_weight_is_nan_free_with_grad() -> None:
+    def f(m: jax.Array) -> jax.Array:
+        s = WeightedSummary(m, jnp.float32(0)) + WeightedSummary(2 * m, jnp.float32(0))
+        return s.value()
+
+    assert float(f(jnp.float32(3.0))) == 0.0
+    g = jax.grad(f)(jnp.float32(3.0))
+    assert float(g) == 0.0
+    assert not np.isnan(g)
+
+
+def test_weighted_int_weight_and_vector_mean() -> None:
+    s = WeightedSummary(jnp.array([1.0, 3.0]), 2) + WeightedSummary(
+        jnp.array([3.0, 5.0]), 2
+    )
+    np.testing.assert_allclose(s.value(), [2.0, 4.0])
+    assert int(s.weight) == 4
+
+
+def test_min_max_sum() -> None:
+    a, b = jnp.array([1.0, 5.0]), jnp.array([3.0, 2.0])
+    np.testing.assert_array_equal(
+        MinSummary(a).accumulate(MinSummary(b)).value(), [1, 2]
+    )
+    np.testing.assert_array_equal(
+        MaxSummary(a).accumulate(MaxSummary(b)).value(), [3, 5]
+    )
+    np.testing.assert_array_equal(
+        SumSummary(a).accumulate(SumSummary(b)).value(), [4, 7]
+    )
+
+
+def test_media_summaries_keep_first() -> None:
+    first = ImageSummary(jnp.zeros((1, 2, 2, 3)))
+    second = ImageSummary(jnp.ones((1, 2, 2, 3)))
+    assert first.accumulate(second) is first
+    audio = AudioSummary(jnp.zeros(8), sample_rate=8000)
+    assert audio.accumulate(AudioSummary(jnp.ones(8))) is audio
+    assert audio.sample_rate == 8000
+    assert AudioSummary(jnp.zeros(8)).sample_rate == 16000
+    hist = HistogramSummary(jnp.arange(4.0))
+    np.testing.assert_array_equal(hist.accumulate(hist).value(), jnp.arange(4.0))
+
+
+@pytest.mark.parametrize(
+    ("shape", "ok"),
+    [
+        ((2, 4, 4), True),
+        ((2, 4, 4, 1), True),
+        ((2, 4, 4, 3), True),
+        ((2, 4, 4, 4), True),
+        ((2, 4, 4, 2), False),
+        ((4, 4), False),
+        ((1, 2, 4, 4, 3), False),
+    ],
+)
+def test_image_validate(shape: tuple[int, ...], ok: bool) -> None:
+    s = ImageSummary(jnp.zeros(shape))
+    if ok:
+        s.validate()
+    else:
+        with pytest.raises(ValueError, match="ImageSummary"):
+            s.validate()
+
+
+def test_audio_validate() -> None:
+    AudioSummary(jnp.zeros((8, 2))).validate()
+    with pytest.raises(ValueError, match="sample_rate must be positive"):
+        AudioSummary(jnp.zeros(8), sample_rate=0).validate()
+    with pytest.raises(ValueError, match=r"\[time\] or \[time, channels\]"):
+        AudioSummary(jnp.zeros((1, 2, 3))).validate()
+
+
+def test_callback_summary_runs_on_host_after_jit() -> None:
+    def describe(x: jax.Array, *, scale: float) -> str:
+        return f"max={float(np.max(np.asarray(x)) * scale):.1f}"
+
+    def f(x: jax.Array) -> OutputCollection:
+        return OutputCollection.empty().add_summary(
+            "text", CallbackSummary(describe, x, scale=2.0)
+        )
+
+    coll = jax.jit(f)(jnp.arange(3.0))
+    summary = coll.flatten("summaries")["text"]
+    assert isinstance(summary, CallbackSummary)
+    assert summary.value() == "max=4.0"
+    assert summary.accumulate(summary) is summary
+
+
+def test_summaries_are_pytrees_through_scan() -> None:
+    def body(c: jax.Array, x: jax.Array) -> tuple[jax.Array, WeightedSummary]:
+        return c, WeightedSummary(x, jnp.float32(1))
+
+    _, stacked = jax.lax.scan(body, jnp.float32(0), jnp.arange(4.0))
+    assert stacked.mean.shape == (4,)
+    acc = stacked
+    first = jax.tree_util.tree_map(lambda a: a[0], acc)
+    for i in range(1, 4):
+        first = first + jax.tree_util.tree_map(lambda a, i=i: a[i], acc)
+    np.testing.assert_allclose(first.value(), 1.5)
