@@ -12,12 +12,22 @@ import jax.numpy as jnp
 
 from ._collection import OutputCollection, validate_child_name
 from ._context import Context, fold_in_name
-from ._repeat import accumulate_trees, accumulator_shape, assemble, cast_like
-from ._repeat import propagate_repeated_output_collections as propagate
+from ._repeat import (
+    accumulate_trees,
+    accumulator_shape,
+    assemble,
+    cast_like,
+    propagate_repeated_output_collections as propagate,
+)
 from ._typing import Carry, X, Y
 
 
 _PER_ITERATION_KEYS = ("prng_key",)
+
+
+def _fold_in(key: Any, index: Any) -> Any:
+    """Return iteration `index`'s key, `jax.random.fold_in(key, index)`."""
+    return jax.random.fold_in(key, index)
 
 
 def _leaves_with_names(tree: Any, root: str) -> list[tuple[str, Any]]:
@@ -25,7 +35,7 @@ def _leaves_with_names(tree: Any, root: str) -> list[tuple[str, Any]]:
     return [(f"{root}{jax.tree_util.keystr(path)}", leaf) for path, leaf in leaves]
 
 
-def _scan_length(xs: Any, per_iteration: Mapping[str, Any], length: int | None) -> int:
+def _scan_length(xs: Any, per_iteration: Mapping[str, Any], length: object) -> int:
     """Return N, checking every leading axis before anything is traced."""
     where = "`scan_in_context`"
     if length is not None and (
@@ -63,7 +73,7 @@ def _scan_length(xs: Any, per_iteration: Mapping[str, Any], length: int | None) 
     return distinct.pop()
 
 
-def _check_per_iteration(per_iteration: Mapping[str, Any] | None) -> dict[str, Any]:
+def _check_per_iteration(per_iteration: object) -> dict[str, Any]:
     if per_iteration is None:
         return {}
     if not isinstance(per_iteration, Mapping):
@@ -94,7 +104,7 @@ def _check_remat(remat_kwargs: Mapping[str, Any] | None) -> dict[str, Any] | Non
 
 
 def _run_body(
-    fn: Callable[..., tuple[Any, ...]], args: tuple[Any, ...], what: str, arity: int
+    fn: Callable[..., object], args: tuple[Any, ...], what: str, arity: int
 ) -> tuple[Any, ...]:
     result = fn(*args)
     if (
@@ -146,7 +156,7 @@ def scan_in_context(
       memory does not grow with N. N == 0 gives no summaries, N == 1 no accumulation.
 
     Keys: with `child_key = fold_in(context.prng_key, seed(child_name_prefix))`
-    (AXLearn's child seed), iteration i gets `jax.random.fold_in(child_key, i)`, or
+    (AXLearn's child seed), iteration i gets `_fold_in(child_key, i)`, or
     `child_key` itself when `split_prng_key=False`, or `per_iteration["prng_key"][i]`.
     A key-less context gives key-less iterations.
 
@@ -201,7 +211,7 @@ def scan_in_context(
     overrides = _check_per_iteration(per_iteration)
     n = _scan_length(xs, overrides, length)
     remat = _check_remat(remat_kwargs)
-    child_key = fold_in_name(context.prng_key, prefix)
+    child_key: Any = fold_in_name(context.prng_key, prefix)
     if "prng_key" in overrides:
         keys: Any = overrides["prng_key"]
     elif child_key is not None and split_prng_key:
@@ -213,7 +223,7 @@ def scan_in_context(
         if "prng_key" in overrides:
             key = k
         elif keys is not None:
-            key = jax.random.fold_in(child_key, k)
+            key = _fold_in(child_key, k)
         else:
             key = child_key
         ctx_i = context.child(prefix, prng_key=key)
@@ -370,11 +380,11 @@ def vmap_in_context(
         child_name_prefix, where="vmap_in_context(child_name_prefix=...)"
     )
     n = _vmap_length(xs, in_axes)
-    child_key = fold_in_name(context.prng_key, prefix)
+    child_key: Any = fold_in_name(context.prng_key, prefix)
     split = child_key is not None and split_prng_key
 
     def body(x: Any, i: Any) -> tuple[Any, OutputCollection]:
-        key = jax.random.fold_in(child_key, i) if split else child_key
+        key = _fold_in(child_key, i) if split else child_key
         ctx_i = context.child(prefix, prng_key=key)
         y, ctx_i = _run_body(fn, (x, ctx_i), "`vmap_in_context`", 2)
         coll = ctx_i.collection
