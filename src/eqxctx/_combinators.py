@@ -212,17 +212,16 @@ def scan_in_context(
     n = _scan_length(xs, overrides, length)
     remat = _check_remat(remat_kwargs)
     child_key: Any = fold_in_name(context.prng_key, prefix)
-    if "prng_key" in overrides:
-        keys: Any = overrides["prng_key"]
-    elif child_key is not None and split_prng_key:
-        keys = jnp.arange(n, dtype=jnp.uint32)  # folded in inside the body
-    else:
-        keys = None
+    given_keys: Any = overrides.get("prng_key")
+    # Iteration i's key is `fold_in(child_key, i)` with i from a carried counter, not
+    # from an `arange(N)` input: no buffer grows with N, and XLA removes the counter
+    # when the body never reads its key.
+    count = given_keys is None and child_key is not None and split_prng_key
 
     def one_iteration(c: Any, x: Any, k: Any) -> tuple[Any, Any, OutputCollection]:
-        if "prng_key" in overrides:
+        if given_keys is not None:
             key = k
-        elif keys is not None:
+        elif count:
             key = _fold_in(child_key, k)
         else:
             key = child_key
@@ -234,50 +233,55 @@ def scan_in_context(
         return c, y, coll
 
     merge = merge_summaries and n >= 2
+    acc: Any = None
+    first: Any = None
+    like: Any = None
     if merge:
-        x0 = jax.tree_util.tree_map(
-            lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), xs
+        # The accumulator is carried, so its structure is needed before the scan:
+        # one abstract evaluation of the body (no FLOPs, nothing in the program).
+        x0, k0 = jax.tree_util.tree_map(
+            lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)),
+            (xs, given_keys),
         )
-        k0 = None if keys is None else jax.ShapeDtypeStruct(keys.shape[1:], keys.dtype)
-        shapes = jax.eval_shape(one_iteration, carry, x0, k0)
-        like = accumulator_shape(shapes[2].summaries)
-        init: Any = (
-            carry,
-            jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), like),
-            jnp.array(True),
+        if count:
+            k0 = jax.ShapeDtypeStruct((), jnp.uint32)
+        like = accumulator_shape(
+            jax.eval_shape(one_iteration, carry, x0, k0)[2].summaries
         )
-    else:
-        like = None
-        init = carry
+        acc = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), like)
+        first = jnp.array(True)
+    index = jnp.array(n - 1 if reverse else 0, jnp.uint32) if count else None
+    step = jnp.array(1, jnp.uint32)
 
     def body(state: Any, inputs: tuple[Any, Any]) -> tuple[Any, Any]:
+        c, acc, first, index = state
         x, k = inputs
-        if not merge:
-            c, y, coll = one_iteration(state, x, k)
-            return c, (y, coll)
-        c, acc, first = state
-        c, y, coll = one_iteration(c, x, k)
-        new = cast_like(coll.summaries, like)
-        summed = cast_like(accumulate_trees(acc, new), like)
-        acc = jax.tree_util.tree_map(lambda a, b: jnp.where(first, a, b), new, summed)
-        coll = OutputCollection({}, coll.state_updates, coll.module_outputs)
-        return (c, acc, jnp.array(False)), (y, coll)
+        c, y, coll = one_iteration(c, x, index if count else k)
+        if merge:
+            new = cast_like(coll.summaries, like)
+            summed = cast_like(accumulate_trees(acc, new), like)
+            acc = jax.tree_util.tree_map(
+                lambda a, b: jnp.where(first, a, b), new, summed
+            )
+            first = jnp.array(False)
+            coll = OutputCollection({}, coll.state_updates, coll.module_outputs)
+        if count:
+            index = index - step if reverse else index + step
+        return (c, acc, first, index), (y, coll)
 
     if remat is not None:
         body = jax.checkpoint(body, **remat)
     with jax.named_scope(prefix):
-        state, (ys, stacked) = jax.lax.scan(
-            body, init, (xs, keys), length=n, reverse=reverse, unroll=unroll
+        (carry_out, merged, _, _), (ys, stacked) = jax.lax.scan(
+            body,
+            (carry, acc, first, index),
+            (xs, given_keys),
+            length=n,
+            reverse=reverse,
+            unroll=unroll,
         )
-    if merge:
-        carry_out, merged, _ = state
-    else:
-        carry_out = state
-        merged = (
-            jax.tree_util.tree_map(lambda a: a[0], stacked.summaries)
-            if merge_summaries and n == 1
-            else ({} if merge_summaries else None)
-        )
+    if merge_summaries and n < 2:  # nothing to accumulate
+        merged = jax.tree_util.tree_map(lambda a: a[0], stacked.summaries) if n else {}
     return (
         carry_out,
         ys,
