@@ -1,0 +1,369 @@
+import io
+import json
+import os
+import sys
+import wave
+from pathlib import Path
+from typing import Any
+
+import hypothesis.extra.numpy as hnp
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+import eqxctx
+from eqxctx.writers import JsonlWriter, TensorBoardWriter
+from tb_events import scalars, summary_values
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def write_both(tmp_path: Path, step: int, summaries: Any) -> dict[str, Any]:
+    with JsonlWriter(tmp_path / "s.jsonl") as jw, TensorBoardWriter(tmp_path) as tw:
+        jw.write(step, summaries)
+        tw.write(step, summaries)
+    (line,) = read_jsonl(tmp_path / "s.jsonl")
+    return line
+
+
+# -- JSON lines ------------------------------------------------------------------
+
+
+def test_jsonl_every_summary_kind(tmp_path: Path) -> None:
+    image = np.linspace(0.0, 1.0, 2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4)
+    audio = np.linspace(-1.0, 1.0, 6, dtype=np.float32)
+    summaries = {
+        "raw": jnp.asarray(1.5, dtype=jnp.float32),
+        "py_int": 3,
+        "py_float": 0.25,
+        "py_bool": True,
+        "weighted": eqxctx.WeightedSummary(jnp.float32(2.0), jnp.float32(4.0)),
+        "min": eqxctx.MinSummary(jnp.asarray([1, -2], dtype=jnp.int32)),
+        "max": eqxctx.MaxSummary(jnp.float32(7.0)),
+        "sum": eqxctx.SumSummary(jnp.float32(8.0)),
+        "image": eqxctx.ImageSummary(image),
+        "audio": eqxctx.AudioSummary(audio, sample_rate=8000),
+        "histogram": eqxctx.HistogramSummary(np.arange(4.0)),
+        "callback": eqxctx.CallbackSummary(lambda x, y: x * y, np.float32(3.0), y=2.0),
+        "callback_tree": eqxctx.CallbackSummary(
+            lambda x: {"double": x * 2, "neg": -x}, np.int32(5)
+        ),
+    }
+    with JsonlWriter(tmp_path / "s.jsonl") as w:
+        w.write(7, summaries)
+    (line,) = read_jsonl(tmp_path / "s.jsonl")
+    # float32 values: the shortest decimals that read back as the same float32.
+    np.testing.assert_array_equal(np.asarray(line.pop("image"), np.float32), image)
+    np.testing.assert_array_equal(np.asarray(line.pop("audio"), np.float32), audio)
+    assert line["callback_tree/double"] == 10
+    assert line == {
+        "step": 7,
+        "raw": 1.5,
+        "py_int": 3,
+        "py_float": 0.25,
+        "py_bool": 1,
+        "weighted": 2.0,
+        "min": [1, -2],
+        "max": 7.0,
+        "sum": 8.0,
+        "histogram": [0.0, 1.0, 2.0, 3.0],
+        "callback": 6.0,
+        "callback_tree/double": 10,
+        "callback_tree/neg": -5,
+    }
+    # Keys in the summaries' order, "step" first.
+    assert list(line) == ["step", *[k for k in line if k != "step"]]
+
+
+def test_jsonl_nested_paths_collection_and_scan(tmp_path: Path) -> None:
+    def body(carry: Any, x: Any, ctx: eqxctx.Context) -> Any:
+        ctx = ctx.add_summary("x", x * 2.0)
+        ctx = ctx.add_summary("w", eqxctx.WeightedSummary(x, 1.0))
+        return carry + x, None, ctx
+
+    ctx = eqxctx.Context.root()
+    ctx = ctx.add_summary("top", jnp.float32(1.0))
+    child = eqxctx.Context.root().add_summary("deep", jnp.float32(2.0))
+    ctx = ctx.replace_collection(
+        ctx.collection.add_child(
+            "a", eqxctx.OutputCollection.empty().add_child("b", child.collection)
+        )
+    )
+    xs = jnp.asarray([1.0, 2.0, 3.0], dtype=jnp.float32)
+    _, _, coll = jax.jit(
+        lambda xs: eqxctx.scan_in_context(
+            body, context=eqxctx.Context.root(), carry=jnp.float32(0.0), xs=xs
+        )
+    )(xs)
+    ctx = ctx.merge(coll)
+    path = tmp_path / "s.jsonl"
+    with JsonlWriter(path) as w:
+        w.write(0, ctx.collection)  # an OutputCollection
+        w.write(1, {"train": ctx.collection.summaries})  # a nested mapping
+    first, second = read_jsonl(path)
+    expected = {
+        "top": 1.0,
+        "a/b/deep": 2.0,
+        "iter0/x": 2.0,
+        "iter0/w": 1.0,
+        "iter1/x": 4.0,
+        "iter1/w": 2.0,
+        "iter2/x": 6.0,
+        "iter2/w": 3.0,
+    }
+    assert first == {"step": 0, **expected}
+    assert second == {"step": 1, **{f"train/{k}": v for k, v in expected.items()}}
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize(
+    "dtype", [np.float32, np.float64, np.int32, np.uint8, np.bool_, jnp.bfloat16]
+)
+def test_jsonl_arrays_of_each_rank(tmp_path: Path, rank: int, dtype: Any) -> None:
+    shape = (2, 3, 1, 2)[:rank]
+    rng = np.random.default_rng(rank)
+    arr = (rng.normal(size=shape) * 50).astype(dtype)
+    with JsonlWriter(tmp_path / "s.jsonl") as w:
+        w.write(0, {"x": jnp.asarray(arr), "np": arr})
+    (line,) = read_jsonl(tmp_path / "s.jsonl")
+    # JAX without x64 holds float64 as float32.
+    for key, ref in (("x", np.asarray(jnp.asarray(arr))), ("np", arr)):
+        got = np.asarray(line[key])
+        assert got.shape == shape
+        if dtype == np.bool_:
+            np.testing.assert_array_equal(got, ref.astype(np.int64))
+        else:
+            # Floats read back exactly in their own precision.
+            np.testing.assert_array_equal(got.astype(ref.dtype), ref)
+    if rank == 0:
+        assert isinstance(line["x"], (int, float))
+
+
+def test_jsonl_float32_is_short_and_exact(tmp_path: Path) -> None:
+    x = np.float32(0.1)
+    with JsonlWriter(tmp_path / "s.jsonl") as w:
+        w.write(0, {"x": x, "nan": np.float32(np.nan), "inf": -np.inf})
+    text = (tmp_path / "s.jsonl").read_text()
+    assert text == '{"step": 0, "x": 0.1, "nan": NaN, "inf": -Infinity}\n'
+    (line,) = read_jsonl(tmp_path / "s.jsonl")
+    assert np.float32(line["x"]) == x
+
+
+def test_jsonl_appends_one_line_per_write(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "s.jsonl"  # missing parent folders are made
+    with JsonlWriter(path) as w:
+        for step in range(3):
+            w.write(np.int64(step), {"loss": float(step)})
+            assert len(read_jsonl(path)) == step + 1  # flushed as written
+    with JsonlWriter(path) as w:
+        w.write(3, {"loss": 3.0})
+    assert [line["loss"] for line in read_jsonl(path)] == [0.0, 1.0, 2.0, 3.0]
+    with JsonlWriter(path, mode="w") as w:
+        w.write(9, {"loss": 9.0})
+    assert read_jsonl(path) == [{"step": 9, "loss": 9.0}]
+    with pytest.raises(FileExistsError):
+        JsonlWriter(path, mode="x")
+
+
+def test_jsonl_errors(tmp_path: Path) -> None:
+    w = JsonlWriter(tmp_path / "s.jsonl")
+    with pytest.raises(TypeError, match="step"):  # beartype's or ours
+        w.write(1.5, {})  # pyright: ignore[reportArgumentType]
+    with pytest.raises(TypeError, match="step must be an int"):
+        w.write(True, {})
+    with pytest.raises(ValueError, match="step must be >= 0"):
+        w.write(-1, {})
+    with pytest.raises(ValueError, match="'step'"):
+        w.write(0, {"step": 1.0})
+    with pytest.raises(TypeError, match=r"'bad/c'.*complex"):
+        w.write(0, {"bad": {"c": np.asarray(1j)}})
+    with pytest.raises(TypeError, match=r"'s'.*dtype <U1"):
+        w.write(0, {"s": eqxctx.CallbackSummary(lambda: np.asarray("a"))})
+    with pytest.raises(TypeError, match="summaries"):  # beartype's or ours
+        w.write(0, [1.0])  # pyright: ignore[reportArgumentType]
+    with pytest.raises(TypeError, match="'summaries/x'"):
+        w.write(0, {"x": "text"})
+    with pytest.raises((ValueError, TypeError), match="mode"):  # beartype's or ours
+        JsonlWriter(tmp_path / "t.jsonl", mode="r")  # pyright: ignore[reportArgumentType]
+    w.close()
+    w.close()  # closing twice is fine
+    with pytest.raises(ValueError, match="closed"):
+        w.write(0, {"x": 1.0})
+    assert (tmp_path / "s.jsonl").read_text() == ""  # nothing half-written
+
+
+def test_jsonl_unwritable_path(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(OSError):  # noqa: PT011
+        JsonlWriter(blocker / "s.jsonl")
+
+
+# -- TensorBoard -----------------------------------------------------------------
+
+
+def test_tensorboard_every_summary_kind(tmp_path: Path) -> None:
+    gray = np.linspace(0.0, 1.0, 2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4)
+    rgb = np.full((1, 5, 6, 3), 255, dtype=np.uint8)
+    audio = np.stack([np.linspace(-1.0, 1.0, 50), np.zeros(50)], axis=1)
+    hist = np.asarray([[0.0, 1.0], [2.0, np.nan]], dtype=np.float32)
+    summaries = {
+        "scalar": jnp.float32(1.5),
+        "weighted": eqxctx.WeightedSummary(jnp.float32(2.0), jnp.float32(4.0)),
+        "min": eqxctx.MinSummary(jnp.int32(-3)),
+        "flag": True,
+        "gray": eqxctx.ImageSummary(gray),
+        "rgb": eqxctx.ImageSummary(rgb),
+        "audio": eqxctx.AudioSummary(audio, sample_rate=8000),
+        "hist": eqxctx.HistogramSummary(hist),
+        "hist_scalar": eqxctx.HistogramSummary(jnp.float32(4.0)),
+        "all_nan": eqxctx.HistogramSummary(np.full(3, np.nan)),
+        "vector": jnp.arange(5, dtype=jnp.float32),
+        "callback": eqxctx.CallbackSummary(lambda: {"a": 1.0, "b": np.ones(2)}),
+    }
+    line = write_both(tmp_path, 4, summaries)
+    values = {v.tag: v for _, v in summary_values(str(tmp_path))}
+    kinds = {tag: v.WhichOneof("value") for tag, v in values.items()}
+    assert kinds == {
+        "scalar": "simple_value",
+        "weighted": "simple_value",
+        "min": "simple_value",
+        "flag": "simple_value",
+        "gray": "image",
+        "rgb": "image",
+        "audio": "audio",
+        "hist": "histo",
+        "hist_scalar": "histo",
+        "vector": "histo",
+        "callback/a": "simple_value",
+        "callback/b": "histo",
+    }
+    # Tags equal the JSONL keys (all_nan has no finite value: JSONL only).
+    assert set(line) - {"step"} == {*kinds, "all_nan"}
+    assert {s for s, _ in summary_values(str(tmp_path))} == {4}
+    assert scalars(str(tmp_path)) == {
+        (4, "scalar"): 1.5,
+        (4, "weighted"): 2.0,
+        (4, "min"): -3.0,
+        (4, "flag"): 1.0,
+        (4, "callback/a"): 1.0,
+    }
+    # Images: a grid of the batch; grayscale and RGB decode to PNGs.
+    for tag in ("gray", "rgb"):
+        img = values[tag].image
+        assert img.encoded_image_string.startswith(b"\x89PNG\r\n\x1a\n")
+        assert img.height >= {"gray": 3, "rgb": 5}[tag]
+    # Audio: 16-bit WAV at the summary's sample rate, same samples.
+    au = values["audio"].audio
+    assert (au.sample_rate, au.num_channels, au.length_frames) == (8000, 2, 50)
+    with wave.open(io.BytesIO(au.encoded_audio_string)) as wav:
+        assert wav.getframerate() == 8000
+        frames = np.frombuffer(wav.readframes(50), dtype="<i2").reshape(50, 2)
+    np.testing.assert_allclose(frames / 32767.0, audio, atol=1 / 32767)
+    # Histograms: the finite values, counted.
+    h = values["hist"].histo
+    assert (h.num, h.sum, h.min, h.max) == (3, 3.0, 0.0, 2.0)
+    assert sum(values["vector"].histo.bucket) == 5
+    assert values["hist_scalar"].histo.num == 1
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2, 3])
+def test_tensorboard_arrays_of_each_rank(tmp_path: Path, rank: int) -> None:
+    arr = np.arange(np.prod((2, 3, 4)[:rank]), dtype=np.float32).reshape(
+        (2, 3, 4)[:rank]
+    )
+    write_both(tmp_path, 0, {"a": {"x": arr}})
+    ((step, value),) = summary_values(str(tmp_path))
+    assert (step, value.tag) == (0, "a/x")
+    if rank == 0:
+        assert value.simple_value == float(arr)
+    else:
+        assert (value.histo.num, value.histo.sum) == (arr.size, float(arr.sum()))
+
+
+def test_tensorboard_mono_audio_and_clipping(tmp_path: Path) -> None:
+    audio = np.asarray([0.0, 0.5, 2.0, -3.0], dtype=np.float32)
+    write_both(tmp_path, 1, {"au": eqxctx.AudioSummary(audio)})
+    ((_, value),) = summary_values(str(tmp_path))
+    assert (value.audio.sample_rate, value.audio.num_channels) == (16000, 1)
+    with wave.open(io.BytesIO(value.audio.encoded_audio_string)) as wav:
+        frames = np.frombuffer(wav.readframes(4), dtype="<i2")
+    np.testing.assert_array_equal(frames, [0, 16384, 32767, -32767])
+
+
+def test_tensorboard_scalars_equal_jsonl_over_steps(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    lines = []
+    with JsonlWriter(tmp_path / "s.jsonl") as jw, TensorBoardWriter(tmp_path) as tw:
+        for step in range(5):
+            summaries = {
+                "train": {"loss": jnp.float32(rng.normal())},
+                "iter": eqxctx.IterationSummaries(
+                    3, {"rms": jnp.asarray(rng.normal(size=3), dtype=jnp.float32)}
+                ),
+            }
+            jw.write(step, summaries)
+            tw.write(step, summaries)
+    for line in read_jsonl(tmp_path / "s.jsonl"):
+        lines.extend(
+            ((line["step"], k), np.float32(v)) for k, v in line.items() if k != "step"
+        )
+    assert len(lines) == 5 * 4
+    assert scalars(str(tmp_path)) == dict(lines)
+
+
+def test_tensorboard_errors_and_close(tmp_path: Path) -> None:
+    w = TensorBoardWriter(tmp_path)
+    with pytest.raises(ValueError, match="step must be >= 0"):
+        w.write(-2, {})
+    w.flush()
+    w.close()
+    w.close()
+    with pytest.raises(ValueError, match="closed"):
+        w.write(0, {"x": 1.0})
+
+
+def test_tensorboard_missing_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)
+    with pytest.raises(ImportError, match=r"eqxctx\[tensorboard\]"):
+        TensorBoardWriter(os.devnull)
+
+
+nested = st.recursive(
+    hnp.arrays(
+        np.float32,
+        hnp.array_shapes(min_dims=0, max_dims=3, max_side=3),
+        elements=st.floats(-1e6, 1e6, width=32),
+    ),
+    lambda children: st.dictionaries(
+        st.from_regex(r"[a-z]{1,3}", fullmatch=True), children, min_size=1, max_size=3
+    ),
+    max_leaves=6,
+)
+
+
+@given(
+    tree=st.dictionaries(
+        st.from_regex(r"[a-z]{1,3}", fullmatch=True), nested, min_size=1, max_size=3
+    )
+)
+def test_writers_agree_with_flatten(
+    tmp_path_factory: pytest.TempPathFactory, tree: dict[str, Any]
+) -> None:
+    tmp = tmp_path_factory.mktemp("w")
+    line = write_both(tmp, 2, tree)
+    flat = eqxctx.OutputCollection(tree, {}, {}).flatten("summaries")
+    assert list(line) == ["step", *flat]
+    for key, arr in flat.items():
+        np.testing.assert_array_equal(np.asarray(line[key], dtype=np.float32), arr)
+    expected = {(2, k): float(v) for k, v in flat.items() if v.ndim == 0}
+    assert scalars(str(tmp)) == expected
+    histos = {
+        v.tag for _, v in summary_values(str(tmp)) if v.WhichOneof("value") == "histo"
+    }
+    assert histos == {k for k, v in flat.items() if v.ndim > 0 and v.size > 0}
