@@ -1,5 +1,9 @@
 """eqxctx: AXLearn's invocation contexts for Equinox, as explicit immutable PyTrees."""
 
+from ._batches import (
+    SummaryAccumulator as SummaryAccumulator,
+    run_batches as run_batches,
+)
 from ._collection import (
     IterationSummaries as IterationSummaries,
     OutputCollection as OutputCollection,
@@ -14,6 +18,8 @@ from ._functional import functional as functional
 from ._repeat import (
     propagate_repeated_output_collections as propagate_repeated_output_collections,
 )
+from ._runner import MethodRunner as MethodRunner
+from ._sharding import DataPartition as DataPartition, to_host as to_host
 from ._summary import (
     AudioSummary as AudioSummary,
     CallbackSummary as CallbackSummary,

@@ -1,0 +1,122 @@
+"""Loops over batches: `run_batches` and `SummaryAccumulator`.
+
+Follow AXLearn's `InferenceRunner.run` and `MetricAccumulator`
+(`axlearn/common/inference.py`, `axlearn/common/metrics.py`).
+"""
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import equinox as eqx
+
+from ._collection import OutputCollection
+from ._runner import MethodRunner
+from ._summary import accumulate_leaf
+
+
+def run_batches(
+    runner: MethodRunner,
+    batches: Iterable[Any],
+    *,
+    progress: bool = False,
+    **kwargs: Any,
+) -> Iterator[MethodRunner.Output]:
+    """Run `runner` on each batch in turn; yield each batch's output.
+
+    AXLearn's `InferenceRunner.run`: the runner's key advances after every batch. The
+    loop never blocks on the device, so the next batch is prepared while the previous
+    one computes.
+
+    Args:
+        runner: the runner; its successor is used for the next batch.
+        batches: an iterable of input batches (see `MethodRunner.__call__`).
+        progress: show a `tqdm` progress bar (needs the `tqdm` package).
+        **kwargs: keyword arguments of the method, for every batch.
+
+    Yields:
+        One `MethodRunner.Output` per batch.
+
+    Raises:
+        ImportError: if `progress=True` and `tqdm` is not installed.
+    """
+    if progress:
+        try:
+            from tqdm.auto import tqdm
+        except ImportError as e:  # pragma: no cover - tqdm is in the demo extra
+            raise ImportError(
+                "`run_batches(progress=True)` needs tqdm: `pip install tqdm` (or "
+                "`pip install eqxctx[demo]`)."
+            ) from e
+        batches = tqdm(batches, desc="batches", unit="batch")
+    for batch in batches:
+        runner, output = runner(batch, **kwargs)
+        yield output
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for path, leaf in flat.items():
+        *parents, name = path.split("/")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[name] = leaf
+    return out
+
+
+class SummaryAccumulator(eqx.Module):
+    """Accumulates summaries across batches (AXLearn's `MetricAccumulator`).
+
+    Pure: `update` returns a new accumulator and leaves `self` unchanged. Leaves with
+    the same path are combined with their `Summary.accumulate` (a `WeightedSummary`
+    gives the weighted mean, `MinSummary` the minimum, ...), raw arrays with `+`.
+    Per-iteration summaries of a scan (`IterationSummaries`) are expanded into their
+    `iter{i}` paths. Values stay on the device until read.
+
+    Attributes:
+        flat: the accumulated summaries as `{"a/b/name": leaf}`, or None before the
+            first update.
+
+    Examples:
+        >>> from eqxctx import WeightedSummary
+        >>> acc = SummaryAccumulator()
+        >>> acc = acc.update({"loss": WeightedSummary(1.0, 1.0)})
+        >>> acc = acc.update({"loss": WeightedSummary(4.0, 2.0)})
+        >>> float(acc.summaries()["loss"].value())
+        3.0
+    """
+
+    flat: dict[str, Any] | None = None
+
+    def update(self, summaries: dict[str, Any]) -> "SummaryAccumulator":
+        """Return a new accumulator that also holds `summaries`.
+
+        Args:
+            summaries: a nested summary mapping, e.g. `MethodRunner.Output.summaries`.
+
+        Raises:
+            ValueError: if the summary paths differ from those already accumulated
+                (the message lists the missing and the extra paths).
+        """
+        flat = OutputCollection(summaries, {}, {}).flatten("summaries")
+        if self.flat is None:
+            return SummaryAccumulator(flat)
+        if flat.keys() != self.flat.keys():
+            missing = sorted(self.flat.keys() - flat.keys())
+            extra = sorted(flat.keys() - self.flat.keys())
+            raise ValueError(
+                "`SummaryAccumulator.update`: the summaries have other paths than "
+                f"the accumulated ones (missing: {missing}; extra: {extra}). "
+                "Accumulate the summaries of one method in one accumulator."
+            )
+        return SummaryAccumulator(
+            {k: accumulate_leaf(v, flat[k]) for k, v in self.flat.items()}
+        )
+
+    def summaries(self) -> dict[str, Any]:
+        """Return the accumulated summaries as a nested mapping ({} before any)."""
+        return _nest(self.flat or {})
+
+    def flatten(self) -> dict[str, Any]:
+        """Return the accumulated summaries as `{"a/b/name": leaf}` ({} before any)."""
+        return dict(self.flat or {})
