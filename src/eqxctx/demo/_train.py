@@ -1,0 +1,175 @@
+"""Training (optax Adam under `eqx.filter_jit`) and evaluation (a `MethodRunner`)."""
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jaxtyping import Array, PRNGKeyArray
+
+import eqxctx
+from eqxctx.demo._data import Batch, Split, eval_batches, train_batches
+from eqxctx.demo._model import Classifier, weighted_mean
+from eqxctx.writers import AbstractWriter
+from eqxctx.writers._base import flatten_summaries, host_values
+
+
+TrainStep = Callable[
+    [Classifier, optax.OptState, Batch, PRNGKeyArray],
+    tuple[Classifier, optax.OptState, dict[str, Any]],
+]
+
+
+def make_train_step(optimizer: optax.GradientTransformation) -> TrainStep:
+    """Return the jitted training step of `optimizer`.
+
+    The step is `(model, opt_state, batch, key) -> (model, opt_state, summaries)`.
+    The loss runs under `eqxctx.functional` in training mode (dropout on, keys from
+    `key`); the summaries are those of the root context (nested mapping, with the
+    per-layer ones as `layers/iter{i}/...`).
+    """
+
+    @eqx.filter_jit
+    def step(
+        model: Classifier, opt_state: optax.OptState, batch: Batch, key: PRNGKeyArray
+    ) -> tuple[Classifier, optax.OptState, dict[str, Any]]:
+        def loss_fn(model: Classifier) -> tuple[Array, dict[str, Any]]:
+            outputs, collection = eqxctx.functional(
+                model.evaluate, prng_key=key, is_training=True, args=(batch,)
+            )
+            loss = weighted_mean(outputs["nll"], jnp.asarray(batch["weight"]))
+            return loss, collection.summaries
+
+        grad_fn = eqx.filter_value_and_grad(loss_fn, has_aux=True)
+        (_, summaries), grads = grad_fn(model)
+        params = eqx.filter(model, eqx.is_array)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return eqx.apply_updates(model, updates), opt_state, summaries
+
+    return step
+
+
+@dataclasses.dataclass
+class History:
+    """The scalar summaries written during training: `{path: [value per step]}`."""
+
+    steps: list[int] = dataclasses.field(default_factory=list[int])
+    scalars: dict[str, list[float]] = dataclasses.field(
+        default_factory=dict[str, list[float]]
+    )
+
+    def add(self, step: int, values: dict[str, np.ndarray]) -> None:
+        """Record the scalar (shape `()`) values of one step."""
+        self.steps.append(step)
+        for path, value in values.items():
+            if value.ndim == 0:
+                self.scalars.setdefault(path, []).append(float(value))
+
+
+def train(
+    model: Classifier,
+    data: Split,
+    *,
+    steps: int,
+    batch_size: int,
+    seed: int,
+    learning_rate: float,
+    writers: Sequence[AbstractWriter],
+    progress: Callable[[int, float, float], None],
+) -> tuple[Classifier, History]:
+    """Train `model` for `steps` Adam steps; write `{"train": summaries}` each step.
+
+    Returns:
+        `(model, history)`: the trained model and the per-step scalar summaries
+        (paths like `train/loss`, `train/layers/iter0/activation_rms`).
+    """
+    schedule = optax.cosine_decay_schedule(learning_rate, steps, alpha=0.05)
+    optimizer = optax.adam(schedule)
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+    step_fn = make_train_step(optimizer)
+    key = jax.random.fold_in(jax.random.PRNGKey(seed), 1)
+    batches = train_batches(data, batch_size=batch_size, seed=seed)
+    history = History()
+    for step in range(steps):
+        batch = next(batches)
+        model, opt_state, summaries = step_fn(
+            model, opt_state, batch, jax.random.fold_in(key, step)
+        )
+        logged = {"train": jax.device_get(summaries)}
+        for writer in writers:
+            writer.write(step, logged)
+        values = host_values(flatten_summaries(logged, where="train"), where="train")
+        history.add(step, values)
+        progress(step, float(values["train/loss"]), float(values["train/accuracy"]))
+    return model, history
+
+
+@dataclasses.dataclass
+class Evaluation:
+    """What `evaluate` found on the test set.
+
+    Attributes:
+        summaries: `{path: value}` of the accumulated summaries (e.g. `accuracy`,
+            `layers/iter0/activation_rms`), as floats.
+        predictions: `int32[n]`, the predicted digit of each test example.
+        hidden: `{path: float32[layers, n, width]}` module outputs (the blocks'
+            hidden states), only when asked for; else empty.
+        num_devices: the size of the mesh the runner ran on.
+        raw: the accumulated summaries as a nested mapping (for the writers).
+    """
+
+    summaries: dict[str, float]
+    predictions: np.ndarray
+    hidden: dict[str, np.ndarray]
+    num_devices: int
+    raw: dict[str, Any]
+
+
+def evaluate(
+    model: Classifier, data: Split, *, batch_size: int, seed: int, keep_hidden: bool
+) -> Evaluation:
+    """Run `model.evaluate` over `data` with a `MethodRunner` on all local devices.
+
+    Batches are host-local NumPy arrays (the last one padded with weight-0 examples)
+    split over a one-axis mesh `("data",)` of every device; the summaries are
+    accumulated across batches with `SummaryAccumulator` (weighted means), and the
+    per-layer hidden states are kept only if `keep_hidden`.
+    """
+    devices = jax.devices()
+    mesh = jax.make_mesh((len(devices),), ("data",))
+    drop: Callable[[str], bool] = (
+        (lambda path: False) if keep_hidden else (lambda path: True)
+    )
+    runner = eqxctx.MethodRunner.create(
+        model,
+        "evaluate",
+        mesh=mesh,
+        prng_key=jax.random.PRNGKey(seed),
+        drop_module_outputs=drop,
+    )
+    accumulator = eqxctx.SummaryAccumulator()
+    predictions: list[np.ndarray] = []
+    hidden: dict[str, list[np.ndarray]] = {}
+    batches = eval_batches(data, batch_size=batch_size)
+    for out in eqxctx.run_batches(runner, batches):
+        accumulator = accumulator.update(out.summaries)
+        host = eqxctx.to_host((out.output_batch["predictions"], out.module_outputs))
+        predictions.append(host[0])
+        outputs = eqxctx.OutputCollection({}, {}, host[1]).flatten("module_outputs")
+        for path, value in outputs.items():
+            hidden.setdefault(path, []).append(value)
+    n = len(data.labels)
+    raw = accumulator.summaries()
+    values = host_values(flatten_summaries(raw, where="evaluate"), where="evaluate")
+    return Evaluation(
+        summaries={k: float(v) for k, v in values.items() if v.ndim == 0},
+        predictions=np.concatenate(predictions)[:n],
+        # [layers, batch, width] per batch -> [layers, n, width].
+        hidden={k: np.concatenate(v, axis=1)[:, :n] for k, v in hidden.items()},
+        num_devices=len(devices),
+        raw=raw,
+    )
