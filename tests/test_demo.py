@@ -1,0 +1,178 @@
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from matplotlib.image import imread
+
+from eqxctx.demo._cli import make_run_dir, use_cpu_devices
+from eqxctx.demo._data import Split, eval_batches, load_digits_split, train_batches
+from tb_events import scalars
+
+
+def run_demo(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    # conftest asks for 8 devices in XLA_FLAGS: --devices must override it.
+    assert "xla_force_host_platform_device_count=8" in env["XLA_FLAGS"]
+    return subprocess.run(
+        [sys.executable, "-m", "eqxctx.demo", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    cwd = tmp_path_factory.mktemp("demo")
+    args = ("--steps", "30", "--layers", "2", "--devices", "2", "--keep-hidden")
+    proc = run_demo(*args, "--logdir", "logs", cwd=cwd)
+    assert proc.returncode == 0, proc.stderr
+    (run_dir,) = (cwd / "logs").iterdir()
+    return proc, run_dir
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_demo_prints_the_table(demo_run: tuple[Any, Path]) -> None:
+    proc, run_dir = demo_run
+    out = proc.stdout
+    match = re.search(r"^test accuracy: (0\.\d{4})$", out, re.MULTILINE)
+    assert match, out
+    assert float(match.group(1)) > 0.8  # 30 steps; the default run reaches >= 0.95
+    assert "evaluated on:  2 cpu devices" in out  # --devices overrode XLA_FLAGS
+    assert re.search(r"^\s+0\s+\d+\.\d{3}\s+\d+\.\d{3}$", out, re.MULTILINE)
+    assert re.search(r"^\s+1\s+\d+\.\d{3}\s+\d+\.\d{3}$", out, re.MULTILINE)
+    assert f"logs: {Path('logs') / run_dir.name}" in out
+
+
+def test_demo_jsonl(demo_run: tuple[Any, Path]) -> None:
+    proc, run_dir = demo_run
+    lines = read_jsonl(run_dir / "summaries.jsonl")
+    assert [line["step"] for line in lines] == list(range(31))
+    train, test = lines[:30], lines[30]
+    for line in train:
+        for layer in (0, 1):
+            for name in ("activation_rms", "update_ratio"):
+                value = line[f"train/layers/iter{layer}/{name}"]
+                assert isinstance(value, float)
+                assert value > 0
+        assert all(isinstance(v, (int, float)) for v in line.values())
+    assert not any("iter2" in key for key in train[0])
+    losses = [line["train/loss"] for line in train]
+    assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])
+    assert losses[0] > 1.5  # about log(10) at the start
+    # The test line holds the accumulated evaluation summaries, as printed.
+    accuracy = re.search(r"test accuracy: (\S+)", proc.stdout)
+    assert accuracy
+    assert f"{test['test/accuracy']:.4f}" == accuracy.group(1)
+    assert set(test) == {"step"} | {
+        "test/" + k.removeprefix("train/") for k in train[0] if k != "step"
+    }
+
+
+def test_demo_tensorboard_equals_jsonl(demo_run: tuple[Any, Path]) -> None:
+    _, run_dir = demo_run
+    expected = {
+        (line["step"], key): np.float32(value)
+        for line in read_jsonl(run_dir / "summaries.jsonl")
+        for key, value in line.items()
+        if key != "step"
+    }
+    assert len(expected) == 31 * 6
+    assert scalars(str(run_dir)) == expected
+
+
+def test_demo_plot_and_hidden_states(demo_run: tuple[Any, Path]) -> None:
+    _, run_dir = demo_run
+    png = run_dir / "summaries.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    image = imread(png)
+    assert image.ndim == 3
+    assert image.shape[0] > 100
+    assert image.shape[1] > 300
+    with np.load(run_dir / "hidden_states.npz") as hidden:
+        states = hidden["layers/iter/hidden"]
+    _, test = load_digits_split(seed=0)
+    assert states.shape == (2, len(test.labels), 64)
+    assert np.isfinite(states).all()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--devices", "0"], "argument --devices: must be at least 1, got 0"),
+        (["--batch-size", "60"], "argument --batch-size: 60 does not divide over 8"),
+        (["--steps", "x"], "argument --steps: expected an integer, got 'x'"),
+        (["--logdir", "blocker/runs"], "argument --logdir: cannot create a run folder"),
+    ],
+)
+def test_demo_usage_errors(tmp_path: Path, args: list[str], message: str) -> None:
+    (tmp_path / "blocker").write_text("a file, not a folder")
+    proc = run_demo(*args, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0].startswith("usage: python -m eqxctx.demo")
+    assert lines[-1].startswith(f"python -m eqxctx.demo: error: {message}")
+    assert not lines[-2].startswith("python -m eqxctx.demo: error")  # one line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blocker"]  # no run folder
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root may write")
+def test_demo_read_only_logdir(tmp_path: Path) -> None:
+    logdir = tmp_path / "ro"
+    logdir.mkdir(mode=0o500)
+    proc = run_demo("--logdir", str(logdir), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].endswith("Permission denied")
+
+
+def test_run_folders_are_never_reused(tmp_path: Path) -> None:
+    (tmp_path / "existing").mkdir()
+    made = [make_run_dir(str(tmp_path)) for _ in range(3)]
+    assert len(set(made)) == 3  # same second: suffixes -1, -2
+    assert all(Path(p).parent == tmp_path and not any(Path(p).iterdir()) for p in made)
+
+
+def test_use_cpu_devices_replaces_the_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    flags = "--xla_foo=1 --xla_force_host_platform_device_count=8 --xla_bar"
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    use_cpu_devices(3)  # this process's backend already started: env only
+    assert os.environ["XLA_FLAGS"] == (
+        "--xla_foo=1 --xla_bar --xla_force_host_platform_device_count=3"
+    )
+
+
+def test_data_split_and_batches() -> None:
+    train, test = load_digits_split(seed=0)
+    assert (len(train.labels), len(test.labels)) == (1438, 359)
+    assert train.images.dtype == np.float32
+    assert train.images.max() == 1.0
+    again, _ = load_digits_split(seed=0)
+    np.testing.assert_array_equal(again.labels, train.labels)
+    other, _ = load_digits_split(seed=1)
+    assert not np.array_equal(other.labels, train.labels)
+    batches = list(eval_batches(test, batch_size=64))
+    assert len(batches) == 6
+    assert all(b["image"].shape == (64, 64) for b in batches)
+    weights = np.concatenate([b["weight"] for b in batches])
+    np.testing.assert_array_equal(weights, np.arange(6 * 64) < 359)
+    labels = np.concatenate([b["label"] for b in batches])[:359]
+    np.testing.assert_array_equal(labels, test.labels)
+    small = Split(train.images[:10], np.arange(10, dtype=np.int32))  # ids as labels
+    stream = train_batches(small, batch_size=4, seed=0)
+    for _ in range(3):  # epochs of 10 // 4 = 2 batches, no example twice in one
+        epoch = np.concatenate([next(stream)["label"] for _ in range(2)])
+        assert len(set(epoch.tolist())) == 8
