@@ -250,7 +250,7 @@ def scan_in_context(
         )
         acc = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), like)
         first = jnp.array(True)
-    index = jnp.array(n - 1 if reverse else 0, jnp.uint32) if count else None
+    index = jnp.array(max(n - 1, 0) if reverse else 0, jnp.uint32) if count else None
     step = jnp.array(1, jnp.uint32)
 
     def body(state: Any, inputs: tuple[Any, Any]) -> tuple[Any, Any]:
