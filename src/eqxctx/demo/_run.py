@@ -24,9 +24,9 @@ def _open_writers(run_dir: str) -> tuple[list[AbstractWriter], str]:
     ]
     try:
         writers.append(TensorBoardWriter(run_dir))
-        note = "TensorBoard event files (tensorboard --logdir <this folder>)"
+        note = f"events.out.tfevents.*  (TensorBoard: tensorboard --logdir {run_dir})"
     except ImportError:
-        note = "no TensorBoard files: pip install 'eqxctx[tensorboard]' for them"
+        note = "(no TensorBoard files: pip install 'eqxctx[tensorboard]' for them)"
     return writers, note
 
 
@@ -109,20 +109,20 @@ def run(args: argparse.Namespace, run_dir: str) -> Evaluation:
         for writer in writers:
             writer.close()
     files = [
-        f"summaries.jsonl   ({args.steps} lines train/..., 1 line test/... at step "
-        f"{args.steps})",
+        f"summaries.jsonl        (steps 0-{args.steps - 1}: train/...; step "
+        f"{args.steps}: test/...)",
         tb_note,
     ]
     if not args.no_plot:
         from eqxctx.demo._plot import plot_history
 
         plot_history(history, os.path.join(run_dir, "summaries.png"))
-        files.append("summaries.png     (per-layer summaries over training steps)")
+        files.append("summaries.png          (per-layer summaries over the steps)")
     if args.keep_hidden:
         path = os.path.join(run_dir, "hidden_states.npz")
         arrays: dict[str, Any] = {k: v for k, v in result.hidden.items()}
         np.savez(path, **arrays)
         shapes = ", ".join(f"{k} {v.shape}" for k, v in result.hidden.items())
-        files.append(f"hidden_states.npz (module outputs: {shapes})")
+        files.append(f"hidden_states.npz      (module outputs: {shapes})")
     print(report(args, history, result, files, run_dir))
     return result

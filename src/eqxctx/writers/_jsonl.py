@@ -61,11 +61,11 @@ class JsonlWriter(AbstractWriter):
         ValueError: for a `mode` other than `"a"`, `"w"`, `"x"`.
 
     Examples:
-        >>> import os, tempfile
-        >>> path = os.path.join(tempfile.mkdtemp(), "summaries.jsonl")
+        >>> import pathlib, tempfile
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "summaries.jsonl"
         >>> with JsonlWriter(path) as writer:
         ...     writer.write(3, {"loss": 0.5, "layer": {"rms": np.array([1.0, 2.0])}})
-        >>> print(open(path).read(), end="")
+        >>> print(path.read_text(), end="")
         {"step": 3, "loss": 0.5, "layer/rms": [1.0, 2.0]}
     """
 
