@@ -24,9 +24,19 @@ def accumulate_trees(a: Any, b: Any) -> Any:
 
 
 def cast_like(tree: Any, like: Any) -> Any:
-    """Return `tree` with every array leaf cast to the dtype of `like`'s leaf."""
-    return jax.tree_util.tree_map(
-        lambda x, s: jnp.asarray(x).astype(s.dtype), tree, like
+    """Return `tree`'s leaves cast to the dtypes of `like`'s, in `like`'s structure.
+
+    The structure is `like`'s so that a carried accumulator keeps its exact PyTree
+    type across traces of a body (a `CallbackSummary` built from a lambda inside the
+    body has a new function object, its static field, at every trace).
+    """
+    like_leaves, treedef = jax.tree_util.tree_flatten(like)
+    leaves = jax.tree_util.tree_leaves(tree)
+    return treedef.unflatten(
+        [
+            jnp.asarray(x).astype(s.dtype)
+            for x, s in zip(leaves, like_leaves, strict=True)
+        ]
     )
 
 

@@ -1,0 +1,313 @@
+"""scan_in_context's compiled program: size, outputs, memory, gradients, errors."""
+
+import re
+import types
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eqxctx import (
+    AudioSummary,
+    CallbackSummary,
+    Context,
+    HistogramSummary,
+    ImageSummary,
+    IterationSummaries,
+    MaxSummary,
+    MinSummary,
+    SumSummary,
+    WeightedSummary,
+    scan_in_context,
+    vmap_in_context,
+)
+
+
+_INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?[\w.\-]+ = ", re.MULTILINE)
+
+
+def hlo_instructions(fn: Any, *args: Any) -> int:
+    """Count the instructions of the optimized HLO of `jax.jit(fn)(*args)`."""
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    return len(_INSTRUCTION.findall(text))
+
+
+def _layer(
+    h: jax.Array, w: jax.Array, s: int
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    h = jnp.tanh(h @ w)
+    return h, {f"s{j}": jnp.mean(h) * (j + 1.0) for j in range(s)}
+
+
+def _ours(s: int, **kwargs: Any) -> Any:
+    def body(h: jax.Array, w: jax.Array, ctx: Context) -> Any:
+        h, sums = _layer(h, w, s)
+        for name, value in sums.items():
+            ctx = ctx.add_summary(name, value)
+        return h, None, ctx.add_module_output("h", h)
+
+    def run(h: jax.Array, ws: jax.Array, key: Any) -> Any:
+        context = Context.root(prng_key=key)
+        return scan_in_context(body, context=context, carry=h, xs=ws, **kwargs)
+
+    return run
+
+
+def _hand(s: int) -> Any:
+    def run(h: jax.Array, ws: jax.Array, key: Any) -> Any:
+        del key
+
+        def f(h: jax.Array, w: jax.Array) -> Any:
+            h, sums = _layer(h, w, s)
+            return h, (sums, h)
+
+        return jax.lax.scan(f, h, ws)
+
+    return run
+
+
+def _args(n: int, width: int = 16) -> tuple[jax.Array, jax.Array]:
+    h = jnp.linspace(-1.0, 1.0, 4 * width).reshape(4, width)
+    ws = jnp.linspace(-0.2, 0.2, n * width * width).reshape(n, width, width)
+    return h, ws
+
+
+@pytest.mark.parametrize("s", [1, 4])
+def test_same_program_as_hand_written_scan(s: int) -> None:
+    counts: list[int] = []
+    for n in (2, 8, 32):
+        h, ws = _args(n)
+        for key in (None, jax.random.PRNGKey(0)):
+            ours = hlo_instructions(_ours(s), h, ws, key)
+            hand = hlo_instructions(_hand(s), h, ws, key)
+            assert abs(ours - hand) <= 0.02 * hand, (n, key, ours, hand)
+            counts.append(ours)
+        carry, _, coll = jax.jit(_ours(s))(h, ws, None)
+        hand_carry, (sums, hs) = jax.jit(_hand(s))(h, ws, None)
+        np.testing.assert_allclose(carry, hand_carry, rtol=1e-6)
+        np.testing.assert_allclose(
+            coll.flatten("module_outputs")["iter/h"], hs, rtol=1e-6
+        )
+        stacked = coll.summaries["iter"]
+        assert isinstance(stacked, IterationSummaries)
+        for name, value in sums.items():
+            np.testing.assert_allclose(stacked.stacked[name], value, rtol=1e-6)
+            np.testing.assert_allclose(
+                coll.flatten("summaries")[f"iter{n - 1}/{name}"], value[-1], rtol=1e-6
+            )
+    assert len(set(counts)) == 1, counts  # independent of the number of layers
+
+
+def test_jitted_per_iteration_mode_returns_one_array_per_summary() -> None:
+    n, s = 64, 8
+    h, ws = _args(n, width=4)
+    lowered = jax.jit(_ours(s)).lower(h, ws, None)
+    outputs = jax.tree_util.tree_leaves(lowered.out_info)
+    # carry + module output + S stacked summaries, not N * S scalars.
+    assert len(outputs) == 2 + s
+    assert sorted(o.shape for o in outputs) == sorted([(4, 4), (n, 4, 4)] + [(n,)] * s)
+
+
+def test_dropped_outputs_are_not_program_outputs() -> None:
+    h, ws = _args(16, width=4)
+    run = _ours(3, drop_output=lambda p: p in {"module_outputs/h", "summaries/s1"})
+    outputs = jax.tree_util.tree_leaves(jax.jit(run).lower(h, ws, None).out_info)
+    assert sorted(o.shape for o in outputs) == [(4, 4), (16,), (16,)]
+    _, _, coll = jax.jit(run)(h, ws, None)
+    assert coll.flatten("module_outputs") == {}
+    assert {p.split("/")[1] for p in coll.flatten("summaries")} == {"s0", "s2"}
+
+
+def test_merge_memory_does_not_grow_with_iterations() -> None:
+    def body(h: jax.Array, w: jax.Array, ctx: Context) -> Any:
+        h = jnp.tanh(h * w)
+        ctx = ctx.add_summary("act", h)  # a [64] summary: stacked, it would grow
+        ctx = ctx.add_summary("mean", WeightedSummary(jnp.mean(h), 1.0))
+        ctx = ctx.add_summary("max", MaxSummary(h))
+        ctx = ctx.add_summary("noise", jax.random.uniform(ctx.prng_key, (64,)))
+        return h, None, ctx
+
+    def temp_bytes(n: int) -> int:
+        def run(h: jax.Array, ws: jax.Array, key: jax.Array) -> Any:
+            context = Context.root(prng_key=key)
+            return scan_in_context(
+                body, context=context, carry=h, xs=ws, merge_summaries=True
+            )
+
+        args = (jnp.ones(64), jnp.ones((n, 64)), jax.random.PRNGKey(0))
+        analysis = jax.jit(run).lower(*args).compile().memory_analysis()
+        assert analysis is not None
+        return analysis.temp_size_in_bytes
+
+    assert temp_bytes(256) <= temp_bytes(8)
+
+
+def _loss_terms(carry: jax.Array, hs: jax.Array, sums: dict[str, Any]) -> jax.Array:
+    return jnp.sum(carry) + jnp.sum(hs**2) + sum(jnp.sum(v) for v in sums.values())
+
+
+@pytest.mark.parametrize(
+    "remat",
+    [None, {}, {"policy": jax.checkpoint_policies.nothing_saveable}],
+)
+def test_gradients_equal_hand_written_scan(remat: Any) -> None:
+    h, ws = _args(6, width=8)
+
+    def ours(h: jax.Array, ws: jax.Array, merge: bool) -> jax.Array:
+        carry, _, coll = _ours(2, remat_kwargs=remat, merge_summaries=merge)(
+            h, ws, None
+        )
+        sums = {k: v for k, v in coll.flatten("summaries").items()}
+        return _loss_terms(carry, coll.flatten("module_outputs")["iter/h"], sums)
+
+    def hand(h: jax.Array, ws: jax.Array) -> jax.Array:
+        carry, (sums, hs) = _hand(2)(h, ws, None)
+        return _loss_terms(carry, hs, sums)
+
+    want = jax.grad(hand, argnums=(0, 1))(h, ws)
+    for merge in (False, True):
+        got = jax.jit(jax.grad(ours, argnums=(0, 1)), static_argnums=2)(h, ws, merge)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def _kinds_body(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+    i = x.astype(jnp.float32)
+    ctx = ctx.add_summary("weighted", WeightedSummary(i * 2.0, i + 1.0))
+    ctx = ctx.add_summary("min", MinSummary(jnp.stack([i, -i])))
+    ctx = ctx.add_summary("max", MaxSummary(jnp.stack([i, -i])))
+    ctx = ctx.add_summary("sum", SumSummary(i))
+    ctx = ctx.add_summary("raw", i)
+    ctx = ctx.add_summary("image", ImageSummary(jnp.full((1, 2, 2), i)))
+    ctx = ctx.add_summary("audio", AudioSummary(jnp.full((4,), i), sample_rate=8000))
+    ctx = ctx.add_summary("hist", HistogramSummary(jnp.full((3,), i)))
+    ctx = ctx.add_summary("callback", CallbackSummary(lambda v: v + 100.0, i))
+    return x, ctx
+
+
+def _check_kinds(flat: dict[str, Any], n: int, first: int) -> None:
+    i = np.arange(n, dtype=np.float32)
+    weighted = flat["iter/weighted"]
+    np.testing.assert_allclose(
+        weighted.value(), np.sum(2 * i * (i + 1)) / np.sum(i + 1)
+    )
+    np.testing.assert_allclose(weighted.weight, np.sum(i + 1))
+    np.testing.assert_array_equal(flat["iter/min"].value(), [0.0, -(n - 1.0)])
+    np.testing.assert_array_equal(flat["iter/max"].value(), [n - 1.0, 0.0])
+    np.testing.assert_allclose(flat["iter/sum"].value(), np.sum(i))
+    np.testing.assert_allclose(flat["iter/raw"], np.sum(i))
+    # Media and callbacks keep the first value in accumulation order.
+    np.testing.assert_array_equal(flat["iter/image"].value(), np.full((1, 2, 2), first))
+    np.testing.assert_array_equal(flat["iter/audio"].value(), np.full((4,), first))
+    assert flat["iter/audio"].sample_rate == 8000
+    np.testing.assert_array_equal(flat["iter/hist"].value(), np.full((3,), first))
+    np.testing.assert_allclose(flat["iter/callback"].value(), first + 100.0)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_merged_summary_kinds_scan(reverse: bool) -> None:
+    n = 5
+
+    def body(c: Any, x: jax.Array, ctx: Context) -> Any:
+        y, ctx = _kinds_body(x, ctx)
+        return c, y, ctx
+
+    _, _, coll = jax.jit(
+        lambda xs: scan_in_context(
+            body,
+            context=Context.root(),
+            carry=0,
+            xs=xs,
+            reverse=reverse,
+            merge_summaries=True,
+        )
+    )(jnp.arange(n))
+    # Execution order: under reverse=True the first accumulated is the last index.
+    _check_kinds(coll.flatten("summaries"), n, first=n - 1 if reverse else 0)
+
+
+def test_merged_summary_kinds_vmap() -> None:
+    _, coll = vmap_in_context(
+        _kinds_body, context=Context.root(), xs=jnp.arange(4), merge_summaries=True
+    )
+    _check_kinds(coll.flatten("summaries"), 4, first=0)
+
+
+def _never(c: Any, x: Any, ctx: Context) -> Any:
+    raise AssertionError("the body must not be traced")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            {"xs": {"a": jnp.ones((3, 2)), "b": jnp.ones(4)}},
+            r"disagree: xs\['a'\] \(3, 2\), xs\['b'\] \(4,\)",
+        ),
+        (
+            {
+                "xs": jnp.ones(3),
+                "per_iteration": {"prng_key": jnp.zeros((2, 2), jnp.uint32)},
+            },
+            r"xs \(3,\), per_iteration\['prng_key'\] \(2, 2\)",
+        ),
+        ({"xs": jnp.ones(3), "length": 4}, r"xs \(3,\) and length=4"),
+        ({"xs": None}, "no array leaf and `length` is None"),
+        ({"xs": jnp.ones(())}, r"xs has shape \(\)"),
+        ({"xs": None, "length": -1}, "non-negative int"),
+        ({"xs": jnp.ones(3), "child_name_prefix": "Iter"}, "invalid child name 'Iter'"),
+        ({"xs": jnp.ones(3), "child_name_prefix": "iter/x"}, "invalid child name"),
+        ({"xs": jnp.ones(3), "per_iteration": {"is_training": True}}, "is_training"),
+        ({"xs": jnp.ones(3), "remat_kwargs": {"prevent_cse": True}}, "prevent_cse"),
+    ],
+)
+def test_scan_errors_before_tracing(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        scan_in_context(_never, context=Context.root(), carry=0, **kwargs)
+
+
+def test_remat_kwargs_not_mutated_and_read_only_mapping() -> None:
+    remat = types.MappingProxyType({"policy": jax.checkpoint_policies.dots_saveable})
+    h, ws = _args(3, width=4)
+    carry, _, _ = _ours(1, remat_kwargs=remat)(h, ws, None)
+    np.testing.assert_allclose(carry, _hand(1)(h, ws, None)[0], rtol=1e-6)
+    assert dict(remat) == {"policy": jax.checkpoint_policies.dots_saveable}
+    plain = {"prevent_cse": False}
+    _ours(1, remat_kwargs=plain)(h, ws, None)
+    assert plain == {"prevent_cse": False}
+
+
+def test_body_must_return_context() -> None:
+    with pytest.raises(TypeError, match=r"\(carry, y, ctx\)"):
+        scan_in_context(
+            lambda c, x, ctx: (c, x), context=Context.root(), carry=0, xs=jnp.ones(2)
+        )
+    with pytest.raises(TypeError, match=r"\(y, ctx\)"):
+        vmap_in_context(lambda x, ctx: x, context=Context.root(), xs=jnp.ones(2))
+
+
+@pytest.mark.parametrize(
+    ("xs", "in_axes", "match"),
+    [
+        (
+            {"a": jnp.ones((2, 3)), "b": jnp.ones(3)},
+            0,
+            r"xs\['a'\] \(2, 3\), xs\['b'\] \(3,\)",
+        ),
+        ({"a": jnp.ones(2)}, {"a": None}, "no leaf of `xs` is mapped"),
+        ({"a": jnp.ones(2)}, {"a": 1}, "out of range"),
+        ({"a": jnp.ones(2)}, {"b": 0}, "prefix"),
+        ({"a": jnp.ones(2)}, 0, None),
+    ],
+)
+def test_vmap_errors_before_tracing(xs: Any, in_axes: Any, match: str | None) -> None:
+    if match is None:
+        with pytest.raises(ValueError, match="invalid child name"):
+            vmap_in_context(
+                _never, context=Context.root(), xs=xs, child_name_prefix="2x"
+            )
+        return
+    with pytest.raises(ValueError, match=match):
+        vmap_in_context(_never, context=Context.root(), xs=xs, in_axes=in_axes)
