@@ -31,6 +31,7 @@ _INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?[\w.\-]+ = ", re.MULTILINE)
 def hlo_instructions(fn: Any, *args: Any) -> int:
     """Count the instructions of the optimized HLO of `jax.jit(fn)(*args)`."""
     text = jax.jit(fn).lower(*args).compile().as_text()
+    assert text is not None
     return len(_INSTRUCTION.findall(text))
 
 
@@ -239,6 +240,10 @@ def _never(c: Any, x: Any, ctx: Context) -> Any:
     raise AssertionError("the body must not be traced")
 
 
+def _never_vmap(x: Any, ctx: Context) -> Any:
+    raise AssertionError("the body must not be traced")
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -280,12 +285,12 @@ def test_remat_kwargs_not_mutated_and_read_only_mapping() -> None:
 
 
 def test_body_must_return_context() -> None:
+    bad_scan: Any = lambda c, x, ctx: (c, x)
+    bad_vmap: Any = lambda x, ctx: x
     with pytest.raises(TypeError, match=r"\(carry, y, ctx\)"):
-        scan_in_context(
-            lambda c, x, ctx: (c, x), context=Context.root(), carry=0, xs=jnp.ones(2)
-        )
+        scan_in_context(bad_scan, context=Context.root(), carry=0, xs=jnp.ones(2))
     with pytest.raises(TypeError, match=r"\(y, ctx\)"):
-        vmap_in_context(lambda x, ctx: x, context=Context.root(), xs=jnp.ones(2))
+        vmap_in_context(bad_vmap, context=Context.root(), xs=jnp.ones(2))
 
 
 @pytest.mark.parametrize(
@@ -306,8 +311,8 @@ def test_vmap_errors_before_tracing(xs: Any, in_axes: Any, match: str | None) ->
     if match is None:
         with pytest.raises(ValueError, match="invalid child name"):
             vmap_in_context(
-                _never, context=Context.root(), xs=xs, child_name_prefix="2x"
+                _never_vmap, context=Context.root(), xs=xs, child_name_prefix="2x"
             )
         return
     with pytest.raises(ValueError, match=match):
-        vmap_in_context(_never, context=Context.root(), xs=xs, in_axes=in_axes)
+        vmap_in_context(_never_vmap, context=Context.root(), xs=xs, in_axes=in_axes)
