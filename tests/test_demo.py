@@ -6,12 +6,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import equinox as eqx
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from matplotlib.image import imread
 
+import eqxctx
 from eqxctx.demo._cli import make_run_dir, use_cpu_devices
 from eqxctx.demo._data import Split, eval_batches, load_digits_split, train_batches
+from eqxctx.demo._model import Classifier
+from eqxctx.demo._train import evaluate
 from tb_events import scalars
 
 
@@ -149,10 +155,14 @@ def test_run_folders_are_never_reused(tmp_path: Path) -> None:
 def test_use_cpu_devices_replaces_the_count(monkeypatch: pytest.MonkeyPatch) -> None:
     flags = "--xla_foo=1 --xla_force_host_platform_device_count=8 --xla_bar"
     monkeypatch.setenv("XLA_FLAGS", flags)
-    use_cpu_devices(3)  # this process's backend already started: env only
+    calls: list[tuple[str, object]] = []
+    # Record instead of changing this test process's JAX configuration.
+    monkeypatch.setattr(jax.config, "update", lambda k, v: calls.append((k, v)))
+    use_cpu_devices(3)
     assert os.environ["XLA_FLAGS"] == (
         "--xla_foo=1 --xla_bar --xla_force_host_platform_device_count=3"
     )
+    assert calls == [("jax_num_cpu_devices", 3)]
 
 
 def test_data_split_and_batches() -> None:
@@ -176,3 +186,126 @@ def test_data_split_and_batches() -> None:
     for _ in range(3):  # epochs of 10 // 4 = 2 batches, no example twice in one
         epoch = np.concatenate([next(stream)["label"] for _ in range(2)])
         assert len(set(epoch.tolist())) == 8
+
+
+# -- the model, in process (with the jaxtyping/beartype hook) ------------------------
+
+
+def _small_model(num_layers: int = 3, width: int = 8) -> Classifier:
+    return Classifier(
+        num_layers=num_layers, width=width, dropout=0.5, key=jax.random.PRNGKey(0)
+    )
+
+
+def _batch(n: int = 6) -> dict[str, jax.Array]:
+    train, _ = load_digits_split(seed=0)
+    weight = np.ones(n, dtype=np.float32)
+    weight[-2:] = 0.0  # two padding examples
+    return {
+        "image": jnp.asarray(train.images[:n]),
+        "label": jnp.asarray(train.labels[:n]),
+        "weight": jnp.asarray(weight),
+    }
+
+
+def test_model_scan_equals_a_python_loop_over_layers() -> None:
+    model, batch = _small_model(), _batch()
+    out, coll = eqxctx.functional(
+        model.evaluate,
+        prng_key=jax.random.PRNGKey(1),
+        is_training=False,
+        args=(batch,),
+        drop_output_collections=(),
+    )
+    # Reference: slice each layer's parameters and loop in Python.
+    params, static = eqx.partition(model.blocks, eqx.is_array)
+    w = np.asarray(batch["weight"])
+    h = jax.vmap(model.embed)(batch["image"])
+    summaries = coll.flatten("summaries")
+    hidden = coll.flatten("module_outputs")["layers/iter/hidden"]
+    assert hidden.shape == (3, 6, 8)
+    for i in range(3):
+        block = eqx.combine(jax.tree.map(lambda p, i=i: p[i], params), static)
+        new_h, _ = block(h, batch["weight"], eqxctx.Context.root())
+        np.testing.assert_allclose(hidden[i], new_h, rtol=1e-5, atol=1e-6)
+        update = np.asarray(new_h - h)
+        rms = np.sqrt(np.sum(np.mean(np.asarray(new_h) ** 2, -1) * w) / w.sum())
+        ratio = np.linalg.norm(update, axis=-1) / (np.linalg.norm(h, axis=-1) + 1e-6)
+        s_rms = summaries[f"layers/iter{i}/activation_rms"]
+        s_ratio = summaries[f"layers/iter{i}/update_ratio"]
+        np.testing.assert_allclose(s_rms.value(), rms, rtol=1e-5)
+        np.testing.assert_allclose(
+            s_ratio.value(), np.sum(ratio * w) / w.sum(), rtol=1e-5
+        )
+        assert float(s_rms.weight) == 4.0
+        h = new_h
+    logits = jax.vmap(model.head)(jax.vmap(model.head_norm)(h))
+    labels = np.asarray(batch["label"])
+    log_probs = np.asarray(jax.nn.log_softmax(logits))
+    nll = -log_probs[np.arange(6), labels]
+    np.testing.assert_allclose(out["nll"], nll, rtol=1e-5)
+    np.testing.assert_array_equal(out["predictions"], np.argmax(logits, -1))
+    np.testing.assert_allclose(
+        summaries["loss"].value(), np.sum(nll * w) / 4, rtol=1e-5
+    )
+    correct = np.asarray(out["predictions"]) == labels
+    np.testing.assert_allclose(summaries["accuracy"].value(), np.sum(correct * w) / 4)
+
+
+def test_model_dropout_uses_the_context_keys_only_in_training() -> None:
+    model, batch = _small_model(), _batch()
+
+    def hidden(key: int, training: bool) -> np.ndarray:
+        _, coll = eqxctx.functional(
+            model.evaluate,
+            prng_key=jax.random.PRNGKey(key),
+            is_training=training,
+            args=(batch,),
+            drop_output_collections=(),
+        )
+        return np.asarray(coll.flatten("module_outputs")["layers/iter/hidden"])
+
+    np.testing.assert_array_equal(hidden(1, False), hidden(2, False))
+    np.testing.assert_array_equal(hidden(1, True), hidden(1, True))
+    assert not np.allclose(hidden(1, True), hidden(2, True))
+    assert not np.allclose(hidden(1, True), hidden(1, False))
+
+
+def test_evaluate_with_the_runner_matches_numpy() -> None:
+    model = _small_model(num_layers=2)
+    _, test = load_digits_split(seed=0)
+    data = Split(test.images[:40], test.labels[:40])  # 3 batches of 16, padded
+    result = evaluate(model, data, batch_size=16, seed=0, keep_hidden=True)
+    assert result.num_devices == len(jax.devices())
+    # Reference: one unpadded call, on one device.
+    batch = {
+        "image": jnp.asarray(data.images),
+        "label": jnp.asarray(data.labels),
+        "weight": jnp.ones(40, dtype=jnp.float32),
+    }
+    out, coll = eqxctx.functional(
+        model.evaluate,
+        prng_key=None,
+        is_training=False,
+        args=(batch,),
+        drop_output_collections=(),
+    )
+    np.testing.assert_array_equal(result.predictions, out["predictions"])
+    accuracy = np.mean(np.asarray(out["predictions"]) == data.labels)
+    assert result.summaries["accuracy"] == pytest.approx(accuracy, rel=1e-6)
+    assert result.summaries["loss"] == pytest.approx(
+        float(np.mean(out["nll"])), rel=1e-5
+    )
+    expected_hidden = coll.flatten("module_outputs")["layers/iter/hidden"]
+    np.testing.assert_allclose(
+        result.hidden["layers/iter/hidden"], expected_hidden, rtol=1e-5, atol=1e-6
+    )
+    assert set(result.summaries) == {
+        "loss",
+        "accuracy",
+        *(
+            f"layers/iter{i}/{n}"
+            for i in (0, 1)
+            for n in ("activation_rms", "update_ratio")
+        ),
+    }
