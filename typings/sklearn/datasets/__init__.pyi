@@ -6,4 +6,6 @@ import numpy as np
 
 def load_digits(
     *, n_class: int = 10, return_X_y: Literal[True], as_frame: Literal[False] = False
-) -> tuple[np.ndarray[Any, np.dtype[np.float64]], np.ndarray[Any, np.dtype[np.int64]]]: ...
+) -> tuple[
+    np.ndarray[Any, np.dtype[np.float64]], np.ndarray[Any, np.dtype[np.int64]]
+]: ...
