@@ -167,25 +167,7 @@ class OutputCollection(eqx.Module):
         return set().union(*(self._leaf_names(kind) for kind in KINDS))
 
     def _add_leaf(self, kind: Kind, name: str, value: Any) -> "OutputCollection":
-        where = ADDERS[kind]
-        _validate_leaf_name(name, where=where)
-        check_leaf(value, f"{kind}/{name}")
-        if isinstance(value, Summary):
-            value.validate()
-        if name in self._leaf_names(kind):
-            raise OutputConflictError(
-                f"`{where}`: {kind} already has an entry {name!r} (path "
-                f"{kind}/{name}). Each name can be added once per context; use another "
-                "name or a child context (`ctx.call`)."
-            )
-        if name in self.child_names():
-            raise OutputConflictError(
-                f"`{where}`: {name!r} is already a child at this level (path "
-                f"{kind}/{name}); leaf names and child names must differ."
-            )
-        fields = {k: getattr(self, k) for k in KINDS}
-        fields[kind] = {**fields[kind], name: value}
-        return OutputCollection(**fields)
+        return add_leaf(self, kind, name, value)
 
     # -- adding ------------------------------------------------------------------
 
@@ -201,15 +183,15 @@ class OutputCollection(eqx.Module):
             TypeError: if `value` is not a valid leaf.
             OutputConflictError: if `name` is already a summary or a child here.
         """
-        return self._add_leaf("summaries", name, value)
+        return add_leaf(self, "summaries", name, value)
 
     def add_state_update(self, name: str, value: Any) -> "OutputCollection":
         """Return a new collection with state update `name` added (as `add_summary`)."""
-        return self._add_leaf("state_updates", name, value)
+        return add_leaf(self, "state_updates", name, value)
 
     def add_module_output(self, name: str, value: Any) -> "OutputCollection":
         """Return a new collection with module output `name` added (see add_summary)."""
-        return self._add_leaf("module_outputs", name, value)
+        return add_leaf(self, "module_outputs", name, value)
 
     def add_child(self, name: str, child: "OutputCollection") -> "OutputCollection":
         """Return a new collection with `child` nested under `name` in all three kinds.
@@ -338,6 +320,41 @@ class OutputCollection(eqx.Module):
     def is_empty(self) -> bool:
         """Return whether no kind has any leaf (empty children do not count)."""
         return not any(self.flatten(kind) for kind in KINDS)
+
+
+def add_leaf(
+    coll: OutputCollection, kind: Kind, name: str, value: Any
+) -> OutputCollection:
+    """Return `coll` with leaf `name` added to `kind` (see `add_summary`).
+
+    A module-level function, not a method: every method access on an `eqx.Module`
+    builds a bound-method object, which made adding outputs the largest trace-time
+    cost of a scan body.
+    """
+    where = ADDERS[kind]
+    _validate_leaf_name(name, where=where)
+    check_leaf(value, f"{kind}/{name}")
+    if isinstance(value, Summary):
+        value.validate()
+    fields = {k: getattr(coll, k) for k in KINDS}
+    if name in fields[kind] and not _is_child(fields[kind][name]):
+        raise OutputConflictError(
+            f"`{where}`: {kind} already has an entry {name!r} (path "
+            f"{kind}/{name}). Each name can be added once per context; use another "
+            "name or a child context (`ctx.call`)."
+        )
+    is_child = any(_is_child(tree.get(name)) for tree in fields.values()) or any(
+        name in _reserved(key, value)
+        for key, value in fields["summaries"].items()
+        if isinstance(value, IterationSummaries)
+    )
+    if is_child:
+        raise OutputConflictError(
+            f"`{where}`: {name!r} is already a child at this level (path "
+            f"{kind}/{name}); leaf names and child names must differ."
+        )
+    fields[kind] = {**fields[kind], name: value}
+    return OutputCollection(**fields)
 
 
 def _materialize(tree: dict[str, Any]) -> dict[str, Any]:

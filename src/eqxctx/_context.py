@@ -12,7 +12,7 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from ._collection import OutputCollection, validate_child_name
+from ._collection import OutputCollection, add_leaf, validate_child_name
 from ._errors import CALL_TWICE_HINT, PREFIX_HINT, OutputConflictError
 from ._typing import PRNGKey
 
@@ -116,15 +116,18 @@ class Context(eqx.Module):
 
         See `OutputCollection.add_summary` for the accepted values and errors.
         """
-        return self.replace_collection(self.collection.add_summary(name, value))
+        coll = add_leaf(self.collection, "summaries", name, value)
+        return dataclasses.replace(self, collection=coll)
 
     def add_state_update(self, name: str, value: Any) -> "Context":
         """Return a new context with state update `name` added."""
-        return self.replace_collection(self.collection.add_state_update(name, value))
+        coll = add_leaf(self.collection, "state_updates", name, value)
+        return dataclasses.replace(self, collection=coll)
 
     def add_module_output(self, name: str, value: Any) -> "Context":
         """Return a new context with module output `name` added."""
-        return self.replace_collection(self.collection.add_module_output(name, value))
+        coll = add_leaf(self.collection, "module_outputs", name, value)
+        return dataclasses.replace(self, collection=coll)
 
     def replace_collection(self, collection: OutputCollection) -> "Context":
         """Return a new context whose collection is `collection`."""
