@@ -81,7 +81,7 @@ def measure(
     t2 = time.perf_counter()
     jax.block_until_ready(compiled(*args))  # warm-up
     run = float("inf")
-    for _ in range(3):
+    for _ in range(5):
         t3 = time.perf_counter()
         jax.block_until_ready(compiled(*args))
         run = min(run, time.perf_counter() - t3)

@@ -118,7 +118,7 @@ def test_scan_matches_python_loop(spec: Any, data: st.DataObject) -> None:
 @given(spec=body_specs(), data=st.data())
 def test_vmap_matches_python_loop(spec: Any, data: st.DataObject) -> None:
     outputs, with_sub, paths = spec
-    n = data.draw(st.integers(1, 6), label="n")
+    n = data.draw(st.integers(0, 6), label="n")
     w = data.draw(st.integers(1, 3), label="w")
     dropped = data.draw(st.sets(st.sampled_from(paths), max_size=3), label="dropped")
     merge = data.draw(st.booleans(), label="merge")
@@ -163,6 +163,10 @@ def test_vmap_matches_python_loop(spec: Any, data: st.DataObject) -> None:
         drop_output=drop,
         merge=merge,
     )
+    if n == 0:
+        assert got_ys["h"].shape == (0, w)
+        assert got.flatten("summaries") == {}
+        return
     np.testing.assert_allclose(got_ys["h"], want_ys["h"], rtol=1e-5, atol=1e-6)
     assert_collections_close(got, want)
 
