@@ -395,6 +395,13 @@ def test_propagate_repeated_output_collections() -> None:
     assert float(w.value()) == pytest.approx(3.25)
     assert float(w.weight) == 4.0
     assert rep.summaries["w"].mean.shape == (2,)  # unchanged
+    no_summaries = propagate_repeated_output_collections(
+        OutputCollection({}, {}, {"o": jnp.ones((3, 2))}),
+        child_name_prefix="rep",
+        merge_summaries=True,
+    )
+    assert no_summaries.flatten("summaries") == {}
+    assert no_summaries.child_names() == {"rep"}
     with pytest.raises(ValueError, match="leading axis"):
         propagate_repeated_output_collections(
             OutputCollection({"a": jnp.ones(2)}, {}, {"b": jnp.ones(3)}),

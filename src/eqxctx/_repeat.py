@@ -72,7 +72,7 @@ def fold_stacked(stacked: Any, length: int) -> Any:
     def step(acc: Any, new: Any) -> tuple[Any, None]:
         return cast_like(accumulate_trees(acc, new), like), None
 
-    out, _ = jax.lax.scan(step, cast_like(first, like), rest)
+    out, _ = jax.lax.scan(step, cast_like(first, like), rest, length=length - 1)
     return out
 
 
