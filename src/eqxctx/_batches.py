@@ -4,10 +4,12 @@ Follow AXLearn's `InferenceRunner.run` and `MetricAccumulator`
 (`axlearn/common/inference.py`, `axlearn/common/metrics.py`).
 """
 
+import collections
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import equinox as eqx
+import jax
 
 from ._collection import OutputCollection
 from ._runner import MethodRunner
@@ -19,18 +21,23 @@ def run_batches(
     batches: Iterable[Any],
     *,
     progress: bool = False,
+    max_in_flight: int | None = 8,
     **kwargs: Any,
 ) -> Iterator[MethodRunner.Output]:
     """Run `runner` on each batch in turn; yield each batch's output.
 
-    AXLearn's `InferenceRunner.run`: the runner's key advances after every batch. The
-    loop never blocks on the device, so the next batch is prepared while the previous
-    one computes.
+    AXLearn's `InferenceRunner.run`: the runner's key advances after every batch.
+    Calls do not block, so the next batch is prepared while earlier ones compute; only
+    when `max_in_flight` batches are still computing does the loop wait for the
+    oldest. (Without a bound, XLA's CPU runtime can deadlock with many multi-device
+    programs in flight, as on simulated CPU devices; the bound also caps the memory
+    held by pending outputs.)
 
     Args:
         runner: the runner; its successor is used for the next batch.
         batches: an iterable of input batches (see `MethodRunner.__call__`).
         progress: show a `tqdm` progress bar (needs the `tqdm` package).
+        max_in_flight: the most batches computing at once (None: no bound).
         **kwargs: keyword arguments of the method, for every batch.
 
     Yields:
@@ -38,7 +45,13 @@ def run_batches(
 
     Raises:
         ImportError: if `progress=True` and `tqdm` is not installed.
+        ValueError: if `max_in_flight` is not positive.
     """
+    if max_in_flight is not None and max_in_flight < 1:
+        raise ValueError(
+            f"`run_batches(max_in_flight={max_in_flight})`: pass a positive number "
+            "or None."
+        )
     if progress:
         try:
             from tqdm.auto import tqdm
@@ -48,8 +61,13 @@ def run_batches(
                 "`pip install eqxctx[demo]`)."
             ) from e
         batches = tqdm(batches, desc="batches", unit="batch")
+    pending: collections.deque[Any] = collections.deque()
     for batch in batches:
         runner, output = runner(batch, **kwargs)
+        if max_in_flight is not None:
+            pending.append(output.output_batch)
+            if len(pending) > max_in_flight:
+                jax.block_until_ready(pending.popleft())
         yield output
 
 

@@ -77,6 +77,8 @@ def leaf_spec(spec: PartitionSpec, ndim: int, *, explicit: bool) -> PartitionSpe
     others take `spec` as it is. The result is then put in the form JAX gives the
     outputs of a jitted function (see `normalize_spec`).
     """
+    if ndim == 0:
+        return PartitionSpec()
     if ndim == 1 and len(spec) > 1:
         spec = PartitionSpec(spec[0])
     return normalize_spec(spec, ndim, explicit=explicit)

@@ -1,0 +1,537 @@
+"""MethodRunner, run_batches and SummaryAccumulator on 8 simulated CPU devices."""
+
+from typing import Any
+
+import equinox as eqx
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import eqxctx
+from eqxctx import Context, DataPartition, MethodRunner
+
+
+pytestmark = pytest.mark.skipif(
+    jax.device_count() < 8, reason="needs 8 (simulated) devices"
+)
+
+TRACES: list[str] = []
+
+
+class MLP(eqx.Module):
+    w1: jax.Array
+    b1: jax.Array
+    w2: jax.Array
+    scale: float = eqx.field(static=True)
+    name: str = "mlp"  # a non-array leaf: static, like in eqx.filter_jit
+    # Explicit meshes: the sharding of `h @ w2` when its contracted axis is split.
+    out_sharding: Any = eqx.field(static=True, default=None)
+
+    def predict(
+        self, batch: dict[str, Any], ctx: Context, *, shift: Any = 0.0
+    ) -> tuple[dict[str, jax.Array], Context]:
+        TRACES.append(self.name)
+        x = batch["x"]
+
+        def stats(x: jax.Array, ctx: Context) -> tuple[None, Context]:
+            ctx = ctx.add_module_output("x_mean", jnp.mean(x, axis=0))
+            return None, ctx.add_module_output("x_max", jnp.max(x))
+
+        _, ctx = ctx.call("input_stats", stats, x)
+        h = jax.nn.relu(x @ self.w1 + self.b1[None, :])
+        y = jnp.matmul(h, self.w2, out_sharding=self.out_sharding) * self.scale + shift
+        noise = jax.random.uniform(ctx.prng_key, (x.shape[0],))
+        n = jnp.asarray(x.shape[0], jnp.float32)
+        ctx = ctx.add_summary("y_mean", eqxctx.WeightedSummary(jnp.mean(y), n))
+        ctx = ctx.add_summary("y_min", eqxctx.MinSummary(jnp.min(y)))
+        ctx = ctx.add_summary("count", n)
+        return {"y": y, "noise": noise, "label": batch["label"] + 1}, ctx
+
+
+def make_model(seed: int = 0, hidden: int = 8, out_sharding: Any = None) -> MLP:
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
+    return MLP(
+        jax.random.normal(k1, (4, hidden)),
+        jax.random.normal(k2, (hidden,)),
+        jax.random.normal(k3, (hidden, 3)),
+        scale=0.5,
+        out_sharding=out_sharding,
+    )
+
+
+def make_batch(n: int = 16, seed: int = 1) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "x": rng.normal(size=(n, 4)).astype(np.float32),
+        "label": np.arange(n, dtype=np.int32),
+    }
+
+
+def reference(
+    model: MLP, batch: dict[str, Any], key: jax.Array, **kwargs: Any
+) -> tuple[jax.Array, dict[str, jax.Array], eqxctx.OutputCollection]:
+    """The unsharded computation on one device: AXLearn's key split, then the method."""
+    new_key, iter_key = jax.random.split(key)
+    out, ctx = model.predict(
+        jax.tree.map(jnp.asarray, batch), Context.root(prng_key=iter_key), **kwargs
+    )
+    return new_key, out, ctx.collection
+
+
+def mesh_1d(axis_type: AxisType = AxisType.Auto) -> jax.sharding.Mesh:
+    return jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+
+
+def mesh_2d(axis_type: AxisType = AxisType.Auto) -> jax.sharding.Mesh:
+    return jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+
+
+def model_parallel(path: str, leaf: jax.Array) -> P:
+    """Weight matrices split over `model`; the rest replicated."""
+    return {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None)}[path]
+
+
+def spec_of(x: jax.Array) -> tuple[Any, ...]:
+    """The sharding spec without trailing Nones (Auto and Explicit compare equal)."""
+    assert isinstance(x.sharding, NamedSharding)
+    spec = list(x.sharding.spec)
+    while spec and spec[-1] is None:
+        spec.pop()
+    return tuple(spec)
+
+
+def assert_matches_reference(
+    out: MethodRunner.Output, model: MLP, batch: dict[str, Any], key: jax.Array
+) -> None:
+    _, ref_out, ref_coll = reference(model, batch, key)
+    for name in ("y", "noise", "label"):
+        np.testing.assert_allclose(
+            np.asarray(out.output_batch[name]),
+            np.asarray(ref_out[name]),
+            rtol=1e-5,
+            atol=1e-5,
+        )
+    ref_sum = ref_coll.flatten("summaries")
+    got_sum = eqxctx.OutputCollection(out.summaries, {}, {}).flatten("summaries")
+    assert got_sum.keys() == ref_sum.keys()
+    for k, v in ref_sum.items():
+        a, b = jax.tree.leaves(got_sum[k]), jax.tree.leaves(v)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+MESHES = {
+    "one_device": lambda: jax.make_mesh((1,), ("data",), devices=jax.devices()[:1]),
+    "auto_1d": lambda: mesh_1d(AxisType.Auto),
+    "explicit_1d": lambda: mesh_1d(AxisType.Explicit),
+    "auto_2d_model_parallel": lambda: mesh_2d(AxisType.Auto),
+    "explicit_2d_model_parallel": lambda: mesh_2d(AxisType.Explicit),
+}
+
+
+@pytest.mark.parametrize("mesh_name", sorted(MESHES))
+def test_sharded_equals_unsharded(mesh_name: str) -> None:
+    mesh = MESHES[mesh_name]()
+    two_d = "2d" in mesh_name
+    explicit = "explicit" in mesh_name
+    model, batch, key = make_model(), make_batch(), jax.random.PRNGKey(3)
+    if explicit and two_d:
+        model = make_model(out_sharding=NamedSharding(mesh, P("data", None)))
+    # Explicit axes: a batch split over `model` cannot meet weights split over
+    # `model` in one matmul (JAX's sharding-in-types rejects it), so use BATCH.
+    input_partition = DataPartition.BATCH if explicit and two_d else DataPartition.FULL
+    runner = MethodRunner.create(
+        model,
+        "predict",
+        mesh=mesh,
+        prng_key=key,
+        input_partition=input_partition,
+        param_partition=model_parallel if two_d else None,
+        drop_module_outputs=lambda path: False,
+    )
+    new_runner, out = runner(batch)
+    assert_matches_reference(out, model, batch, key)
+    np.testing.assert_array_equal(
+        np.asarray(jax.random.key_data(new_runner.prng_key)),
+        np.asarray(jax.random.key_data(jax.random.split(key)[0])),
+    )
+    # Shardings: inputs by the input partition, outputs BATCH, module outputs and
+    # summaries replicated, the key replicated.
+    in_axes = ("data", "model") if two_d and not explicit else ("data",)
+    if input_partition is DataPartition.FULL and two_d:
+        assert spec_of(out.input_batch["x"]) == (in_axes,)
+    else:
+        assert spec_of(out.input_batch["x"]) in ((("data",),), ("data",))
+    assert spec_of(out.input_batch["label"]) == spec_of(out.input_batch["x"])[:1]
+    assert spec_of(out.output_batch["y"]) in ((("data",),), ("data",))
+    assert spec_of(out.output_batch["noise"]) == spec_of(out.output_batch["y"])
+    for leaf in jax.tree.leaves((out.module_outputs, out.summaries)):
+        assert leaf.sharding.is_fully_replicated
+    assert new_runner.prng_key.sharding.is_fully_replicated
+    if two_d:
+        assert spec_of(new_runner.params.w1) == (None, "model")
+        assert spec_of(new_runner.params.w2) == ("model",)
+    np.testing.assert_allclose(
+        np.asarray(out.module_outputs["input_stats"]["x_mean"]),
+        batch["x"].mean(axis=0),
+        rtol=1e-5,
+    )
+
+
+def test_key_sequence_matches_axlearn() -> None:
+    model, batch, key = make_model(), make_batch(), jax.random.PRNGKey(7)
+    runner = MethodRunner.create(model, "predict", mesh=mesh_1d(), prng_key=key)
+    expected_key = key
+    for _ in range(3):
+        expected_key, iter_key = jax.random.split(expected_key)
+        runner, out = runner(batch)
+        np.testing.assert_array_equal(
+            np.asarray(runner.prng_key), np.asarray(expected_key)
+        )
+        np.testing.assert_allclose(
+            np.asarray(out.output_batch["noise"]),
+            np.asarray(jax.random.uniform(iter_key, (16,))),
+        )
+
+
+def test_typed_key_and_same_runner_twice() -> None:
+    model, batch = make_model(), make_batch()
+    runner = MethodRunner.create(
+        model, "predict", mesh=mesh_1d(), prng_key=jax.random.key(5)
+    )
+    r1, out1 = runner(batch)
+    r2, out2 = runner(batch)
+    assert eqx.tree_equal(out1.output_batch, out2.output_batch)
+    assert jnp.array_equal(
+        jax.random.key_data(r1.prng_key), jax.random.key_data(r2.prng_key)
+    )
+    _, out3 = r1(batch)
+    assert not np.array_equal(out3.output_batch["noise"], out1.output_batch["noise"])
+    # The runner is unchanged by calls (a value).
+    assert jnp.array_equal(
+        jax.random.key_data(runner.prng_key), jax.random.key_data(jax.random.key(5))
+    )
+
+
+def test_host_local_global_and_mixture_give_identical_results() -> None:
+    model, batch, key = make_model(), make_batch(), jax.random.PRNGKey(0)
+    mesh = mesh_2d()
+    runner = MethodRunner.create(model, "predict", mesh=mesh, prng_key=key)
+    full = NamedSharding(mesh, P(("data", "model")))
+    pre_sharded = {k: jax.device_put(v, full) for k, v in batch.items()}
+    mixture = {"x": pre_sharded["x"], "label": batch["label"]}
+    # A single-device array is host-local too; a wrongly sharded global array is
+    # resharded.
+    other = {
+        "x": jax.device_put(batch["x"], jax.devices()[3]),
+        "label": jax.device_put(batch["label"], NamedSharding(mesh, P())),
+    }
+    outs = [runner(b)[1] for b in (batch, pre_sharded, mixture, other)]
+    for out in outs[1:]:
+        assert eqx.tree_equal(out.output_batch, outs[0].output_batch)
+        assert eqx.tree_equal(out.input_batch, outs[0].input_batch)
+        for a, b in zip(
+            jax.tree.leaves(out.input_batch),
+            jax.tree.leaves(outs[0].input_batch),
+            strict=True,
+        ):
+            assert a.sharding == b.sharding
+    # Pre-sharded inputs pass through untouched.
+    assert outs[1].input_batch["x"] is pre_sharded["x"]
+    # Chaining: the outputs of one call feed the next without a transfer.
+    _, again = runner(outs[0].input_batch)
+    assert again.input_batch["x"] is outs[0].input_batch["x"]
+
+
+def cache_size(jitted: Any) -> int:
+    """The number of entries in a `jax.jit` function's C++ dispatch cache."""
+    return jitted._cache_size()
+
+
+def named_model(name: str, seed: int = 0) -> MLP:
+    return eqx.tree_at(lambda m: m.name, make_model(seed=seed), name)
+
+
+def test_one_compilation_and_no_retrace() -> None:
+    TRACES.clear()
+    batch = make_batch()
+    # A static part of its own, so that no other test shares this compilation cache.
+    runner = MethodRunner.create(
+        named_model("compiles"),
+        "predict",
+        mesh=mesh_1d(),
+        prng_key=jax.random.PRNGKey(0),
+    )
+    jitted = runner.settings.jitted
+    assert cache_size(jitted) == 0
+    runner, out = runner(batch)
+    for _ in range(3):
+        runner, out = runner(batch)
+    jax.block_until_ready(out)
+    assert TRACES == ["compiles"]
+    assert cache_size(jitted) == 1  # the key's sharding is stable from call 1
+    # Global inputs from a previous call, and a runner re-created from equal settings
+    # (other parameter values, equal static parts) share the compilation.
+    runner, _ = runner(out.input_batch)
+    again = MethodRunner.create(
+        named_model("compiles", seed=9),
+        "predict",
+        mesh=mesh_1d(),
+        prng_key=jax.random.PRNGKey(1),
+    )
+    assert again.settings == runner.settings
+    assert again.settings.jitted is jitted
+    again(batch)
+    assert TRACES == ["compiles"]
+    assert cache_size(jitted) == 1
+    # A new batch shape compiles once more, then is cached.
+    for _ in range(3):
+        runner, _ = runner(make_batch(n=24))
+    assert TRACES == ["compiles"] * 2
+    assert cache_size(jitted) == 2
+    # Other static settings do not share the compilation.
+    other = MethodRunner.create(
+        named_model("other"), "predict", mesh=mesh_1d(), prng_key=jax.random.PRNGKey(1)
+    )
+    assert other.settings != runner.settings
+    other(batch)
+    assert TRACES[-1] == "other"
+
+
+def test_no_retrace_with_assert_max_traces() -> None:
+    @eqx.debug.assert_max_traces(max_traces=1)
+    def method(model: MLP, batch: Any, ctx: Context) -> tuple[Any, Context]:
+        return batch["x"] @ model.w1, ctx
+
+    runner = MethodRunner.create(
+        make_model(), method, mesh=mesh_1d(), prng_key=jax.random.PRNGKey(0)
+    )
+    for _ in range(3):
+        runner, _ = runner(make_batch())
+    runner.__class__.create(
+        make_model(seed=4), method, mesh=mesh_1d(), prng_key=jax.random.PRNGKey(1)
+    )(make_batch())
+
+
+def test_method_kwargs_traced_and_static() -> None:
+    TRACES.clear()
+    model, batch, key = make_model(hidden=6), make_batch(), jax.random.PRNGKey(0)
+    runner = MethodRunner.create(model, "predict", mesh=mesh_1d(), prng_key=key)
+    _, out = runner(batch, shift=jnp.asarray(2.0))
+    _, out2 = runner(batch, shift=jnp.asarray(3.0))
+    assert len(TRACES) == 1  # arrays are traced
+    np.testing.assert_allclose(
+        np.asarray(out2.output_batch["y"] - out.output_batch["y"]), 1.0, rtol=1e-5
+    )
+    _, out3 = runner(batch, shift=1.5)  # a Python float is static: a new trace
+    assert len(TRACES) == 2
+    _, ref, _ = reference(model, batch, key, shift=1.5)
+    np.testing.assert_allclose(np.asarray(out3.output_batch["y"]), ref["y"], rtol=1e-5)
+
+
+def test_drop_module_outputs_paths_and_default() -> None:
+    seen: list[str] = []
+
+    def drop(path: str) -> bool:
+        seen.append(path)
+        return path == "input_stats/x_max"
+
+    model, batch = make_model(), make_batch()
+    key = jax.random.PRNGKey(0)
+    runner = MethodRunner.create(
+        model, "predict", mesh=mesh_1d(), prng_key=key, drop_module_outputs=drop
+    )
+    _, out = runner(batch)
+    assert set(seen) == {"input_stats/x_mean", "input_stats/x_max", "input_stats"}
+    assert list(out.module_outputs["input_stats"]) == ["x_mean"]
+    default = MethodRunner.create(model, "predict", mesh=mesh_1d(), prng_key=key)
+    assert default(batch)[1].module_outputs == {}
+
+
+def test_summaries_from_scan_and_non_array_outputs() -> None:
+    def method(model: MLP, batch: Any, ctx: Context) -> tuple[Any, Context]:
+        def body(
+            carry: jax.Array, x: jax.Array, ctx: Context
+        ) -> tuple[jax.Array, None, Context]:
+            return carry + x, None, ctx.add_summary("step", x)
+
+        carry, _, coll = eqxctx.scan_in_context(
+            body, context=ctx, carry=jnp.zeros(4), xs=batch["x"][:3]
+        )
+        ctx = ctx.merge(coll).add_summary("python_number", 2.5)
+        return {"carry": carry, "tag": "done"}, ctx
+
+    batch = make_batch()
+    runner = MethodRunner.create(
+        make_model(), method, mesh=mesh_1d(), prng_key=jax.random.PRNGKey(0)
+    )
+    _, out = runner(batch)
+    flat = eqxctx.OutputCollection(out.summaries, {}, {}).flatten("summaries")
+    assert set(flat) == {"iter0/step", "iter1/step", "iter2/step", "python_number"}
+    np.testing.assert_allclose(np.asarray(flat["iter2/step"]), batch["x"][2])
+    assert flat["python_number"] == 2.5
+    assert out.output_batch["tag"] == "done"
+    np.testing.assert_allclose(
+        np.asarray(out.output_batch["carry"]), batch["x"][:3].sum(0), rtol=1e-5
+    )
+
+
+def test_lower_and_compile_match_the_call() -> None:
+    model, batch, key = make_model(), make_batch(), jax.random.PRNGKey(2)
+    runner = MethodRunner.create(model, "predict", mesh=mesh_2d(), prng_key=key)
+    spec = {
+        "x": jax.ShapeDtypeStruct((16, 4), jnp.float32),
+        "label": jax.ShapeDtypeStruct((16,), jnp.int32),
+    }
+    lowered = runner.lower(spec)
+    assert "func" in lowered.as_text()
+    compiled = lowered.compile()
+    r_aot, out_aot = compiled(batch)
+    r_jit, out_jit = runner(batch)
+    assert eqx.tree_equal(out_aot.output_batch, out_jit.output_batch)
+    assert jnp.array_equal(r_aot.prng_key, r_jit.prng_key)
+    # ShapeDtypeStructs with shardings are taken as they are.
+    sharded = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+        out_jit.input_batch,
+    )
+    _, out2 = runner.lower(sharded).compile()(out_jit.input_batch)
+    assert eqx.tree_equal(out2.output_batch, out_jit.output_batch)
+
+
+def test_errors() -> None:
+    model, key = make_model(), jax.random.PRNGKey(0)
+    with pytest.raises(AttributeError, match=r"no method 'predcit'.*\['predict'\]"):
+        MethodRunner.create(model, "predcit", mesh=mesh_1d(), prng_key=key)
+    with pytest.raises(ValueError, match=r"mesh has axes \('x',\)"):
+        MethodRunner.create(
+            model, "predict", mesh=jax.make_mesh((8,), ("x",)), prng_key=key
+        )
+    runner = MethodRunner.create(model, "predict", mesh=mesh_2d(), prng_key=key)
+    with pytest.raises(
+        ValueError, match=r"'label' of shape \(12,\).*\('data', 'model'\).*size 8"
+    ):
+        runner(make_batch(n=12))
+    bad_tree = MethodRunner.create(
+        model,
+        "predict",
+        mesh=mesh_2d(),
+        prng_key=key,
+        input_partition={"x": DataPartition.FULL, "other": DataPartition.FULL},
+    )
+    with pytest.raises(ValueError, match="does not match"):
+        bad_tree(make_batch())
+    with pytest.raises(ValueError, match="does not match"):
+        MethodRunner.create(
+            model, "predict", mesh=mesh_2d(), prng_key=key, param_partition=[P()]
+        )
+    with pytest.raises(ValueError, match=r"'w1' of shape \(4, 8\).*dimension 0"):
+        MethodRunner.create(
+            model,
+            "predict",
+            mesh=mesh_2d(),
+            prng_key=key,
+            param_partition=lambda path, leaf: (
+                P(("data", "model")) if path == "w1" else P()
+            ),
+        )
+    wrong = MethodRunner.create(
+        model, lambda m, b, ctx: b["x"], mesh=mesh_1d(), prng_key=key
+    )
+    with pytest.raises(TypeError, match=r"must return `\(output, ctx\)`"):
+        wrong(make_batch())
+    with pytest.raises(TypeError, match="not hashable"):
+        runner(make_batch(), shift={1, 2})
+
+
+def test_explicit_partition_trees_and_rank_rule() -> None:
+    mesh = mesh_2d()
+    runner = MethodRunner.create(
+        make_model(),
+        "predict",
+        mesh=mesh,
+        prng_key=jax.random.PRNGKey(0),
+        input_partition={"x": P("data", "model"), "label": DataPartition.REPLICATED},
+        output_partition={"y": P("data"), "noise": P(("data", "model")), "label": None},
+    )
+    batch = make_batch()
+    batch["x"] = np.ones((16, 4), np.float32)
+    _, out = runner(batch)
+    assert spec_of(out.input_batch["x"]) == ("data", "model")
+    assert spec_of(out.input_batch["label"]) == ()
+    assert spec_of(out.output_batch["y"]) == ("data",)
+    assert spec_of(out.output_batch["noise"]) == (("data", "model"),)
+    assert out.output_batch["label"].sharding.is_fully_replicated
+    # Rank rule: a rank-0 leaf is replicated, a rank-1 leaf uses the first entry.
+    scalar = MethodRunner.create(
+        make_model(),
+        lambda m, b, ctx: (b, ctx),
+        mesh=mesh,
+        prng_key=jax.random.PRNGKey(0),
+        input_partition=P("data", "model"),
+    )
+    _, out = scalar({"s": np.float32(3.0), "v": np.arange(8, dtype=np.int32)})
+    assert spec_of(out.input_batch["s"]) == ()
+    assert spec_of(out.input_batch["v"]) == ("data",)
+
+
+def test_run_batches_and_summary_accumulator() -> None:
+    model, key = make_model(), jax.random.PRNGKey(0)
+    runner = MethodRunner.create(model, "predict", mesh=mesh_1d(), prng_key=key)
+    batches = [make_batch(n=8 * (i + 1), seed=i) for i in range(3)]
+    acc = eqxctx.SummaryAccumulator()
+    outs = []
+    for out in eqxctx.run_batches(runner, batches, progress=True, max_in_flight=1):
+        outs.append(out)
+        acc = acc.update(out.summaries)
+    # Same as calling the runner by hand, threading the key.
+    r = runner
+    for out, batch in zip(outs, batches, strict=True):
+        r, expected = r(batch)
+        assert eqx.tree_equal(out.output_batch, expected.output_batch)
+    # Weighted mean over all examples, minimum over all, counts summed.
+    ys = [np.asarray(o.output_batch["y"]) for o in outs]
+    total = sum(len(b["x"]) for b in batches)
+    summaries = acc.summaries()
+    np.testing.assert_allclose(
+        float(summaries["y_mean"].value()),
+        np.concatenate(ys).mean(),
+        rtol=1e-5,
+    )
+    np.testing.assert_allclose(
+        float(summaries["y_min"].value()), min(y.min() for y in ys)
+    )
+    assert float(summaries["count"]) == total
+    assert set(acc.flatten()) == {"y_mean", "y_min", "count"}
+    # Pure: an update leaves the accumulator unchanged.
+    before = acc.flatten()
+    acc.update(outs[0].summaries)
+    assert acc.flatten().keys() == before.keys()
+    assert eqx.tree_equal(acc.flatten(), before)
+    with pytest.raises(ValueError, match=r"missing: \['count'"):
+        acc.update({"y_mean": outs[0].summaries["y_mean"]})
+    with pytest.raises(ValueError, match="max_in_flight"):
+        next(eqxctx.run_batches(runner, batches, max_in_flight=0))
+    assert eqxctx.SummaryAccumulator().summaries() == {}
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    per_device=st.integers(1, 3),
+    hidden=st.integers(1, 6),
+    explicit=st.booleans(),
+)
+def test_property_sharded_equals_unsharded(
+    per_device: int, hidden: int, explicit: bool
+) -> None:
+    axis_type = AxisType.Explicit if explicit else AxisType.Auto
+    model, key = make_model(seed=hidden, hidden=hidden), jax.random.PRNGKey(hidden)
+    batch = make_batch(n=8 * per_device, seed=per_device)
+    runner = MethodRunner.create(
+        model, "predict", mesh=mesh_1d(axis_type), prng_key=key
+    )
+    _, out = runner(batch)
+    assert_matches_reference(out, model, batch, key)
