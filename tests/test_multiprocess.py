@@ -1,0 +1,76 @@
+"""MethodRunner across two processes on loopback equals one process on the whole batch.
+
+Two worker processes (tests/_multiprocess_worker.py), 4 CPU devices each, join one JAX
+runtime through `jax.distributed.initialize` with gloo CPU collectives; each feeds its
+host-local half of the batch. Bounded by a hard timeout.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import _multiprocess_worker as worker
+
+
+WORKER = Path(__file__).with_name("_multiprocess_worker.py")
+TIMEOUT_S = 120
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_two_processes(out_path: Path) -> None:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = ""  # the workers set 4 devices each themselves
+    env["JAX_PLATFORMS"] = "cpu"
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(port), str(i), str(out_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outputs: list[str] = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=TIMEOUT_S)[0])
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.communicate()
+        pytest.fail(f"the two worker processes did not finish in {TIMEOUT_S} s")
+    codes = [p.returncode for p in procs]
+    if worker.NO_COLLECTIVES in codes:
+        pytest.skip(f"this platform has no CPU collectives: {outputs}")
+    assert codes == [0, 0], "\n\n".join(o[-3000:] for o in outputs)
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+def test_two_processes_equal_one_process(tmp_path: Path) -> None:
+    out_path = tmp_path / "two_processes.npz"
+    _run_two_processes(out_path)
+    two = dict(np.load(out_path))
+    mesh = jax.make_mesh((8,), ("data",))
+    one = worker.run(worker.make_batch(), mesh)
+    assert two.keys() == one.keys()
+    for name, value in one.items():
+        if name.startswith("local_y"):
+            # Each process's addressable part: process 0 holds the first half.
+            np.testing.assert_allclose(two[name], value[: worker.GLOBAL_BATCH // 2])
+        else:
+            np.testing.assert_allclose(two[name], value, rtol=1e-6, err_msg=name)
+    np.testing.assert_allclose(two["x0"], worker.make_batch()["x"])
