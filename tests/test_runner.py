@@ -1,5 +1,7 @@
 """MethodRunner, run_batches and SummaryAccumulator on 8 simulated CPU devices."""
 
+import re
+from pathlib import Path
 from typing import Any
 
 import equinox as eqx
@@ -535,3 +537,32 @@ def test_property_sharded_equals_unsharded(
     )
     _, out = runner(batch)
     assert_matches_reference(out, model, batch, key)
+
+
+PAGE = Path(__file__).parent.parent / "docs" / "examples" / "running_on_batches.md"
+
+
+def test_running_on_batches_page(capsys: pytest.CaptureFixture[str]) -> None:
+    """Runs the code of docs/examples/running_on_batches.md and checks its results."""
+    blocks = re.findall(r"```python\n(.*?)```", PAGE.read_text(), re.DOTALL)
+    assert len(blocks) >= 5
+    ns: dict[str, Any] = {"__name__": "running_on_batches"}
+    exec(compile("\n".join(blocks), str(PAGE), "exec"), ns)
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[:3] == ["P(('data', 'model'),)", "P('data',)", "True"]
+    # Reference: the unsharded model on one device, batch by batch, with the keys
+    # AXLearn's runner would use.
+    model, batches = ns["model"], ns["batches"]
+    correct = 0
+    for batch in batches:
+        logits = np.asarray(jax.nn.relu(batch["x"] @ model.w1) @ model.w2)
+        correct += int((logits.argmax(-1) == batch["label"]).sum())
+    accuracy = correct / sum(len(b["label"]) for b in batches)
+    np.testing.assert_allclose(ns["accuracy"], accuracy, rtol=1e-5)
+    assert printed[3] == f"accuracy: {accuracy:.3f} (64, 4)"
+    np.testing.assert_allclose(
+        ns["host"].output_batch["logits"],
+        np.asarray(jax.nn.relu(batches[-1]["x"] @ model.w1) @ model.w2),
+        rtol=1e-4,
+        atol=1e-4,
+    )
