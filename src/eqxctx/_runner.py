@@ -7,19 +7,19 @@ parameters under sharding constraints.
 
 Why the hot path looks the way it does (measured in `benchmarks/bench_runner.py`):
 `eqx.filter_jit` partitions every argument into arrays and the rest on every call
-(Python work per leaf) and blocks on a marker output after every call. The runner keeps
-filter_jit's semantics (array leaves traced, every other leaf static, equal static
-parts share a compilation) but partitions the model once, in `MethodRunner.create`,
-and calls one module-level `jax.jit` whose static argument is a hashable settings
-object (`_Settings`: the method, the mesh, the partitions and the model's non-array
-part, compared by value). A warm call therefore costs JAX's own C++ dispatch plus a
-constant amount of Python work, and it never blocks.
+(Python work per leaf; 2-3x the time of `jax.jit` on a small model) and blocks on a
+marker output after every call. The runner keeps filter_jit's semantics (array leaves
+traced, every other leaf static, equal static parts share a compilation) but partitions
+the model once, in `MethodRunner.create`, and calls a `jax.jit` of the step closed over
+its hashable settings (`_step.Settings`), shared by equal settings. A warm call costs
+JAX's own C++ dispatch (which flattens the parameters) plus a constant amount of Python
+work (a few µs: flatten the batch, compare its shardings with the last batch's, build
+the next runner and the output without `eqx.Module.__init__`), and never blocks. The
+alternative, `eqx.filter_jit(...).lower(...).compile()` cached per input signature,
+needs the signature (shapes, dtypes, shardings of every leaf) computed in Python on
+each call, which grows with the leaf count.
 """
 
-import collections
-import dataclasses
-import functools
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -28,301 +28,30 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ._collection import OutputCollection
-from ._context import Context, check_returns_context
 from ._sharding import (
     DataPartition,
     check_divisible,
-    constrain,
     is_explicit,
     leaf_spec,
     named_sharding,
     normalize_spec,
     resolve_specs,
-    to_global,
+)
+from ._step import (
+    REPLICATED,
+    Frozen,
+    Settings,
+    StaticOut,
+    jit_step,
+    path_str,
+    replicated,
 )
 
 
-_REPLICATED = PartitionSpec()
 # Bound once: the hot path calls them on every runner call.
 _setattr = object.__setattr__
 _getattribute = object.__getattribute__
 _flatten = jax.tree_util.default_registry.flatten
-
-
-def _path_str(path: tuple[Any, ...]) -> str:
-    """Return a key path as "a/b/0" (attribute names, dict keys, sequence indices)."""
-    parts: list[str] = []
-    for k in path:
-        for attr in ("name", "key", "idx"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts)
-
-
-class _Frozen:
-    """A PyTree of hashable leaves, hashed and compared by value (a static arg)."""
-
-    __slots__ = ("_hash", "leaves", "treedef")
-
-    def __init__(self, tree: Any, *, what: str):
-        leaves, treedef = jax.tree.flatten(tree)
-        self.leaves = tuple(leaves)
-        self.treedef = treedef
-        try:
-            self._hash = hash((treedef, self.leaves))
-        except TypeError as e:
-            raise TypeError(
-                f"`MethodRunner`: {what} has a non-array leaf that is not hashable "
-                f"({e}). Non-array leaves are static (as in `eqx.filter_jit`) and "
-                "must be hashable; turn it into an array or a tuple."
-            ) from None
-
-    def tree(self) -> Any:
-        return self.treedef.unflatten(self.leaves)
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        return self is other or (
-            isinstance(other, _Frozen)
-            and self._hash == other._hash
-            and self.treedef == other.treedef
-            and self.leaves == other.leaves
-        )
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Settings:
-    """The static part of a runner; equal settings share one compiled program."""
-
-    method: Any
-    mesh: Mesh
-    input_partition: Any
-    output_partition: Any
-    param_specs: tuple[PartitionSpec, ...]
-    static_model: _Frozen
-    drop_module_outputs: Callable[[str], bool]
-    is_training: bool
-    # Per batch treedef: the input spec of each leaf, before the rank rule.
-    batch_cache: dict[Any, tuple[list[PartitionSpec], list[NamedSharding]]] = (
-        dataclasses.field(default_factory=dict[Any, Any])
-    )
-
-    last_batch: tuple[Any, list[NamedSharding]] | None = None
-    # `jax.jit` of the step without keyword arguments, shared by equal settings.
-    jitted: Callable[..., Any] = dataclasses.field(init=False, repr=False)
-    _key: tuple[Any, ...] = dataclasses.field(init=False, repr=False)
-    _hash: int = dataclasses.field(init=False, repr=False)
-
-    def key(self) -> tuple[Any, ...]:
-        return (
-            self.method,
-            self.mesh,
-            _Frozen(self.input_partition, what="input_partition"),
-            _Frozen(self.output_partition, what="output_partition"),
-            self.param_specs,
-            self.static_model,
-            self.drop_module_outputs,
-            self.is_training,
-        )
-
-    def __post_init__(self) -> None:
-        _setattr(self, "_key", self.key())
-        _setattr(self, "_hash", hash(self._key))
-        _setattr(self, "jitted", _jit_for(self))
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        return self is other or (
-            isinstance(other, _Settings)
-            and self._hash == other._hash
-            and self._key == other._key
-        )
-
-    @property
-    def explicit(self) -> bool:
-        return is_explicit(self.mesh)
-
-    def placed_batch(self, leaves: list[Any], treedef: Any) -> bool:
-        """Return whether the batch's leaves already have the input shardings."""
-        last = self.last_batch  # (treedef, shardings), read once: thread safe
-        if last is None or last[0] != treedef:
-            entry = self.batch_cache.get(treedef)
-            if entry is None:
-                return False
-            last = (treedef, entry[1])
-        try:
-            for x, s in zip(leaves, last[1], strict=True):
-                if x.sharding != s:
-                    return False
-        except AttributeError:  # a host-local leaf: NumPy, Python scalar
-            return False
-        _setattr(self, "last_batch", last)
-        return True
-
-    def place_batch(self, batch: Any) -> Any:
-        """Return `batch` as global arrays with the input partition."""
-        leaves, treedef = _flatten(batch)
-        if self.placed_batch(leaves, treedef):
-            return batch
-        entry = self.batch_cache.get(treedef)
-        if entry is not None:
-            base = entry[0]
-        else:
-            base = resolve_specs(
-                self.input_partition, batch, self.mesh, what="input_partition"
-            )
-        with_path = jax.tree_util.tree_flatten_with_path(batch)[0]
-        placed: list[Any] = []
-        shardings: list[NamedSharding] = []
-        for (path, x), spec in zip(with_path, base, strict=True):
-            s = named_sharding(
-                self.mesh, leaf_spec(spec, np.ndim(x), explicit=self.explicit)
-            )
-            if not (isinstance(x, jax.Array) and x.sharding == s):
-                x = to_global(x, s, path=_path_str(path))
-            placed.append(x)
-            shardings.append(s)
-        self.batch_cache[treedef] = (base, shardings)
-        _setattr(self, "last_batch", (treedef, shardings))
-        return treedef.unflatten(placed)
-
-
-def _constrain_tree(tree: Any, partition: Any, mesh: Mesh, *, what: str) -> Any:
-    """Constrain every array of `tree` by `partition` (with the rank rule)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    specs = resolve_specs(partition, tree, mesh, what=what)
-    explicit = is_explicit(mesh)
-    out = [
-        constrain(
-            x,
-            named_sharding(mesh, leaf_spec(s, np.ndim(x), explicit=explicit)),
-            explicit=explicit,
-        )
-        for x, s in zip(leaves, specs, strict=True)
-    ]
-    return treedef.unflatten(out)
-
-
-def _replicate(tree: Any, mesh: Mesh) -> Any:
-    explicit = is_explicit(mesh)
-    return jax.tree.map(
-        lambda x: constrain(x, _replicated(mesh, x), explicit=explicit), tree
-    )
-
-
-def _replicated(mesh: Mesh, x: Any) -> NamedSharding:
-    return named_sharding(
-        mesh, normalize_spec(_REPLICATED, np.ndim(x), explicit=is_explicit(mesh))
-    )
-
-
-@jax.tree_util.register_pytree_node_class
-class _StaticOut:
-    """Non-array outputs, carried in the output treedef (like `eqx.filter_jit`)."""
-
-    def __init__(self, value: Any):
-        self.value = value
-
-    def tree_flatten(self) -> tuple[tuple[()], Any]:
-        return (), self.value
-
-    @classmethod
-    def tree_unflatten(cls, aux: Any, children: Any) -> "_StaticOut":
-        del children
-        return cls(aux)
-
-
-def _step(
-    settings: _Settings,
-    static_kwargs: _Frozen | None,
-    params: Any,
-    prng_key: Any,
-    batch: Any,
-    dynamic_kwargs: Any,
-) -> tuple[Any, Any, _StaticOut]:
-    """The traced step: AXLearn's `_jit_run_on_batch`."""
-    mesh, explicit = settings.mesh, settings.explicit
-    p_leaves, p_def = jax.tree.flatten(params)
-    p_leaves = [
-        constrain(x, named_sharding(mesh, s), explicit=explicit)
-        for x, s in zip(p_leaves, settings.param_specs, strict=True)
-    ]
-    model = eqx.combine(p_def.unflatten(p_leaves), settings.static_model.tree())
-    batch = _constrain_tree(batch, settings.input_partition, mesh, what="input")
-    new_key, iter_key = jax.random.split(prng_key)
-    new_key = constrain(new_key, _replicated(mesh, new_key), explicit=explicit)
-    kwargs: dict[str, Any] = {}
-    if static_kwargs is not None:
-        kwargs = eqx.combine(dynamic_kwargs, static_kwargs.tree())
-    ctx = Context.root(prng_key=iter_key, is_training=settings.is_training)
-    method = settings.method
-    if isinstance(method, str):
-        result = getattr(model, method)(batch, ctx, **kwargs)
-        what = f"`MethodRunner`: method {type(model).__name__}.{method}"
-    else:
-        result = method(model, batch, ctx, **kwargs)
-        what = f"`MethodRunner`: method {getattr(method, '__name__', method)!r}"
-    output_batch, ctx = check_returns_context(result, what)
-    output_batch = _constrain_tree(
-        output_batch, settings.output_partition, mesh, what="output_partition"
-    )
-    drop = settings.drop_module_outputs
-    pruned = OutputCollection({}, {}, ctx.collection.module_outputs).prune(
-        lambda p: p.startswith("module_outputs/") and drop(p[len("module_outputs/") :])
-    )
-    summaries = _replicate(ctx.collection.summaries, mesh)
-    module_outputs = _replicate(pruned.module_outputs, mesh)
-    dynamic, static = eqx.partition(
-        (output_batch, summaries, module_outputs), eqx.is_array
-    )
-    has_static = any(x is not None for x in jax.tree.leaves(static))
-    return new_key, dynamic, _StaticOut(static if has_static else None)
-
-
-_jit_step = jax.jit(_step, static_argnums=(0, 1))
-
-
-def _step_without_kwargs(
-    settings: _Settings, params: Any, prng_key: Any, batch: Any
-) -> tuple[Any, Any, _StaticOut]:
-    return _step(settings, None, params, prng_key, batch, None)
-
-
-#: The compiled step per settings (LRU): runners re-created from equal settings
-#: share one `jax.jit` and so its compilations.
-_JITS: "collections.OrderedDict[_Settings, Callable[..., Any]]" = (
-    collections.OrderedDict()
-)
-_MAX_JITS = 256
-
-
-def _jit_for(settings: "_Settings") -> Callable[..., Any]:
-    """Return the `jax.jit` of the step for `settings` without keyword arguments.
-
-    Closing over the settings (instead of passing them as a static argument) saves
-    the static-argument hashing on every call.
-    """
-    with _JITS_LOCK:
-        fn = _JITS.get(settings)
-        if fn is None:
-            fn = jax.jit(functools.partial(_step_without_kwargs, settings))
-            _JITS[settings] = fn
-            if len(_JITS) > _MAX_JITS:
-                _JITS.popitem(last=False)
-        else:
-            _JITS.move_to_end(settings)
-        return fn
-
-
-_JITS_LOCK = threading.Lock()
 
 
 def _new(cls: type[Any], fields: dict[str, Any]) -> Any:
@@ -349,16 +78,16 @@ def _resolve_param_specs(
 ) -> tuple[PartitionSpec, ...]:
     with_path = jax.tree_util.tree_flatten_with_path(params)[0]
     if param_partition is None:
-        return tuple(_REPLICATED for _ in with_path)
+        return tuple(REPLICATED for _ in with_path)
     if callable(param_partition) and not isinstance(param_partition, PartitionSpec):
         specs: list[PartitionSpec] = []
         for path, leaf in with_path:
-            spec = param_partition(_path_str(path), leaf)
+            spec = param_partition(path_str(path), leaf)
             if not isinstance(spec, PartitionSpec):
                 raise TypeError(
                     "`MethodRunner.create(param_partition=fn)`: fn must return a "
                     f"`PartitionSpec`, got {type(spec).__name__} for parameter "
-                    f"{_path_str(path)!r}."
+                    f"{path_str(path)!r}."
                 )
             specs.append(spec)
         return tuple(specs)
@@ -366,7 +95,7 @@ def _resolve_param_specs(
 
 
 def _finish(
-    fields: dict[str, Any], result: tuple[Any, Any, _StaticOut], batch: Any
+    fields: dict[str, Any], result: tuple[Any, Any, StaticOut], batch: Any
 ) -> tuple["MethodRunner", "MethodRunner.Output"]:
     """Build the next runner and the output of one call, in O(1) Python work."""
     new_key, out, extra = result
@@ -413,7 +142,7 @@ class MethodRunner(eqx.Module):
 
     params: Any
     prng_key: Any
-    settings: _Settings = eqx.field(static=True)
+    settings: Settings = eqx.field(static=True)
 
     class Output(eqx.Module):
         """What one call of a `MethodRunner` returns (AXLearn's `MethodRunner.Output`).
@@ -502,21 +231,21 @@ class MethodRunner(eqx.Module):
         placed: list[Any] = []
         padded: list[PartitionSpec] = []
         for (path, x), spec in zip(with_path, specs, strict=True):
-            check_divisible(np.shape(x), spec, mesh, path=_path_str(path))
+            check_divisible(np.shape(x), spec, mesh, path=path_str(path))
             padded.append(normalize_spec(spec, np.ndim(x), explicit=is_explicit(mesh)))
             placed.append(jax.device_put(x, named_sharding(mesh, padded[-1])))
         del leaves
-        settings = _Settings(
+        settings = Settings(
             method=method,
             mesh=mesh,
             input_partition=input_partition,
             output_partition=output_partition,
             param_specs=tuple(padded),
-            static_model=_Frozen(static, what="the model"),
+            static_model=Frozen(static, what="the model"),
             drop_module_outputs=drop_module_outputs,
             is_training=bool(is_training),
         )
-        key = jax.device_put(prng_key, _replicated(mesh, prng_key))
+        key = jax.device_put(prng_key, replicated(mesh, prng_key))
         return cls(treedef.unflatten(placed), key, settings)
 
     @property
@@ -555,7 +284,7 @@ class MethodRunner(eqx.Module):
         # The hot path: read the fields once (an `eqx.Module`'s `__getattribute__`
         # is Python code that wraps methods; it costs ~0.5 µs per access).
         fields: dict[str, Any] = _getattribute(self, "__dict__")
-        settings: _Settings = fields["settings"]
+        settings: Settings = fields["settings"]
         # Fast path: the batch has the structure and shardings of the last one.
         leaves, treedef = _flatten(input_batch)
         last = settings.last_batch
@@ -572,8 +301,8 @@ class MethodRunner(eqx.Module):
                 batch = settings.place_batch(input_batch)
         if kwargs:
             dynamic, static = eqx.partition(kwargs, eqx.is_array)
-            static_kwargs = _Frozen(static, what="a keyword argument")
-            result = _jit_step(
+            static_kwargs = Frozen(static, what="a keyword argument")
+            result = jit_step(
                 settings,
                 static_kwargs,
                 fields["params"],
@@ -626,7 +355,7 @@ class MethodRunner(eqx.Module):
             sharding = getattr(x, "sharding", None)
             if not isinstance(sharding, NamedSharding):
                 s = leaf_spec(spec, len(shape), explicit=settings.explicit)
-                check_divisible(shape, s, settings.mesh, path=_path_str(path))
+                check_divisible(shape, s, settings.mesh, path=path_str(path))
                 sharding = named_sharding(settings.mesh, s)
             structs.append(
                 jax.ShapeDtypeStruct(shape, np.result_type(x), sharding=sharding)
@@ -634,10 +363,10 @@ class MethodRunner(eqx.Module):
         del leaves
         if kwargs:
             dynamic, static = eqx.partition(kwargs, eqx.is_array)
-            static_kwargs = _Frozen(static, what="a keyword argument")
+            static_kwargs = Frozen(static, what="a keyword argument")
         else:
             dynamic = static_kwargs = None
-        lowered = _jit_step.lower(
+        lowered = jit_step.lower(
             settings,
             static_kwargs,
             self.params,
@@ -698,7 +427,7 @@ class CompiledRunner:
         runner = self._runner
         batch = runner.settings.place_batch(input_batch)
         dynamic, static = eqx.partition(kwargs, eqx.is_array) if kwargs else (None, {})
-        static_kwargs = _Frozen(static, what="a keyword argument") if kwargs else None
+        static_kwargs = Frozen(static, what="a keyword argument") if kwargs else None
         if static_kwargs != self._static_kwargs:
             raise ValueError(
                 "`CompiledRunner`: the non-array keyword arguments differ from those "

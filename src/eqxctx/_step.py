@@ -1,0 +1,313 @@
+"""The compiled step of `MethodRunner`: its static settings and the traced function.
+
+`Settings` holds everything static about a runner (the method, the mesh, the
+partitions, the model's non-array leaves), hashed and compared by value, so that equal
+settings share one `jax.jit` (`Settings.jitted`) and its compilations, as equal static
+parts do under `eqx.filter_jit`. `step` is AXLearn's `_jit_run_on_batch`
+(`axlearn/common/inference.py`): split the key, run the method in a root context, and
+constrain inputs, outputs and parameters to their shardings.
+"""
+
+import collections
+import dataclasses
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ._collection import OutputCollection
+from ._context import Context, check_returns_context
+from ._sharding import (
+    constrain,
+    is_explicit,
+    leaf_spec,
+    named_sharding,
+    normalize_spec,
+    resolve_specs,
+    to_global,
+)
+
+
+REPLICATED = PartitionSpec()
+_setattr = object.__setattr__  # sets fields of the frozen `Settings`
+_flatten = jax.tree_util.default_registry.flatten
+
+
+def path_str(path: tuple[Any, ...]) -> str:
+    """Return a key path as "a/b/0" (attribute names, dict keys, sequence indices)."""
+    parts: list[str] = []
+    for k in path:
+        for attr in ("name", "key", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+class Frozen:
+    """A PyTree of hashable leaves, hashed and compared by value (a static arg)."""
+
+    __slots__ = ("_hash", "leaves", "treedef")
+
+    def __init__(self, tree: Any, *, what: str):
+        leaves, treedef = jax.tree.flatten(tree)
+        self.leaves = tuple(leaves)
+        self.treedef = treedef
+        try:
+            self._hash = hash((treedef, self.leaves))
+        except TypeError as e:
+            raise TypeError(
+                f"`MethodRunner`: {what} has a non-array leaf that is not hashable "
+                f"({e}). Non-array leaves are static (as in `eqx.filter_jit`) and "
+                "must be hashable; turn it into an array or a tuple."
+            ) from None
+
+    def tree(self) -> Any:
+        return self.treedef.unflatten(self.leaves)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (
+            isinstance(other, Frozen)
+            and self._hash == other._hash
+            and self.treedef == other.treedef
+            and self.leaves == other.leaves
+        )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Settings:
+    """The static part of a runner; equal settings share one compiled program."""
+
+    method: Any
+    mesh: Mesh
+    input_partition: Any
+    output_partition: Any
+    param_specs: tuple[PartitionSpec, ...]
+    static_model: Frozen
+    drop_module_outputs: Callable[[str], bool]
+    is_training: bool
+    # Per batch treedef: the input spec of each leaf, before the rank rule.
+    batch_cache: dict[Any, tuple[list[PartitionSpec], list[NamedSharding]]] = (
+        dataclasses.field(default_factory=dict[Any, Any])
+    )
+
+    last_batch: tuple[Any, list[NamedSharding]] | None = None
+    # `jax.jit` of the step without keyword arguments, shared by equal settings.
+    jitted: Callable[..., Any] = dataclasses.field(init=False, repr=False)
+    _key: tuple[Any, ...] = dataclasses.field(init=False, repr=False)
+    _hash: int = dataclasses.field(init=False, repr=False)
+
+    def key(self) -> tuple[Any, ...]:
+        return (
+            self.method,
+            self.mesh,
+            Frozen(self.input_partition, what="input_partition"),
+            Frozen(self.output_partition, what="output_partition"),
+            self.param_specs,
+            self.static_model,
+            self.drop_module_outputs,
+            self.is_training,
+        )
+
+    def __post_init__(self) -> None:
+        _setattr(self, "_key", self.key())
+        _setattr(self, "_hash", hash(self._key))
+        _setattr(self, "jitted", _jit_for(self))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (
+            isinstance(other, Settings)
+            and self._hash == other._hash
+            and self._key == other._key
+        )
+
+    @property
+    def explicit(self) -> bool:
+        return is_explicit(self.mesh)
+
+    def placed_batch(self, leaves: list[Any], treedef: Any) -> bool:
+        """Return whether the batch's leaves already have the input shardings."""
+        last = self.last_batch  # (treedef, shardings), read once: thread safe
+        if last is None or last[0] != treedef:
+            entry = self.batch_cache.get(treedef)
+            if entry is None:
+                return False
+            last = (treedef, entry[1])
+        try:
+            for x, s in zip(leaves, last[1], strict=True):
+                if x.sharding != s:
+                    return False
+        except AttributeError:  # a host-local leaf: NumPy, Python scalar
+            return False
+        _setattr(self, "last_batch", last)
+        return True
+
+    def place_batch(self, batch: Any) -> Any:
+        """Return `batch` as global arrays with the input partition."""
+        leaves, treedef = _flatten(batch)
+        if self.placed_batch(leaves, treedef):
+            return batch
+        entry = self.batch_cache.get(treedef)
+        if entry is not None:
+            base = entry[0]
+        else:
+            base = resolve_specs(
+                self.input_partition, batch, self.mesh, what="input_partition"
+            )
+        with_path = jax.tree_util.tree_flatten_with_path(batch)[0]
+        placed: list[Any] = []
+        shardings: list[NamedSharding] = []
+        for (path, x), spec in zip(with_path, base, strict=True):
+            s = named_sharding(
+                self.mesh, leaf_spec(spec, np.ndim(x), explicit=self.explicit)
+            )
+            if not (isinstance(x, jax.Array) and x.sharding == s):
+                x = to_global(x, s, path=path_str(path))
+            placed.append(x)
+            shardings.append(s)
+        self.batch_cache[treedef] = (base, shardings)
+        _setattr(self, "last_batch", (treedef, shardings))
+        return treedef.unflatten(placed)
+
+
+def _constrain_tree(tree: Any, partition: Any, mesh: Mesh, *, what: str) -> Any:
+    """Constrain every array of `tree` by `partition` (with the rank rule)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    specs = resolve_specs(partition, tree, mesh, what=what)
+    explicit = is_explicit(mesh)
+    out = [
+        constrain(
+            x,
+            named_sharding(mesh, leaf_spec(s, np.ndim(x), explicit=explicit)),
+            explicit=explicit,
+        )
+        for x, s in zip(leaves, specs, strict=True)
+    ]
+    return treedef.unflatten(out)
+
+
+def _replicate(tree: Any, mesh: Mesh) -> Any:
+    explicit = is_explicit(mesh)
+    return jax.tree.map(
+        lambda x: constrain(x, replicated(mesh, x), explicit=explicit), tree
+    )
+
+
+def replicated(mesh: Mesh, x: Any) -> NamedSharding:
+    return named_sharding(
+        mesh, normalize_spec(REPLICATED, np.ndim(x), explicit=is_explicit(mesh))
+    )
+
+
+@jax.tree_util.register_pytree_node_class
+class StaticOut:
+    """Non-array outputs, carried in the output treedef (like `eqx.filter_jit`)."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def tree_flatten(self) -> tuple[tuple[()], Any]:
+        return (), self.value
+
+    @classmethod
+    def tree_unflatten(cls, aux: Any, children: Any) -> "StaticOut":
+        del children
+        return cls(aux)
+
+
+def _step(
+    settings: Settings,
+    static_kwargs: Frozen | None,
+    params: Any,
+    prng_key: Any,
+    batch: Any,
+    dynamic_kwargs: Any,
+) -> tuple[Any, Any, StaticOut]:
+    """The traced step: AXLearn's `_jit_run_on_batch`."""
+    mesh, explicit = settings.mesh, settings.explicit
+    p_leaves, p_def = jax.tree.flatten(params)
+    p_leaves = [
+        constrain(x, named_sharding(mesh, s), explicit=explicit)
+        for x, s in zip(p_leaves, settings.param_specs, strict=True)
+    ]
+    model = eqx.combine(p_def.unflatten(p_leaves), settings.static_model.tree())
+    batch = _constrain_tree(batch, settings.input_partition, mesh, what="input")
+    new_key, iter_key = jax.random.split(prng_key)
+    new_key = constrain(new_key, replicated(mesh, new_key), explicit=explicit)
+    kwargs: dict[str, Any] = {}
+    if static_kwargs is not None:
+        kwargs = eqx.combine(dynamic_kwargs, static_kwargs.tree())
+    ctx = Context.root(prng_key=iter_key, is_training=settings.is_training)
+    method = settings.method
+    if isinstance(method, str):
+        result = getattr(model, method)(batch, ctx, **kwargs)
+        what = f"`MethodRunner`: method {type(model).__name__}.{method}"
+    else:
+        result = method(model, batch, ctx, **kwargs)
+        what = f"`MethodRunner`: method {getattr(method, '__name__', method)!r}"
+    output_batch, ctx = check_returns_context(result, what)
+    output_batch = _constrain_tree(
+        output_batch, settings.output_partition, mesh, what="output_partition"
+    )
+    drop = settings.drop_module_outputs
+    pruned = OutputCollection({}, {}, ctx.collection.module_outputs).prune(
+        lambda p: p.startswith("module_outputs/") and drop(p[len("module_outputs/") :])
+    )
+    summaries = _replicate(ctx.collection.summaries, mesh)
+    module_outputs = _replicate(pruned.module_outputs, mesh)
+    dynamic, static = eqx.partition(
+        (output_batch, summaries, module_outputs), eqx.is_array
+    )
+    has_static = any(x is not None for x in jax.tree.leaves(static))
+    return new_key, dynamic, StaticOut(static if has_static else None)
+
+
+jit_step = jax.jit(_step, static_argnums=(0, 1))
+
+
+def _step_without_kwargs(
+    settings: Settings, params: Any, prng_key: Any, batch: Any
+) -> tuple[Any, Any, StaticOut]:
+    return _step(settings, None, params, prng_key, batch, None)
+
+
+#: The compiled step per settings (LRU): runners re-created from equal settings
+#: share one `jax.jit` and so its compilations.
+_JITS: "collections.OrderedDict[Settings, Callable[..., Any]]" = (
+    collections.OrderedDict()
+)
+_MAX_JITS = 256
+
+
+def _jit_for(settings: "Settings") -> Callable[..., Any]:
+    """Return the `jax.jit` of the step for `settings` without keyword arguments.
+
+    Closing over the settings (instead of passing them as a static argument) saves
+    the static-argument hashing on every call.
+    """
+    with _JITS_LOCK:
+        fn = _JITS.get(settings)
+        if fn is None:
+            fn = jax.jit(functools.partial(_step_without_kwargs, settings))
+            _JITS[settings] = fn
+            if len(_JITS) > _MAX_JITS:
+                _JITS.popitem(last=False)
+        else:
+            _JITS.move_to_end(settings)
+        return fn
+
+
+_JITS_LOCK = threading.Lock()
