@@ -566,3 +566,29 @@ def test_running_on_batches_page(capsys: pytest.CaptureFixture[str]) -> None:
         rtol=1e-4,
         atol=1e-4,
     )
+
+
+def test_is_training_and_param_partition_tree() -> None:
+    def method(
+        params: dict[str, jax.Array], batch: jax.Array, ctx: Context
+    ) -> tuple[jax.Array, Context]:
+        y = batch @ params["w"] + params["b"][None, :]
+        return (y * 2 if ctx.is_training else y), ctx
+
+    params = {"w": jnp.arange(8.0).reshape(2, 4), "b": jnp.ones(4)}
+    batch = np.arange(16.0, dtype=np.float32).reshape(8, 2)
+    expected = batch @ np.asarray(params["w"]) + 1.0
+    for is_training, factor in ((False, 1.0), (True, 2.0)):
+        runner = MethodRunner.create(
+            params,
+            method,
+            mesh=mesh_2d(),
+            prng_key=jax.random.PRNGKey(0),
+            param_partition={"w": P(None, "model"), "b": P("model")},
+            is_training=is_training,
+        )
+        assert spec_of(runner.params["w"]) == (None, "model")
+        assert spec_of(runner.params["b"]) == ("model",)
+        jax.tree.map(np.testing.assert_array_equal, runner.model, params)
+        _, out = runner(batch)
+        np.testing.assert_allclose(np.asarray(out.output_batch), expected * factor)
