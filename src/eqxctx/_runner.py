@@ -95,11 +95,11 @@ def _resolve_param_specs(
 
 
 def _finish(
-    fields: dict[str, Any], result: tuple[Any, Any, StaticOut], batch: Any
+    fields: dict[str, Any], result: tuple[Any, Any, StaticOut | None], batch: Any
 ) -> tuple["MethodRunner", "MethodRunner.Output"]:
     """Build the next runner and the output of one call, in O(1) Python work."""
     new_key, out, extra = result
-    if extra.value is not None:
+    if extra is not None:
         out = eqx.combine(out, extra.value)
     runner_fields = fields.copy()
     runner_fields["prng_key"] = new_key
@@ -313,7 +313,7 @@ class MethodRunner(eqx.Module):
         else:
             result = settings.jitted(fields["params"], fields["prng_key"], batch)
         new_key, out, extra = result
-        if extra.value is not None:
+        if extra is not None:
             out = eqx.combine(out, extra.value)
         runner_fields = fields.copy()
         runner_fields["prng_key"] = new_key

@@ -235,7 +235,7 @@ def _step(
     prng_key: Any,
     batch: Any,
     dynamic_kwargs: Any,
-) -> tuple[Any, Any, StaticOut]:
+) -> tuple[Any, Any, StaticOut | None]:
     """The traced step: AXLearn's `_jit_run_on_batch`."""
     mesh, explicit = settings.mesh, settings.explicit
     p_leaves, p_def = jax.tree.flatten(params)
@@ -272,7 +272,8 @@ def _step(
         (output_batch, summaries, module_outputs), eqx.is_array
     )
     has_static = any(x is not None for x in jax.tree.leaves(static))
-    return new_key, dynamic, StaticOut(static if has_static else None)
+    # None (an empty PyTree, unflattened in C++) when every output is an array.
+    return new_key, dynamic, StaticOut(static) if has_static else None
 
 
 jit_step = jax.jit(_step, static_argnums=(0, 1))
@@ -280,7 +281,7 @@ jit_step = jax.jit(_step, static_argnums=(0, 1))
 
 def _step_without_kwargs(
     settings: Settings, params: Any, prng_key: Any, batch: Any
-) -> tuple[Any, Any, StaticOut]:
+) -> tuple[Any, Any, StaticOut | None]:
     return _step(settings, None, params, prng_key, batch, None)
 
 
