@@ -74,8 +74,7 @@ def _measure(devices: int, quick: bool) -> list[dict[str, Any]]:
         placed = runner(batch)[1].input_batch
         params, key = runner.params, runner.prng_key
 
-        def run_runner(block: bool) -> Any:
-            r = runner
+        def run_runner(block: bool, r: Any = runner, placed: Any = placed) -> Any:
             pending: collections.deque[Any] = collections.deque()
             for _ in range(calls):
                 r, out = r(placed)
@@ -84,8 +83,13 @@ def _measure(devices: int, quick: bool) -> list[dict[str, Any]]:
                     jax.block_until_ready(pending.popleft())
             return jax.block_until_ready((r.prng_key, *pending))
 
-        def run_jit(fn: Any, block: bool) -> Any:
-            k = key
+        def run_jit(
+            fn: Any,
+            block: bool,
+            k: Any = key,
+            params: Any = params,
+            placed: Any = placed,
+        ) -> Any:
             pending: collections.deque[Any] = collections.deque()
             for _ in range(calls):
                 k, y, _ = fn(params, k, placed)
@@ -118,6 +122,68 @@ def _measure(devices: int, quick: bool) -> list[dict[str, Any]]:
                     **{k: v * 1e6 for k, v in best.items()},
                 }
             )
+    rows += _dispatch(runner_cls=eqxctx.MethodRunner, mesh=mesh, quick=quick)
+    return rows
+
+
+def _dispatch(runner_cls: Any, mesh: Any, quick: bool) -> list[dict[str, Any]]:
+    """Time until a call returns vs until its result is ready, on a heavy method."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import eqxctx
+
+    class Heavy(eqx.Module):
+        w: jax.Array
+
+        def predict(
+            self, batch: dict[str, jax.Array], ctx: eqxctx.Context
+        ) -> tuple[jax.Array, eqxctx.Context]:
+            h = batch["x"]
+            for _ in range(8):
+                h = jnp.tanh(h @ self.w)
+            return h, ctx
+
+    def step(model: Heavy, key: jax.Array, batch: dict[str, jax.Array]) -> Any:
+        new_key, iter_key = jax.random.split(key)
+        y, _ = model.predict(batch, eqxctx.Context.root(prng_key=iter_key))
+        return new_key, y
+
+    devices = mesh.devices.size
+    model = Heavy(jnp.eye(512, dtype=jnp.float32) * 0.5)
+    runner = runner_cls.create(
+        model, "predict", mesh=mesh, prng_key=jax.random.PRNGKey(0)
+    )
+    batch = runner({"x": np.ones((64 * devices, 512), np.float32)})[1].input_batch
+    params, key = runner.params, runner.prng_key
+    bare, filtered = jax.jit(step), eqx.filter_jit(step)
+    calls = {
+        "runner": lambda: runner(batch)[1].output_batch,
+        "jax.jit": lambda: bare(params, key, batch)[1],
+        "filter_jit": lambda: filtered(params, key, batch)[1],
+    }
+    rows: list[dict[str, Any]] = []
+    for name, call in calls.items():
+        jax.block_until_ready(call())  # compile
+        returned, ready = [], []
+        for _ in range(5 if quick else 20):
+            t0 = time.perf_counter()
+            y = call()
+            t1 = time.perf_counter()
+            jax.block_until_ready(y)
+            t2 = time.perf_counter()
+            returned.append(t1 - t0)
+            ready.append(t2 - t0)
+        rows.append(
+            {
+                "devices": devices,
+                "variant": name,
+                "returns": sorted(returned)[len(returned) // 2] * 1e6,
+                "ready": sorted(ready)[len(ready) // 2] * 1e6,
+            }
+        )
     return rows
 
 
@@ -128,17 +194,35 @@ def _table(rows: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        if "variant" in r:
+            continue
         lines.append(
             f"| {r['devices']} | {r['leaves']} | {r['mode']} | {r['runner']:.1f} "
             f"| {r['jax.jit']:.1f} | {r['filter_jit']:.1f} "
             f"| {r['runner'] / r['jax.jit']:.2f} "
             f"| {r['filter_jit'] / r['jax.jit']:.2f} |"
         )
+    lines += [
+        "",
+        "Dispatch (a method of ~8 matmuls 512x512; median µs): a call that does not",
+        "block returns long before its result is ready.",
+        "",
+        "| devices | variant | call returns after µs | result ready after µs |",
+        "|---|---|---|---|",
+    ]
+    for r in rows:
+        if "variant" in r:
+            lines.append(
+                f"| {r['devices']} | {r['variant']} | {r['returns']:.0f} "
+                f"| {r['ready']:.0f} |"
+            )
     return "\n".join(lines)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description="Per-call overhead of MethodRunner vs jax.jit."
+    )
     parser.add_argument("--quick", action="store_true", help="fewer calls and rounds")
     parser.add_argument("--devices", type=int, help="(internal) measure in-process")
     args = parser.parse_args()
