@@ -10,6 +10,8 @@ from typing import Any, Final, Literal, TypeAlias
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from ._errors import PREFIX_HINT, OutputConflictError
 from ._summary import Summary, is_array_leaf
@@ -22,12 +24,12 @@ ADDERS: Final[dict[str, str]] = {
     "state_updates": "add_state_update",
     "module_outputs": "add_module_output",
 }
-_CHILD_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+_CHILD_NAME = re.compile(r"[a-z][a-z0-9_]*")  # used with fullmatch
 
 
 def validate_child_name(name: object, *, where: str) -> str:
     """Return `name` if it is a valid child name, else raise `ValueError`."""
-    if not isinstance(name, str) or not _CHILD_NAME.match(name):
+    if not isinstance(name, str) or not _CHILD_NAME.fullmatch(name):
         raise ValueError(
             f"`{where}`: invalid child name {name!r}. Child names must match "
             f"'^[a-z][a-z0-9_]*$' (lower case letters, digits and '_', starting with "
@@ -54,25 +56,71 @@ class IterationSummaries(eqx.Module):
     without slicing every summary of every iteration inside the compiled program.
     `OutputCollection.flatten`, `child`, `materialize` and the writers expand it.
 
+    The iteration axis is the leading axis of each leaf when the entry is made. If the
+    entry then passes out of an outer `jax.vmap` or `jax.lax.scan` (a function that
+    scans, vmapped over a batch), the outer axes come first; `ndims` records each
+    leaf's rank at creation, so `iteration(i)` slices the axis just after the added
+    ones and iteration i keeps the outer axes (`iter0/x` has shape `[batch]`).
+
     Attributes:
         length: the number of iterations N, static.
-        stacked: a nested summary mapping whose leaves have a leading axis N (traced).
+        stacked: a nested summary mapping whose leaves have the iteration axis N
+            (traced).
+        ndims: the rank of each leaf of `stacked` (in `jax.tree_util.tree_leaves`
+            order) when the entry was made, static. Computed when not given.
     """
 
     length: int = eqx.field(static=True)
     stacked: dict[str, Any]
+    ndims: tuple[int, ...] = eqx.field(static=True)
+
+    def __init__(
+        self,
+        length: int,
+        stacked: dict[str, Any],
+        ndims: tuple[int, ...] | None = None,
+    ):
+        leaves = jax.tree_util.tree_leaves(stacked)
+        if ndims is None:
+            for x in leaves:
+                if np.ndim(x) == 0 or np.shape(x)[0] != length:
+                    raise ValueError(
+                        f"`IterationSummaries({length}, stacked)`: every leaf needs a "
+                        f"leading axis of {length} (the iterations), got shape "
+                        f"{np.shape(x)}."
+                    )
+            ndims = tuple(np.ndim(x) for x in leaves)
+        self.length = length
+        self.stacked = stacked
+        self.ndims = tuple(ndims)
 
     def iteration(self, i: int) -> dict[str, Any]:
         """Return iteration `i`'s summaries (a nested mapping); `self` is unchanged.
 
         Raises:
             IndexError: if `i` is not in `[0, length)`.
+            ValueError: if a leaf has lost its iteration axis (e.g. it was indexed).
         """
         if not 0 <= i < self.length:
             raise IndexError(f"iteration {i} out of range for {self.length} iterations")
-        # A nested `IterationSummaries` (a scan inside a scan) is a PyTree with a
-        # static length: slicing its leaves on the outer axis keeps it intact.
-        return jax.tree_util.tree_map(lambda x: x[i], self.stacked)
+        leaves, treedef = jax.tree_util.tree_flatten(self.stacked)
+        if len(leaves) != len(self.ndims):
+            raise ValueError(
+                "`IterationSummaries`: the stacked summaries do not have the leaves "
+                "they were made with; build a new entry instead of editing one."
+            )
+        out: list[Any] = []
+        for x, ndim in zip(leaves, self.ndims, strict=True):
+            outer = np.ndim(x) - ndim  # axes added by an outer vmap or scan
+            if outer < 0:
+                raise ValueError(
+                    f"`IterationSummaries`: a leaf of shape {np.shape(x)} has lost its "
+                    f"iteration axis (it was made with rank {ndim})."
+                )
+            out.append(x[(slice(None),) * outer + (i,)])
+        # A nested `IterationSummaries` (a scan inside a scan) is a PyTree with static
+        # ranks; slicing its leaves on the outer iteration axis keeps it intact.
+        return treedef.unflatten(out)
 
 
 def _copy_tree(tree: Any, path: str) -> dict[str, Any]:
@@ -89,17 +137,37 @@ def _copy_tree(tree: Any, path: str) -> dict[str, Any]:
         if isinstance(value, Mapping):
             out[key] = _copy_tree(value, sub)
         elif isinstance(value, IterationSummaries):
-            out[key] = IterationSummaries(value.length, _copy_tree(value.stacked, sub))
+            out[key] = IterationSummaries(
+                value.length, _copy_tree(value.stacked, sub), value.ndims
+            )
         else:
             check_leaf(value, sub)
             out[key] = value
     return out
 
 
+def _is_numeric(dtype: Any) -> bool:
+    """Return whether `dtype` is a number, a bool or a typed PRNG key (bfloat16 too)."""
+    kinds = (jnp.number, jnp.bool_, jax.dtypes.prng_key)
+    try:
+        return any(bool(jnp.issubdtype(dtype, kind)) for kind in kinds)
+    except TypeError:
+        return False
+
+
 def check_leaf(value: object, path: str) -> None:
     """Raise `TypeError` naming `path` unless `value` is a valid collection leaf."""
-    if isinstance(value, Summary) or is_array_leaf(value):
+    if isinstance(value, Summary):
         return
+    if is_array_leaf(value):
+        dtype = getattr(value, "dtype", None)
+        if dtype is None or _is_numeric(dtype):
+            return
+        raise TypeError(
+            f"`OutputCollection`: the array at {path!r} has dtype {dtype}; leaves must "
+            "be numeric (bool, int, float, complex). Log text with a "
+            "`CallbackSummary`."
+        )
     raise TypeError(
         f"`OutputCollection`: the value at {path!r} has type {type(value).__name__}; "
         "leaves must be JAX or NumPy arrays, Python bool/int/float, or `Summary` "
@@ -206,7 +274,8 @@ class OutputCollection(eqx.Module):
         if name in self.child_names() or name in self.leaf_names():
             raise OutputConflictError(
                 f"`add_child`: {name!r} is already present in this collection "
-                f"(path {name}). "
+                f"(path {name}). Give the child another name; to add the outputs "
+                "of several calls, use `scan_in_context`/`vmap_in_context`."
             )
         return OutputCollection(
             **{

@@ -4,8 +4,9 @@ Follows AXLearn's `scan_in_context` (`axlearn/common/module.py`) with the differ
 listed in `docs/differences.md`.
 """
 
+import operator
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, SupportsIndex
 
 import jax
 import jax.numpy as jnp
@@ -38,10 +39,19 @@ def _leaves_with_names(tree: Any, root: str) -> list[tuple[str, Any]]:
 def _scan_length(xs: Any, per_iteration: Mapping[str, Any], length: object) -> int:
     """Return N, checking every leading axis before anything is traced."""
     where = "`scan_in_context`"
-    if length is not None and (
-        isinstance(length, bool) or not isinstance(length, int) or length < 0
-    ):
-        raise ValueError(f"{where}: length must be a non-negative int, got {length!r}.")
+    if length is not None:
+        try:
+            if isinstance(length, bool):
+                raise TypeError
+            length = operator.index(length)  # pyright: ignore[reportArgumentType]
+        except TypeError:
+            raise ValueError(
+                f"{where}: length must be a non-negative int, got {length!r}."
+            ) from None
+        if length < 0:
+            raise ValueError(
+                f"{where}: length must be a non-negative int, got {length!r}."
+            )
     leaves = _leaves_with_names(xs, "xs") + _leaves_with_names(
         dict(per_iteration), "per_iteration"
     )
@@ -127,7 +137,7 @@ def scan_in_context(
     context: Context,
     carry: Carry,
     xs: X,
-    length: int | None = None,
+    length: SupportsIndex | None = None,
     reverse: bool = False,
     per_iteration: Mapping[str, Any] | None = None,
     split_prng_key: bool = True,
@@ -161,12 +171,15 @@ def scan_in_context(
     A key-less context gives key-less iterations.
 
     Args:
-        fn: the body, `fn(carry, x_i, ctx_i) -> (carry, y_i, ctx_i)`; traced once.
+        fn: the body, `fn(carry, x_i, ctx_i) -> (carry, y_i, ctx_i)`; traced once,
+            or twice with `merge_summaries=True` (a `jax.eval_shape` pass gives the
+            accumulator's structure), so keep Python side effects out of it.
         context: the calling context (its key, path and training flag are used; its
             collection is not).
         carry: the initial carry, any PyTree (traced).
         xs: a PyTree whose leaves have a leading axis N, or None with `length`.
-        length: N, static; optional when `xs` has leaves (then it must agree).
+        length: N, static (an int or any integer, e.g. `np.int64`); optional when
+            `xs` has leaves (then it must agree).
         reverse: run from the last index to the first, as `jax.lax.scan`.
         per_iteration: context overrides with leading axis N; only `"prng_key"`
             (raw `uint32[N, 2]` or typed `key[N]`).

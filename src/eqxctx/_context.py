@@ -155,6 +155,7 @@ class Context(eqx.Module):
         self,
         name: str,
         fn: Callable[..., tuple[Any, "Context"]],
+        /,
         *args: Any,
         **kwargs: Any,
     ) -> tuple[Any, "Context"]:

@@ -49,6 +49,12 @@ def functional(
         >>> out, coll.flatten("summaries")
         (2, {'x': 1})
     """
+    if isinstance(drop_output_collections, str):
+        raise ValueError(
+            "`functional(drop_output_collections=...)`: expected a sequence of kinds, "
+            f"got the string {drop_output_collections!r}; write "
+            f"({drop_output_collections!r},)."
+        )
     drop = tuple(drop_output_collections)
     for kind in drop:
         if kind not in KINDS:

@@ -70,7 +70,9 @@ def fold_stacked(stacked: Any, length: int) -> Any:
     rest = jax.tree_util.tree_map(lambda x: x[1:], stacked)
 
     def step(acc: Any, new: Any) -> tuple[Any, None]:
-        return cast_like(accumulate_trees(acc, new), like), None
+        # `new` is cast too (as in `scan_in_context`): under strict dtype promotion an
+        # integer mean must not meet the accumulator's float mean.
+        return cast_like(accumulate_trees(acc, cast_like(new, like)), like), None
 
     out, _ = jax.lax.scan(step, cast_like(first, like), rest, length=length - 1)
     return out

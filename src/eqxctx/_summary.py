@@ -32,7 +32,9 @@ class Summary(eqx.Module):
 
     Raw arrays (and Python numbers) are also valid summary leaves; when eqxctx
     accumulates them (e.g. `scan_in_context(..., merge_summaries=True)`) it adds them
-    with `+`, as AXLearn does. A mean should therefore be a `WeightedSummary`.
+    with `+`, as AXLearn does. A mean should therefore be a `WeightedSummary`, and a
+    count of booleans a `SumSummary` of integers (`+` of JAX booleans is a logical
+    or).
     """
 
     @abc.abstractmethod
@@ -88,19 +90,28 @@ class WeightedSummary(Summary):
             )
 
     def accumulate(self, other: "WeightedSummary") -> "WeightedSummary":
-        """Return the weighted mean of both means, with the weights added."""
-        dtype = jnp.result_type(self.mean, other.mean)
-        if not jnp.issubdtype(dtype, jnp.floating):
-            dtype = jnp.float32
-        w1 = self.weight.astype(dtype)
-        w2 = other.weight.astype(dtype)
-        total = w1 + w2
-        numerator = self.mean.astype(dtype) * w1 + other.mean.astype(dtype) * w2
-        positive = total > 0
-        # Double `where`: no NaN in the value or in its gradient at zero weight.
-        safe_total = jnp.where(positive, total, jnp.ones_like(total))
-        mean = jnp.where(positive, numerator / safe_total, jnp.zeros_like(numerator))
-        weight = self.weight + other.weight
+        """Return the weighted mean of both means, with the weights added.
+
+        Mixed dtypes (a bfloat16 mean with a float32 one, integer weights with float
+        ones) are promoted as under JAX's standard promotion, also when
+        `jax_numpy_dtype_promotion="strict"` is set. A side with zero weight adds
+        nothing, even if its mean is NaN (the 0/0 mean of an empty batch).
+        """
+        with jax.numpy_dtype_promotion("standard"):
+            dtype = jnp.result_type(self.mean, other.mean)
+            if not jnp.issubdtype(dtype, jnp.floating):
+                dtype = jnp.float32
+            w1 = self.weight.astype(dtype)
+            w2 = other.weight.astype(dtype)
+            total = w1 + w2
+            # Double `where`s: no NaN in the value or its gradient at zero weight.
+            m1 = jnp.where(w1 > 0, self.mean.astype(dtype), 0)
+            m2 = jnp.where(w2 > 0, other.mean.astype(dtype), 0)
+            numerator = m1 * w1 + m2 * w2
+            positive = total > 0
+            safe_total = jnp.where(positive, total, jnp.ones_like(total))
+            mean = jnp.where(positive, numerator / safe_total, 0).astype(dtype)
+            weight = self.weight + other.weight
         return WeightedSummary(mean, weight)
 
     def __add__(self, other: "WeightedSummary") -> "WeightedSummary":

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -116,7 +117,9 @@ def output_collections(
 
 
 def _as_numpy(leaf: Any) -> list[np.ndarray]:
-    return [np.asarray(x) for x in jax.tree_util.tree_leaves(leaf)]
+    # Through `jnp.asarray`: a Python number, a NumPy array and a JAX array of the same
+    # values compare equal when JAX would give them the same dtype.
+    return [np.asarray(jnp.asarray(x)) for x in jax.tree_util.tree_leaves(leaf)]
 
 
 def assert_collections_equal(
@@ -130,8 +133,10 @@ def assert_collections_equal(
     """Assert that two collections have the same flattened paths, types and values.
 
     Compares `flatten(kind)` of every kind (so per-iteration summaries compare by
-    their `iter{i}/...` paths), the `Summary` kind of each leaf, and every array leaf
-    with `numpy.testing.assert_allclose`.
+    their `iter{i}/...` paths), the `Summary` kind of each leaf, the shape and dtype
+    of every array leaf (after `jnp.asarray`, so `1.0` and `jnp.float32(1)` agree),
+    and its
+    values with `numpy.testing.assert_allclose`.
 
     Raises:
         AssertionError: naming the first path that differs.
@@ -154,6 +159,11 @@ def assert_collections_equal(
             if len(la) != len(lb):
                 raise AssertionError(f"{kind}/{path}: different number of arrays")
             for x, y in zip(la, lb, strict=True):
+                if x.shape != y.shape or x.dtype != y.dtype:
+                    raise AssertionError(
+                        f"{kind}/{path}: {x.dtype}{list(x.shape)} != "
+                        f"{y.dtype}{list(y.shape)}"
+                    )
                 np.testing.assert_allclose(
                     x, y, rtol=rtol, atol=atol, err_msg=f"at {kind}/{path}"
                 )

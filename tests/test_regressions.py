@@ -1,0 +1,209 @@
+"""Regression tests for problems found by trying eqxctx as a new user would."""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eqxctx import (
+    Context,
+    OutputCollection,
+    WeightedSummary,
+    functional,
+    scan_in_context,
+    vmap_in_context,
+)
+from eqxctx.testing import assert_collections_equal
+
+
+def body(c: jax.Array, x: jax.Array, ctx: Context) -> tuple[jax.Array, None, Context]:
+    ctx = ctx.add_summary("x", x)
+    ctx = ctx.add_summary("w", WeightedSummary(x, 1.0))
+    return c + x, None, ctx
+
+
+def scan_row(row: jax.Array) -> OutputCollection:
+    _, _, coll = scan_in_context(
+        body, context=Context.root(), carry=jnp.float32(0), xs=row
+    )
+    return coll
+
+
+def test_per_iteration_summaries_under_vmap() -> None:
+    xs = jnp.arange(6.0).reshape(2, 3)  # batch 2, N = 3 iterations
+    coll = jax.vmap(scan_row)(xs)
+    flat = coll.flatten("summaries")
+    assert sorted(flat) == [f"iter{i}/{n}" for i in range(3) for n in ("w", "x")]
+    for i in range(3):
+        np.testing.assert_array_equal(flat[f"iter{i}/x"], xs[:, i])
+        np.testing.assert_array_equal(flat[f"iter{i}/w"].value(), xs[:, i])
+        child = coll.child(f"iter{i}").flatten("summaries")
+        np.testing.assert_array_equal(child["x"], xs[:, i])
+    mat = coll.materialize()
+    np.testing.assert_array_equal(mat.summaries["iter2"]["x"], xs[:, 2])
+    # Slicing the outer axis off gives back one row's collection.
+    for b in range(2):
+        row = jax.tree_util.tree_map(lambda a, b=b: a[b], coll)
+        assert_collections_equal(row, scan_row(xs[b]))
+
+
+def test_per_iteration_summaries_under_outer_scan() -> None:
+    xs = jnp.arange(12.0).reshape(4, 3)
+
+    def outer(c: None, row: jax.Array) -> tuple[None, OutputCollection]:
+        return c, scan_row(row)
+
+    _, coll = jax.lax.scan(outer, None, xs)
+    flat = coll.flatten("summaries")
+    for i in range(3):
+        np.testing.assert_array_equal(flat[f"iter{i}/x"], xs[:, i])
+
+
+def test_vmap_in_context_under_vmap() -> None:
+    xs = jnp.arange(6.0).reshape(3, 2)  # outer 3, examples 2
+
+    def f(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+        return 2 * x, ctx.add_summary("x", x)
+
+    def run(row: jax.Array) -> OutputCollection:
+        return vmap_in_context(f, context=Context.root(), xs=row)[1]
+
+    flat = jax.vmap(run)(xs).flatten("summaries")
+    for i in range(2):
+        np.testing.assert_array_equal(flat[f"iter{i}/x"], xs[:, i])
+
+
+def test_nested_scans_under_vmap() -> None:
+    xs = jnp.arange(2 * 3 * 4.0).reshape(2, 3, 4)  # batch, outer N, inner N
+
+    def outer(c: jax.Array, row: jax.Array, ctx: Context) -> Any:
+        _, _, coll = scan_in_context(body, context=ctx, carry=c, xs=row)
+        return c, None, ctx.merge(coll)
+
+    def run(x: jax.Array) -> OutputCollection:
+        return scan_in_context(
+            outer, context=Context.root(), carry=jnp.float32(0), xs=x
+        )[2]
+
+    flat = jax.vmap(run)(xs).flatten("summaries")
+    assert len(flat) == 3 * 4 * 2
+    np.testing.assert_array_equal(flat["iter1/iter2/x"], xs[:, 1, 2])
+
+
+def test_merged_int_weighted_summary_under_strict_promotion() -> None:
+    xs = jnp.arange(4, dtype=jnp.int32)
+
+    def f(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+        return x, ctx.add_summary("w", WeightedSummary(x, 1.0))
+
+    _, coll = vmap_in_context(f, context=Context.root(), xs=xs, merge_summaries=True)
+    np.testing.assert_allclose(coll.flatten("summaries")["iter/w"].value(), 1.5)
+
+    def g(c: None, x: jax.Array, ctx: Context) -> tuple[None, None, Context]:
+        return c, None, ctx.add_summary("w", WeightedSummary(x, 1.0))
+
+    _, _, coll = scan_in_context(
+        g, context=Context.root(), carry=None, xs=xs, merge_summaries=True
+    )
+    np.testing.assert_allclose(coll.flatten("summaries")["iter/w"].value(), 1.5)
+
+
+def test_weighted_summary_mixed_dtypes_under_strict_promotion() -> None:
+    a = WeightedSummary(jnp.bfloat16(1.0), jnp.int32(1))
+    b = WeightedSummary(jnp.float32(3.0), jnp.float32(3.0))
+    s = a + b
+    assert s.mean.dtype == jnp.float32
+    np.testing.assert_allclose(s.value(), 2.5)
+    np.testing.assert_allclose(s.weight, 4.0)
+
+
+def test_weighted_summary_zero_weight_nan_mean_adds_nothing() -> None:
+    empty = WeightedSummary(jnp.float32(jnp.nan), jnp.float32(0))
+    s = empty + WeightedSummary(jnp.float32(5), jnp.float32(1))
+    np.testing.assert_allclose(s.value(), 5.0)
+    g = jax.grad(
+        lambda m: (WeightedSummary(m, jnp.float32(0)) + WeightedSummary(m, 1.0)).value()
+    )(jnp.float32(2.0))
+    np.testing.assert_allclose(g, 1.0)
+
+
+def test_call_forwards_kwargs_named_name_and_fn() -> None:
+    def f(x: float, ctx: Context, *, name: str, fn: str) -> tuple[float, Context]:
+        return x, ctx.add_summary(name, x).add_summary(fn, 2 * x)
+
+    _, ctx = Context.root().call("blk", f, 1.0, name="b", fn="c")
+    assert ctx.collection.flatten("summaries") == {"blk/b": 1.0, "blk/c": 2.0}
+
+
+@pytest.mark.parametrize("name", ["abc\n", "it\n"])
+def test_child_name_with_trailing_newline_is_refused(name: str) -> None:
+    with pytest.raises(ValueError, match="invalid child name"):
+        Context.root().child(name)
+    with pytest.raises(ValueError, match="invalid child name"):
+        scan_in_context(
+            body,
+            context=Context.root(),
+            carry=jnp.float32(0),
+            xs=jnp.ones(2),
+            child_name_prefix=name,
+        )
+
+
+def test_assert_collections_equal_checks_shape_and_dtype() -> None:
+    one = OutputCollection({"x": jnp.ones(3)}, {}, {})
+    with pytest.raises(AssertionError, match=r"x: float32\[3\] != float32\[\]"):
+        assert_collections_equal(one, OutputCollection({"x": 1.0}, {}, {}))
+    with pytest.raises(AssertionError, match="int32"):
+        assert_collections_equal(
+            OutputCollection({"x": jnp.int32(1)}, {}, {}),
+            OutputCollection({"x": True}, {}, {}),
+        )
+    assert_collections_equal(
+        OutputCollection({"x": 1.0}, {}, {}),
+        OutputCollection({"x": jnp.float32(1)}, {}, {}),
+    )
+
+
+@pytest.mark.parametrize("value", [np.str_("x"), np.array(["x"]), np.array([None])])
+def test_non_numeric_arrays_are_refused(value: Any) -> None:
+    with pytest.raises(TypeError, match="summaries/a"):
+        OutputCollection.empty().add_summary("a", value)
+
+
+def test_typed_key_leaves_are_accepted() -> None:
+    coll = OutputCollection.empty().add_state_update("key", jax.random.key(0))
+    assert "key" in coll.flatten("state_updates")
+
+
+def test_functional_drop_string_is_a_clear_error() -> None:
+    with pytest.raises(
+        ValueError, match=r"expected a sequence of kinds.*\('summaries',\)"
+    ):
+        functional(
+            lambda c: (None, c),
+            prng_key=None,
+            is_training=False,
+            drop_output_collections="summaries",
+        )
+
+
+def test_scan_length_accepts_numpy_integers() -> None:
+    def count(c: jax.Array, x: None, ctx: Context) -> tuple[jax.Array, None, Context]:
+        return c + 1, None, ctx
+
+    c, _, _ = scan_in_context(
+        count, context=Context.root(), carry=jnp.int32(0), xs=None, length=np.int64(3)
+    )
+    assert int(c) == 3
+    with pytest.raises(ValueError, match="length must be a non-negative int"):
+        scan_in_context(
+            count, context=Context.root(), carry=jnp.int32(0), xs=None, length=True
+        )
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.int8, jnp.bool_])
+def test_numeric_dtypes_are_accepted(dtype: Any) -> None:
+    coll = OutputCollection.empty().add_summary("a", jnp.ones(2, dtype))
+    assert coll.flatten("summaries")["a"].dtype == dtype
