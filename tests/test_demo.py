@@ -121,6 +121,9 @@ def test_demo_plot_and_hidden_states(demo_run: tuple[Any, Path]) -> None:
         (["--batch-size", "60"], "argument --batch-size: 60 does not divide over 8"),
         (["--steps", "x"], "argument --steps: expected an integer, got 'x'"),
         (["--logdir", "blocker/runs"], "argument --logdir: cannot create a run folder"),
+        (["--seed", "-3"], "argument --seed: must be at least 0, got -3"),
+        (["--seed=-3", "--logdir", "logs"], "argument --seed: must be at least 0"),
+        (["--logdir", "blocker"], "argument --logdir: 'blocker' exists and is not a d"),
     ],
 )
 def test_demo_usage_errors(tmp_path: Path, args: list[str], message: str) -> None:
@@ -143,6 +146,14 @@ def test_demo_read_only_logdir(tmp_path: Path) -> None:
     proc = run_demo("--logdir", str(logdir), cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].endswith("Permission denied")
+
+
+def test_make_run_dir_refuses_a_file(tmp_path: Path) -> None:
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    with pytest.raises(NotADirectoryError, match="is not a directory"):
+        make_run_dir(str(blocker))
+    assert blocker.read_text() == ""
 
 
 def test_run_folders_are_never_reused(tmp_path: Path) -> None:

@@ -368,7 +368,12 @@ def test_summaries_from_scan_and_non_array_outputs() -> None:
 
     batch = make_batch()
     runner = MethodRunner.create(
-        make_model(), method, mesh=mesh_1d(), prng_key=jax.random.PRNGKey(0)
+        make_model(),
+        method,
+        mesh=mesh_1d(),
+        prng_key=jax.random.PRNGKey(0),
+        # `carry` has no batch axis: 4 rows do not divide over 8 devices.
+        output_partition=DataPartition.REPLICATED,
     )
     _, out = runner(batch)
     flat = eqxctx.OutputCollection(out.summaries, {}, {}).flatten("summaries")
@@ -592,3 +597,244 @@ def test_is_training_and_param_partition_tree() -> None:
         jax.tree.map(np.testing.assert_array_equal, runner.model, params)
         _, out = runner(batch)
         np.testing.assert_allclose(np.asarray(out.output_batch), expected * factor)
+
+
+AXIS_TYPES = [AxisType.Auto, AxisType.Explicit]
+
+
+class WithNone(eqx.Module):
+    y: jax.Array
+    aux: Any = None
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_none_leaves_are_empty_subtrees(axis_type: AxisType) -> None:
+    def method(m: Any, b: dict[str, Any], ctx: Context) -> tuple[Any, Context]:
+        assert b["mask"] is None
+        return {"out": WithNone(b["x"] * 2), "none": None}, ctx
+
+    def returns_none(m: Any, b: Any, ctx: Context) -> tuple[None, Context]:
+        return None, ctx
+
+    key = jax.random.PRNGKey(0)
+    x = np.arange(32.0, dtype=np.float32).reshape(8, 4)
+    runner = MethodRunner.create({}, method, mesh=mesh_1d(axis_type), prng_key=key)
+    _, out = runner({"x": x, "mask": None})
+    np.testing.assert_array_equal(np.asarray(out.output_batch["out"].y), x * 2)
+    assert out.output_batch["out"].aux is None
+    assert out.output_batch["none"] is None
+    assert out.input_batch["mask"] is None
+    runner = MethodRunner.create(
+        {}, returns_none, mesh=mesh_1d(axis_type), prng_key=key
+    )
+    _, out = runner(x)
+    assert out.output_batch is None
+    # A model with a None field (no bias), with each form of param_partition.
+    lin = eqx.nn.Linear(4, 2, use_bias=False, key=key)
+    for part in (None, lambda path, leaf: P(), jax.tree.map(lambda _: P(), lin)):
+        runner = MethodRunner.create(
+            lin,
+            lambda m, b, ctx: (jax.vmap(m)(b), ctx),
+            mesh=mesh_1d(axis_type),
+            prng_key=key,
+            param_partition=part,
+        )
+        _, out = runner(x)
+        np.testing.assert_allclose(
+            np.asarray(out.output_batch), x @ np.asarray(lin.weight).T, rtol=1e-6
+        )
+
+
+class CallableNet(eqx.Module):
+    lin: eqx.nn.Linear
+
+    def __call__(self, x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+        return jax.vmap(self.lin)(x), ctx
+
+
+def test_param_partition_tree_of_a_callable_module() -> None:
+    net = CallableNet(eqx.nn.Linear(4, 8, key=jax.random.PRNGKey(0)))
+    spec_tree = jax.tree.map(lambda _: P(), net)
+    spec_tree = eqx.tree_at(lambda t: t.lin.weight, spec_tree, P("model"))
+    assert callable(spec_tree)  # a tree, not the callable form
+    runner = MethodRunner.create(
+        net,
+        "__call__",
+        mesh=mesh_2d(),
+        prng_key=jax.random.PRNGKey(0),
+        param_partition=spec_tree,
+    )
+    assert spec_of(runner.params.lin.weight) == ("model",)
+    assert spec_of(runner.params.lin.bias) == ()
+    x = np.ones((8, 4), np.float32)
+    _, out = runner(x)
+    expected = x @ np.asarray(net.lin.weight).T + np.asarray(net.lin.bias)
+    np.testing.assert_allclose(np.asarray(out.output_batch), expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_lower_with_shardings_other_than_the_input_partition(
+    axis_type: AxisType,
+) -> None:
+    mesh = mesh_2d(axis_type)
+    model, batch, key = make_model(), make_batch(), jax.random.PRNGKey(2)
+    runner = MethodRunner.create(model, "predict", mesh=mesh, prng_key=key)
+    replicated = NamedSharding(mesh, P())
+    by_model = NamedSharding(mesh, P("model"))
+    spec = {
+        "x": jax.ShapeDtypeStruct((16, 4), jnp.float32, sharding=replicated),
+        "label": jax.ShapeDtypeStruct((16,), jnp.int32, sharding=by_model),
+    }
+    compiled = runner.lower(spec).compile()
+    r_jit, out_jit = runner(batch)
+    global_batch = {
+        "x": jax.device_put(batch["x"], replicated),
+        "label": jax.device_put(batch["label"], by_model),
+    }
+    other = {"x": out_jit.input_batch["x"], "label": batch["label"]}  # a mixture
+    for inputs in (batch, global_batch, other):
+        r_aot, out_aot = compiled(inputs)
+        for name in ("y", "noise", "label"):
+            np.testing.assert_allclose(
+                np.asarray(out_aot.output_batch[name]),
+                np.asarray(out_jit.output_batch[name]),
+                rtol=1e-6,
+            )
+        assert jnp.array_equal(r_aot.prng_key, r_jit.prng_key)
+        assert out_aot.input_batch["x"].sharding.is_fully_replicated
+    with pytest.raises(ValueError, match="structure differs"):
+        compiled({"x": batch["x"]})
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_output_that_does_not_divide_names_the_leaf(axis_type: AxisType) -> None:
+    def method(m: Any, b: jax.Array, ctx: Context) -> tuple[Any, Context]:
+        return {"ok": b, "short": {"y": jnp.ones((6, 4)) * jnp.sum(b)}}, ctx
+
+    runner = MethodRunner.create(
+        {}, method, mesh=mesh_2d(axis_type), prng_key=jax.random.PRNGKey(0)
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"Output leaf 'short/y' of shape \(6, 4\): dimension 0.*\('data',\)"
+        r".*size 4.*output_partition",
+    ):
+        runner(np.ones((8, 4), np.float32))
+    replicated = MethodRunner.create(
+        {},
+        method,
+        mesh=mesh_2d(axis_type),
+        prng_key=jax.random.PRNGKey(0),
+        output_partition={"ok": DataPartition.BATCH, "short": DataPartition.REPLICATED},
+    )
+    _, out = replicated(np.ones((8, 4), np.float32))
+    assert out.output_batch["short"]["y"].sharding.is_fully_replicated
+    np.testing.assert_array_equal(np.asarray(out.output_batch["short"]["y"]), 32.0)
+    assert out.output_batch["ok"].sharding.is_equivalent_to(
+        NamedSharding(out.output_batch["ok"].sharding.mesh, P("data")), 2
+    )
+
+
+def test_method_and_partition_errors() -> None:
+    model, key = make_model(), jax.random.PRNGKey(0)
+    with pytest.raises(
+        TypeError, match=r"bound method.*method='predict'.*type\(model\)"
+    ):
+        MethodRunner.create(model, model.predict, mesh=mesh_1d(), prng_key=key)
+    net = CallableNet(eqx.nn.Linear(4, 8, key=key))
+    with pytest.raises(AttributeError, match=r"available methods: \['__call__'\]"):
+        MethodRunner.create(net, "predict", mesh=mesh_1d(), prng_key=key)
+    params = {"b": np.ones(8, np.float32), "w1": np.ones((8, 4), np.float32)}
+    for part in ({"b": P(), "w1": P("modle")}, lambda path, leaf: P(None, "modle")):
+        with pytest.raises(
+            ValueError,
+            match=r"param_partition=.*leaf '(b|w1)' names mesh axes \['modle'\]"
+            r".*\('data', 'model'\)",
+        ):
+            MethodRunner.create(
+                params,
+                lambda m, b, ctx: (b, ctx),
+                mesh=mesh_2d(),
+                prng_key=key,
+                param_partition=part,
+            )
+    runner = MethodRunner.create(
+        model,
+        "predict",
+        mesh=mesh_2d(),
+        prng_key=key,
+        input_partition={"x": P("data"), "label": P("modle")},
+    )
+    with pytest.raises(
+        ValueError, match=r"input_partition=.*leaf 'label' names mesh axes \['modle'\]"
+    ):
+        runner(make_batch())
+    with pytest.raises(ValueError, match="structure of the model's parameters") as e:
+        MethodRunner.create(
+            model, "predict", mesh=mesh_2d(), prng_key=key, param_partition=[P()]
+        )
+    assert "batch" not in str(e.value)
+    with pytest.raises(ValueError, match=r"^Parameter 'w1'.*param_partition") as e:
+        MethodRunner.create(
+            model,
+            "predict",
+            mesh=mesh_2d(),
+            prng_key=key,
+            param_partition=lambda path, leaf: P(("data", "model")),
+        )
+    assert "batch" not in str(e.value)
+    swapped = MethodRunner.create(
+        model, lambda m, b, ctx: (ctx, b["x"]), mesh=mesh_1d(), prng_key=key
+    )
+    with pytest.raises(TypeError, match=r"returned `\(ctx, output\)`.*Swap"):
+        swapped(make_batch())
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_specs_longer_than_the_rank_behave_the_same(axis_type: AxisType) -> None:
+    mesh, key = mesh_2d(axis_type), jax.random.PRNGKey(0)
+    identity = MethodRunner.create(
+        {"w": np.ones((8, 4), np.float32)},
+        lambda m, b, ctx: (b, ctx),
+        mesh=mesh,
+        prng_key=key,
+        input_partition=P("data", "model", None),
+        output_partition=P("data", None, None),
+        param_partition={"w": P("data", None, None)},
+    )
+    assert spec_of(identity.params["w"]) == ("data",)
+    x = np.arange(32.0, dtype=np.float32).reshape(8, 4)
+    _, out = identity(x)
+    assert spec_of(out.input_batch) == ("data", "model")
+    assert spec_of(out.output_batch) == ("data",)
+    np.testing.assert_array_equal(np.asarray(out.output_batch), x)
+    too_long = MethodRunner.create(
+        {},
+        lambda m, b, ctx: (b, ctx),
+        mesh=mesh,
+        prng_key=key,
+        input_partition={"x": P("data", None, "model")},
+    )
+    with pytest.raises(ValueError, match=r"'x' has rank 2.*P\('data', None, 'model'\)"):
+        too_long({"x": x})
+
+
+def test_summary_accumulator_changed_kind_or_shape_names_the_path() -> None:
+    acc = eqxctx.SummaryAccumulator().update(
+        {"a": {"w": eqxctx.WeightedSummary(1.0, 1.0)}, "r": jnp.ones(3)}
+    )
+    with pytest.raises(TypeError, match=r"'a/w' was WeightedSummary and is now a raw"):
+        acc.update({"a": {"w": 1.0}, "r": jnp.ones(3)})
+    with pytest.raises(TypeError, match=r"'a/w' was WeightedSummary.*MinSummary"):
+        acc.update({"a": {"w": eqxctx.MinSummary(1.0)}, "r": jnp.ones(3)})
+    with pytest.raises(
+        ValueError, match=r"'r' had shape \(3,\) and now has shape \(4,\)"
+    ):
+        acc.update({"a": {"w": eqxctx.WeightedSummary(1.0, 1.0)}, "r": jnp.ones(4)})
+    with pytest.raises(ValueError, match=r"MinSummary at 'm'"):
+        eqxctx.SummaryAccumulator().update(
+            {"m": eqxctx.MinSummary(jnp.ones(3))}
+        ).update({"m": eqxctx.MinSummary(jnp.ones(4))})
+    ok = acc.update({"a": {"w": eqxctx.WeightedSummary(4.0, 2.0)}, "r": jnp.ones(3)})
+    assert float(ok.summaries()["a"]["w"].value()) == 3.0
+    np.testing.assert_array_equal(np.asarray(ok.summaries()["r"]), np.full(3, 2.0))

@@ -152,3 +152,75 @@ def test_constrain_by_axis_type(axis_type: AxisType) -> None:
     assert y.sharding == target
     np.testing.assert_array_equal(np.asarray(y), 2 * np.ones((8, 2)))
     assert constrain("not an array", target, explicit=explicit) == "not an array"
+
+
+def test_resolve_specs_treats_none_leaves_as_empty_subtrees() -> None:
+    mesh = mesh_2d()
+    tree = {"a": np.ones(8), "b": None, "c": (None, np.ones(8))}
+    assert len(jax.tree.leaves(tree)) == 2
+    assert (
+        resolve_specs(DataPartition.BATCH, tree, mesh, what="input")
+        == [P(("data",))] * 2
+    )
+    # A None in the partition is a leaf (replicated), also over a None subtree.
+    specs = resolve_specs(
+        {"a": P("model"), "b": None, "c": None}, tree, mesh, what="input"
+    )
+    assert specs == [P("model"), P()]
+    assert resolve_specs(DataPartition.FULL, None, mesh, what="output") == []
+
+
+def test_resolve_specs_names_unknown_axes_and_the_tree() -> None:
+    mesh = mesh_2d()
+    tree = {"a": np.ones(8), "b": {"c": np.ones(8)}}
+    with pytest.raises(
+        ValueError,
+        match=r"input_partition=.*leaf 'b/c' names mesh axes \['modle'\].*"
+        r"\('data', 'model'\)",
+    ):
+        resolve_specs(
+            {"a": P("data"), "b": P(("data", "modle"))},
+            tree,
+            mesh,
+            what="input_partition",
+        )
+    with pytest.raises(ValueError, match="structure of the model's parameters"):
+        resolve_specs([P()], tree, mesh, what="param_partition")
+    with pytest.raises(ValueError, match="structure of the method's output"):
+        resolve_specs([P()], tree, mesh, what="output_partition")
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_specs_longer_than_the_rank(explicit: bool) -> None:
+    # Trailing Nones beyond the rank are dropped on both kinds of mesh.
+    padded = P("data", None) if explicit else P("data")
+    assert leaf_spec(P("data", None, None), 2, explicit=explicit) == padded
+    assert normalize_spec(P("data", None, None), 2, explicit=explicit) == padded
+    with pytest.raises(ValueError, match=r"'x' has rank 2.*P\('data', None, 'model'\)"):
+        leaf_spec(P("data", None, "model"), 2, explicit=explicit, path="x")
+    check_divisible((8, 3), P("data", None, None), mesh_2d(), path="ok")
+
+
+def test_check_divisible_wording_per_kind() -> None:
+    mesh = mesh_2d()
+    with pytest.raises(ValueError, match=r"^Parameter 'w'.*`param_partition`") as e:
+        check_divisible((6, 3), P("data"), mesh, path="w", what="parameter")
+    assert "batch" not in str(e.value)
+    with pytest.raises(ValueError, match=r"^Output leaf 'y'.*`output_partition`"):
+        check_divisible((6, 3), P("data"), mesh, path="y", what="output")
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_to_host_typed_keys_give_their_key_data(axis_type: AxisType) -> None:
+    mesh = mesh_2d(axis_type)
+    keys = jax.random.split(jax.random.key(1), 8)
+    sharded = jax.device_put(keys, NamedSharding(mesh, P("data")))
+    host = eqxctx.to_host({"one": jax.random.key(1), "many": sharded})
+    np.testing.assert_array_equal(
+        host["one"], np.asarray(jax.random.key_data(jax.random.key(1)))
+    )
+    assert host["one"].dtype == np.uint32
+    assert host["many"].shape == (8, 2)
+    np.testing.assert_array_equal(host["many"], np.asarray(jax.random.key_data(keys)))
+    local = eqxctx.to_host(sharded, gather=False)
+    np.testing.assert_array_equal(local, host["many"])

@@ -197,6 +197,67 @@ def test_jsonl_errors(tmp_path: Path) -> None:
     assert (tmp_path / "s.jsonl").read_text() == ""  # nothing half-written
 
 
+@pytest.mark.parametrize(
+    ("summaries", "message"),
+    [
+        # A flat name with "/" would collide with a nested one: both are refused.
+        ({"a/b": 1, "a": {"b": 2}}, r"invalid summary name 'a/b' at the top level"),
+        ({"a": {"": 1}}, r"invalid summary name '' under 'a'"),
+        ({"a": {"x/y": 1}}, r"invalid summary name 'x/y' under 'a'"),
+        # A callback's mapping is expanded into path/key: it may not hit a sibling.
+        (
+            {"a": eqxctx.CallbackSummary(lambda: {"b": 1.0}), "a/b": 5.0},
+            r"invalid summary name 'a/b'",
+        ),
+        (
+            {"a": eqxctx.CallbackSummary(lambda: {"b": {"c": 1.0}, "s/t": 2.0})},
+            r"invalid summary name 's/t' under 'a'",
+        ),
+    ],
+)
+def test_writers_never_drop_a_value(
+    tmp_path: Path, summaries: dict[str, Any], message: str
+) -> None:
+    for writer in (
+        JsonlWriter(tmp_path / "s.jsonl"),
+        TensorBoardWriter(tmp_path / "tb"),
+    ):
+        with writer, pytest.raises(ValueError, match=message):
+            writer.write(0, summaries)
+    assert (tmp_path / "s.jsonl").read_text() == ""
+
+
+def test_writers_report_colliding_paths(tmp_path: Path) -> None:
+    # A scan's `iter` entry stands for children iter0, iter1: a user child `iter0`
+    # (raw mapping) or a callback mapping at `iter0` gets the same paths.
+    stacked = eqxctx.IterationSummaries(2, {"loss": jnp.arange(2.0)})
+    child = {"iter": stacked, "iter0": {"loss": 9.0}}
+    callback = {"iter": stacked, "iter0": eqxctx.CallbackSummary(lambda: {"loss": 9.0})}
+    for summaries in (child, callback):
+        for writer in (
+            JsonlWriter(tmp_path / "s.jsonl"),
+            TensorBoardWriter(tmp_path / "tb"),
+        ):
+            with (
+                writer,
+                pytest.raises(
+                    ValueError, match="two summaries have the path 'iter0/loss'"
+                ),
+            ):
+                writer.write(0, summaries)
+    assert (tmp_path / "s.jsonl").read_text() == ""
+    with pytest.raises(ValueError, match="two summaries have the path 'iter0/loss'"):
+        eqxctx.SummaryAccumulator().update(child)
+    with pytest.raises(ValueError, match="invalid summary name 'a/b'"):
+        eqxctx.SummaryAccumulator().update({"a/b": 1.0, "a": {"b": 2.0}})
+    # Without a collision every value is written.
+    with JsonlWriter(tmp_path / "ok.jsonl") as w:
+        w.write(1, {"iter": stacked, "iter2": {"loss": 9.0}})
+    assert read_jsonl(tmp_path / "ok.jsonl") == [
+        {"step": 1, "iter0/loss": 0.0, "iter1/loss": 1.0, "iter2/loss": 9.0}
+    ]
+
+
 def test_jsonl_unwritable_path(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")

@@ -10,10 +10,11 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import numpy as np
 
-from ._collection import OutputCollection
 from ._runner import MethodRunner
-from ._summary import accumulate_leaf
+from ._summary import Summary, accumulate_leaf
+from .writers._base import flatten_summaries
 
 
 def run_batches(
@@ -82,6 +83,34 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _kind(x: Any) -> str:
+    return type(x).__name__ if isinstance(x, Summary) else "a raw value"
+
+
+def _accumulate(path: str, a: Any, b: Any) -> Any:
+    """`accumulate_leaf(a, b)`, with errors that name `path`."""
+    where = "`SummaryAccumulator.update`"
+    if isinstance(a, Summary) or isinstance(b, Summary):
+        if type(a) is not type(b):
+            raise TypeError(
+                f"{where}: the summary at {path!r} was {_kind(a)} and is now "
+                f"{_kind(b)}; log the same kind at a path in every batch."
+            )
+        try:
+            return accumulate_leaf(a, b)
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"{where}: cannot accumulate the {type(a).__name__} at {path!r} "
+                f"with the new one ({e}); shapes and dtypes must stay the same."
+            ) from e
+    if np.shape(a) != np.shape(b):
+        raise ValueError(
+            f"{where}: the summary at {path!r} had shape {np.shape(a)} and now has "
+            f"shape {np.shape(b)}; raw arrays are added, so keep their shape."
+        )
+    return accumulate_leaf(a, b)
+
+
 class SummaryAccumulator(eqx.Module):
     """Accumulates summaries across batches (AXLearn's `MetricAccumulator`).
 
@@ -114,9 +143,15 @@ class SummaryAccumulator(eqx.Module):
 
         Raises:
             ValueError: if the summary paths differ from those already accumulated
-                (the message lists the missing and the extra paths).
+                (the message lists the missing and the extra paths), if a raw
+                array's shape differs from the accumulated one, if a name is invalid
+                or two entries get the same path (see `eqxctx.writers`), or if a
+                `Summary` cannot be accumulated with the last one (naming the path).
+            TypeError: if a leaf's kind differs from the accumulated one (a `Summary`
+                of another class, or a raw array where a `Summary` was), naming the
+                path.
         """
-        flat = OutputCollection(summaries, {}, {}).flatten("summaries")
+        flat = flatten_summaries(summaries, where="SummaryAccumulator.update")
         if self.flat is None:
             return SummaryAccumulator(flat)
         if flat.keys() != self.flat.keys():
@@ -128,7 +163,7 @@ class SummaryAccumulator(eqx.Module):
                 "Accumulate the summaries of one method in one accumulator."
             )
         return SummaryAccumulator(
-            {k: accumulate_leaf(v, flat[k]) for k, v in self.flat.items()}
+            {k: _accumulate(k, v, flat[k]) for k, v in self.flat.items()}
         )
 
     def summaries(self) -> dict[str, Any]:

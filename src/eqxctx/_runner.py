@@ -35,7 +35,11 @@ from ._sharding import (
     leaf_spec,
     named_sharding,
     normalize_spec,
+    path_str,
+    raise_unknown_axes,
     resolve_specs,
+    to_global,
+    unknown_axes,
 )
 from ._step import (
     REPLICATED,
@@ -43,7 +47,6 @@ from ._step import (
     Settings,
     StaticOut,
     jit_step,
-    path_str,
     replicated,
 )
 
@@ -66,11 +69,30 @@ def _new(cls: type[Any], fields: dict[str, Any]) -> Any:
 
 
 def _available_methods(model: Any) -> list[str]:
-    return sorted(
+    names = {
         n
         for n in dir(type(model))
         if not n.startswith("_") and callable(getattr(type(model), n, None))
-    )
+    }
+    if callable(model):
+        names.add("__call__")
+    return sorted(names)
+
+
+def _is_spec(x: object) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def is_callable_partition(param_partition: object) -> bool:
+    """Return whether `param_partition` is the callable form `(path, leaf) -> spec`.
+
+    A callable PyTree with `PartitionSpec` leaves (e.g. `jax.tree.map(lambda _: P(),
+    model)` for an `eqx.Module` with `__call__`) is the tree form, not the callable.
+    """
+    if not callable(param_partition) or isinstance(param_partition, PartitionSpec):
+        return False
+    leaves = jax.tree_util.tree_leaves(param_partition, is_leaf=_is_spec)
+    return not any(isinstance(x, PartitionSpec) for x in leaves)
 
 
 def _resolve_param_specs(
@@ -79,8 +101,9 @@ def _resolve_param_specs(
     with_path = jax.tree_util.tree_flatten_with_path(params)[0]
     if param_partition is None:
         return tuple(REPLICATED for _ in with_path)
-    if callable(param_partition) and not isinstance(param_partition, PartitionSpec):
+    if is_callable_partition(param_partition):
         specs: list[PartitionSpec] = []
+        axes = set(mesh.axis_names)
         for path, leaf in with_path:
             spec = param_partition(path_str(path), leaf)
             if not isinstance(spec, PartitionSpec):
@@ -89,9 +112,31 @@ def _resolve_param_specs(
                     f"`PartitionSpec`, got {type(spec).__name__} for parameter "
                     f"{path_str(path)!r}."
                 )
+            unknown = unknown_axes(spec, axes)
+            if unknown:
+                raise_unknown_axes(
+                    spec, unknown, mesh, what="param_partition", path=path_str(path)
+                )
             specs.append(spec)
         return tuple(specs)
     return tuple(resolve_specs(param_partition, params, mesh, what="param_partition"))
+
+
+def _check_method(model: Any, method: object) -> None:
+    """Raise for a method of `model` bound to it (`model.predict`)."""
+    owner = getattr(method, "__self__", None)
+    func = getattr(method, "__func__", None)
+    if owner is None or func is None or isinstance(owner, type):
+        return
+    if owner is model or isinstance(owner, eqx.Module):
+        name = getattr(func, "__name__", "method")
+        raise TypeError(
+            f"`MethodRunner.create(method=...)`: got the bound method "
+            f"{type(owner).__name__}.{name} (e.g. `model.{name}`); it holds the "
+            "model's arrays and cannot be static. Pass the name, "
+            f"`method={name!r}`, or the unbound function, "
+            f"`method=type(model).{name}`."
+        )
 
 
 def _finish(
@@ -221,6 +266,7 @@ class MethodRunner(eqx.Module):
                 or a parameter dimension that does not divide over its mesh axes.
             TypeError: for an unhashable non-array leaf of `model`.
         """
+        _check_method(model, method)
         if isinstance(method, str) and not callable(getattr(model, method, None)):
             raise AttributeError(
                 f"`MethodRunner.create(method={method!r})`: {type(model).__name__} "
@@ -241,8 +287,11 @@ class MethodRunner(eqx.Module):
         placed: list[Any] = []
         padded: list[PartitionSpec] = []
         for (path, x), spec in zip(with_path, specs, strict=True):
-            check_divisible(np.shape(x), spec, mesh, path=path_str(path))
-            padded.append(normalize_spec(spec, np.ndim(x), explicit=is_explicit(mesh)))
+            name = path_str(path)
+            check_divisible(np.shape(x), spec, mesh, path=name, what="parameter")
+            padded.append(
+                normalize_spec(spec, np.ndim(x), explicit=is_explicit(mesh), path=name)
+            )
             placed.append(jax.device_put(x, named_sharding(mesh, padded[-1])))
         del leaves
         settings = Settings(
@@ -364,8 +413,9 @@ class MethodRunner(eqx.Module):
             shape = tuple(np.shape(x))
             sharding = getattr(x, "sharding", None)
             if not isinstance(sharding, NamedSharding):
-                s = leaf_spec(spec, len(shape), explicit=settings.explicit)
-                check_divisible(shape, s, settings.mesh, path=path_str(path))
+                name = path_str(path)
+                s = leaf_spec(spec, len(shape), explicit=settings.explicit, path=name)
+                check_divisible(shape, s, settings.mesh, path=name)
                 sharding = named_sharding(settings.mesh, s)
             structs.append(
                 jax.ShapeDtypeStruct(shape, np.result_type(x), sharding=sharding)
@@ -384,7 +434,8 @@ class MethodRunner(eqx.Module):
             treedef.unflatten(structs),
             dynamic,
         )
-        return LoweredRunner(self, lowered, static_kwargs)
+        shardings = [x.sharding for x in structs]
+        return LoweredRunner(self, lowered, static_kwargs, (treedef, shardings))
 
 
 _Output = MethodRunner.Output
@@ -393,10 +444,17 @@ _Output = MethodRunner.Output
 class LoweredRunner:
     """A runner step lowered ahead of time by `MethodRunner.lower`."""
 
-    def __init__(self, runner: MethodRunner, lowered: Any, static_kwargs: Any):
+    def __init__(
+        self,
+        runner: MethodRunner,
+        lowered: Any,
+        static_kwargs: Any,
+        inputs: tuple[Any, list[Any]],
+    ):
         self._runner = runner
         self._lowered = lowered
         self._static_kwargs = static_kwargs
+        self._inputs = inputs
 
     def as_text(self) -> str:
         """Return the lowered program (StableHLO) as text."""
@@ -405,7 +463,7 @@ class LoweredRunner:
     def compile(self) -> "CompiledRunner":
         """Compile the lowered program; the result is called like the runner."""
         return CompiledRunner(
-            self._runner, self._lowered.compile(), self._static_kwargs
+            self._runner, self._lowered.compile(), self._static_kwargs, self._inputs
         )
 
 
@@ -414,13 +472,23 @@ class CompiledRunner:
 
     Runs the program compiled by `MethodRunner.lower(...).compile()` with the key of
     the runner it was lowered from; returns that runner's successor and the output,
-    exactly like calling the runner.
+    exactly like calling the runner. Each leaf of the batch is placed with the
+    sharding it was lowered with (the `ShapeDtypeStruct`'s, else the input
+    partition's), so a batch lowered with another sharding than the input partition
+    runs too; inside, the step constrains it to the input partition as usual.
     """
 
-    def __init__(self, runner: MethodRunner, compiled: Any, static_kwargs: Any):
+    def __init__(
+        self,
+        runner: MethodRunner,
+        compiled: Any,
+        static_kwargs: Any,
+        inputs: tuple[Any, list[Any]],
+    ):
         self._runner = runner
         self._compiled = compiled
         self._static_kwargs = static_kwargs
+        self._inputs = inputs
 
     def as_text(self) -> str:
         """Return the compiled (optimized HLO) program as text."""
@@ -432,10 +500,12 @@ class CompiledRunner:
         """Run the compiled step; see `MethodRunner.__call__`.
 
         Raises:
-            ValueError: if the static keyword arguments differ from the lowered ones.
+            ValueError: if the static keyword arguments differ from the lowered ones,
+                if the batch's structure differs from the lowered one, or if a batch
+                dimension does not divide over its mesh axes.
         """
         runner = self._runner
-        batch = runner.settings.place_batch(input_batch)
+        batch = self._place(input_batch)
         dynamic, static = eqx.partition(kwargs, eqx.is_array) if kwargs else (None, {})
         static_kwargs = Frozen(static, what="a keyword argument") if kwargs else None
         if static_kwargs != self._static_kwargs:
@@ -445,3 +515,20 @@ class CompiledRunner:
             )
         result = self._compiled(runner.params, runner.prng_key, batch, dynamic)
         return _finish(_getattribute(runner, "__dict__"), result, batch)
+
+    def _place(self, input_batch: Any) -> Any:
+        """Return the batch with the shardings it was lowered with, leaf by leaf."""
+        treedef, shardings = self._inputs
+        with_path, got = jax.tree_util.tree_flatten_with_path(input_batch)
+        if got != treedef:
+            raise ValueError(
+                "`CompiledRunner`: the batch's structure differs from the one given to "
+                f"`MethodRunner.lower` (got {got}, lowered {treedef}); lower again "
+                "for batches of another structure."
+            )
+        placed: list[Any] = []
+        for (path, x), s in zip(with_path, shardings, strict=True):
+            if not (isinstance(x, jax.Array) and x.sharding == s):
+                x = to_global(x, s, path=path_str(path))
+            placed.append(x)
+        return treedef.unflatten(placed)

@@ -70,29 +70,66 @@ def data_partition_spec(partition: DataPartition, mesh: Mesh) -> PartitionSpec:
     return PartitionSpec(data)
 
 
-def leaf_spec(spec: PartitionSpec, ndim: int, *, explicit: bool) -> PartitionSpec:
+def leaf_spec(
+    spec: PartitionSpec, ndim: int, *, explicit: bool, path: str = "a leaf"
+) -> PartitionSpec:
     """Return the spec used for a leaf of rank `ndim` (AXLearn's `reshard_fn` rule).
 
     Rank-0 leaves are replicated; rank-1 leaves take only the first entry of `spec`;
     others take `spec` as it is. The result is then put in the form JAX gives the
     outputs of a jitted function (see `normalize_spec`).
+
+    Raises:
+        ValueError: if `spec` has more non-None entries than the leaf has dimensions
+            (naming `path`).
     """
     if ndim == 0:
         return PartitionSpec()
     if ndim == 1 and len(spec) > 1:
         spec = PartitionSpec(spec[0])
-    return normalize_spec(spec, ndim, explicit=explicit)
+    return normalize_spec(spec, ndim, explicit=explicit, path=path)
 
 
-def normalize_spec(spec: PartitionSpec, ndim: int, *, explicit: bool) -> PartitionSpec:
+def fit_rank(spec: PartitionSpec, ndim: int, *, path: str) -> PartitionSpec:
+    """Return `spec` without the trailing None entries beyond the rank `ndim`.
+
+    `P("data", None, None)` on a rank-2 leaf means `P("data", None)`, on meshes of
+    both axis types (JAX drops trailing Nones on Auto meshes but rejects them on
+    Explicit ones).
+
+    Raises:
+        ValueError: if a non-None entry is beyond the rank (naming `path`).
+    """
+    if len(spec) <= ndim:
+        return spec
+    entries = list(spec)
+    while len(entries) > ndim and entries[-1] is None:
+        entries.pop()
+    if len(entries) > ndim:
+        raise ValueError(
+            f"Leaf {path!r} has rank {ndim} but its partition spec {spec} has "
+            f"{len(spec)} entries, with non-None entries beyond its rank; pass a spec "
+            "with at most one entry per dimension (trailing None entries are "
+            "dropped)."
+        )
+    return PartitionSpec(*entries)
+
+
+def normalize_spec(
+    spec: PartitionSpec, ndim: int, *, explicit: bool, path: str = "a leaf"
+) -> PartitionSpec:
     """Return `spec` in the form JAX gives jit outputs on this kind of mesh.
 
     `P("data")` and `P("data", None)` mean the same but differ as shardings (and so
     as jit cache keys). On Explicit meshes JAX pads specs with None to the rank; on
     Auto meshes it drops trailing Nones. Using the same form for inputs keeps a
-    runner's key and chained batches on one compiled program.
+    runner's key and chained batches on one compiled program. Trailing Nones beyond
+    the rank are dropped on both (see `fit_rank`).
+
+    Raises:
+        ValueError: if `spec` has more non-None entries than `ndim` (naming `path`).
     """
-    entries = list(spec)
+    entries = list(fit_rank(spec, ndim, path=path) if len(spec) > ndim else spec)
     if explicit:
         entries += [None] * (ndim - len(entries))
     else:
@@ -105,10 +142,34 @@ def _is_partition_leaf(x: object) -> bool:
     return x is None or isinstance(x, (PartitionSpec, DataPartition))
 
 
+def path_str(path: tuple[Any, ...]) -> str:
+    """Return a key path as "a/b/0" (attribute names, dict keys, sequence indices)."""
+    parts: list[str] = []
+    for k in path:
+        for attr in ("name", "key", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def _tree_noun(what: str) -> str:
+    if what.startswith("param"):
+        return "the model's parameters (its array leaves)"
+    if what.startswith("output"):
+        return "the method's output"
+    return "the batch"
+
+
 def resolve_specs(
     partition: Any, tree: Any, mesh: Mesh, *, what: str
 ) -> list[PartitionSpec]:
     """Return one `PartitionSpec` per leaf of `tree` (before the rank rule).
+
+    A None in `partition` means replicated; a None in `tree` is an empty subtree (no
+    leaf, no spec), as in `jax.jit` and `eqx.filter_jit`.
 
     Args:
         partition: a `DataPartition`, a `PartitionSpec`, or a prefix tree of them
@@ -118,33 +179,70 @@ def resolve_specs(
         what: the argument name, for error messages.
 
     Raises:
-        ValueError: if `partition` is not a prefix of `tree`'s structure, or for
+        ValueError: if `partition` is not a prefix of `tree`'s structure, if a spec
+            names an axis that `mesh` does not have (naming the leaf), or for
             `DataPartition.BATCH` on a mesh without data-like axes.
+        TypeError: for a leaf of `partition` that is not a `DataPartition`,
+            `PartitionSpec` or None.
     """
+    prefix_leaves, prefix_def = jax.tree_util.tree_flatten(
+        partition, is_leaf=_is_partition_leaf
+    )
     try:
-        full = jax.tree.broadcast(partition, tree, is_leaf=_is_partition_leaf)
+        subtrees = prefix_def.flatten_up_to(tree)
     except (ValueError, TypeError) as e:
+        noun = _tree_noun(what)
         raise ValueError(
             f"`MethodRunner({what}=...)`: the partition tree does not match the "
-            f"structure of the batch: {e}. Pass one `DataPartition`/`PartitionSpec` "
-            "for the whole batch, or a tree of them that is a prefix of the batch "
-            f"(partition: {jax.tree.structure(partition, is_leaf=_is_partition_leaf)}"
-            f"; batch: {jax.tree.structure(tree)})."
+            f"structure of {noun}: {str(e).rstrip('.')}. Pass one "
+            f"`DataPartition`/`PartitionSpec` for all of {noun}, or a tree of them "
+            "that is a prefix of its structure "
+            f"(partition: {prefix_def}; {noun}: {jax.tree.structure(tree)})."
         ) from None
     specs: list[PartitionSpec] = []
-    for p in jax.tree.leaves(full, is_leaf=_is_partition_leaf):
+    for p, sub in zip(prefix_leaves, subtrees, strict=True):
         if p is None:
-            specs.append(PartitionSpec())
+            spec = PartitionSpec()
         elif isinstance(p, DataPartition):
-            specs.append(data_partition_spec(p, mesh))
+            spec = data_partition_spec(p, mesh)
         elif isinstance(p, PartitionSpec):
-            specs.append(p)
+            spec = p
         else:
             raise TypeError(
                 f"`MethodRunner({what}=...)`: expected `DataPartition`, "
                 f"`PartitionSpec` or None leaves, got {type(p).__name__}."
             )
+        specs.extend([spec] * len(jax.tree_util.tree_leaves(sub)))
+    axes = set(mesh.axis_names)
+    for i, spec in enumerate(specs):
+        unknown = unknown_axes(spec, axes)
+        if unknown:
+            path = path_str(jax.tree_util.tree_flatten_with_path(tree)[0][i][0])
+            raise_unknown_axes(spec, unknown, mesh, what=what, path=path)
     return specs
+
+
+def unknown_axes(spec: PartitionSpec, axes: "set[Any]") -> list[Any]:
+    """Return the axis names in `spec` that are not in `axes`."""
+    out: list[Any] = []
+    for entry in spec:
+        if entry is None:
+            continue
+        for name in entry if isinstance(entry, tuple) else (entry,):
+            if isinstance(name, str) and name not in axes:
+                out.append(name)
+    return out
+
+
+def raise_unknown_axes(
+    spec: PartitionSpec, unknown: list[Any], mesh: Mesh, *, what: str, path: str
+) -> None:
+    """Raise the `ValueError` for a spec that names axes the mesh does not have."""
+    raise ValueError(
+        f"`MethodRunner({what}=...)`: the spec {spec} of leaf {path!r} names mesh "
+        f"axes {unknown} that the mesh does not have (mesh axes: "
+        f"{tuple(str(n) for n in mesh.axis_names)}). Use the mesh's axis names."
+    )
 
 
 @functools.lru_cache(maxsize=4096)
@@ -164,29 +262,64 @@ def mesh_axes_size(mesh: Mesh, entry: Any) -> tuple[tuple[str, ...], int]:
     return tuple(str(n) for n in names), size
 
 
+_DIVISIBLE_ADVICE = {
+    "batch": (
+        "Leaf",
+        "Use a batch size divisible by {size}, or another partition for this leaf.",
+    ),
+    "output": (
+        "Output leaf",
+        "Return a dimension divisible by {size}, or pass another `output_partition` "
+        "for this leaf (e.g. `DataPartition.REPLICATED`).",
+    ),
+    "parameter": (
+        "Parameter",
+        "Use a `param_partition` that splits this dimension over mesh axes whose "
+        "total size divides it, or replicate it (`PartitionSpec()`).",
+    ),
+}
+
+
 def check_divisible(
-    shape: Sequence[int], spec: PartitionSpec, mesh: Mesh, *, path: str
+    shape: Sequence[int],
+    spec: PartitionSpec,
+    mesh: Mesh,
+    *,
+    path: str,
+    what: str = "batch",
 ) -> None:
     """Raise `ValueError` if a dimension of `shape` does not divide over its axes.
 
+    Args:
+        shape: the leaf's (global) shape.
+        spec: its partition spec; trailing None entries beyond the rank are ignored.
+        mesh: the mesh.
+        path: the leaf's path, for the message.
+        what: `"batch"`, `"output"` or `"parameter"`: the kind of leaf, for the
+            message.
+
     Raises:
-        ValueError: naming `path`, `shape` and the mesh axes; also if `spec` has more
-            entries than `shape` has dimensions.
+        ValueError: naming `path`, `shape` and the mesh axes; also if `spec` has
+            non-None entries beyond the rank of `shape`.
     """
+    label, advice = _DIVISIBLE_ADVICE[what]
     if len(spec) > len(shape):
-        raise ValueError(
-            f"Leaf {path!r} of shape {tuple(shape)} has rank {len(shape)} but its "
-            f"partition spec {spec} has {len(spec)} entries; pass a spec with at most "
-            "one entry per dimension."
-        )
+        try:
+            spec = fit_rank(spec, len(shape), path=path)
+        except ValueError:
+            raise ValueError(
+                f"{label} {path!r} of shape {tuple(shape)} has rank {len(shape)} but "
+                f"its partition spec {spec} has {len(spec)} entries; pass a spec "
+                "with at most one entry per dimension."
+            ) from None
     for dim, entry in enumerate(spec):
         names, size = mesh_axes_size(mesh, entry)
         if shape[dim] % size:
             raise ValueError(
-                f"Leaf {path!r} of shape {tuple(shape)}: dimension {dim} (size "
+                f"{label} {path!r} of shape {tuple(shape)}: dimension {dim} (size "
                 f"{shape[dim]}) is split over mesh axes {names} of total size {size} "
-                f"(mesh {dict(mesh.shape)}), which does not divide it. Use a batch "
-                f"size divisible by {size}, or another partition for this leaf."
+                f"(mesh {dict(mesh.shape)}), which does not divide it. "
+                + advice.format(size=size)
             )
 
 
@@ -271,6 +404,10 @@ def constrain(x: Any, sharding: NamedSharding, *, explicit: bool) -> Any:
     return jax.lax.with_sharding_constraint(x, sharding)
 
 
+def _is_key_array(x: jax.Array) -> bool:
+    return bool(jax.numpy.issubdtype(x.dtype, jax.dtypes.prng_key))
+
+
 def to_host(tree: Any, *, gather: bool = True) -> Any:
     """Fetch the arrays of `tree` to the host as NumPy arrays.
 
@@ -281,6 +418,11 @@ def to_host(tree: Any, *, gather: bool = True) -> Any:
     batch, `multihost_utils.global_array_to_host_local_array`). In a single-process
     run both give the whole array. Other leaves are returned as they are.
 
+    Typed PRNG keys (`jax.random.key`) have no NumPy dtype: they are returned as
+    their raw key data, `jax.random.key_data(key)` as a NumPy `uint32` array of shape
+    `[*key.shape, 2]` for the default implementation (`jax.random.wrap_key_data`
+    turns it back into a key).
+
     Args:
         tree: a PyTree (for example a `MethodRunner.Output`).
         gather: whether sharded arrays are gathered from all processes (a collective:
@@ -289,14 +431,22 @@ def to_host(tree: Any, *, gather: bool = True) -> Any:
     Returns:
         A PyTree of the same structure with NumPy arrays for JAX arrays.
 
+    Raises:
+        ValueError: with `gather=False`, for an array split over processes whose
+            sharding is not a `NamedSharding` (the message names its path).
+
     Examples:
         >>> to_host({"x": jax.numpy.arange(3)})
         {'x': array([0, 1, 2], dtype=int32)}
+        >>> to_host(jax.random.key(0))
+        array([0, 0], dtype=uint32)
     """
 
-    def fetch(x: Any) -> Any:
+    def fetch(path: tuple[Any, ...], x: Any) -> Any:
         if not isinstance(x, jax.Array):
             return x
+        if _is_key_array(x):
+            x = jax.random.key_data(x)
         if x.is_fully_replicated:
             return np.asarray(x.addressable_data(0))
         if x.is_fully_addressable:
@@ -310,8 +460,8 @@ def to_host(tree: Any, *, gather: bool = True) -> Any:
             )
             return np.asarray(local)
         raise ValueError(
-            "`to_host(gather=False)`: cannot take the process-local part of an array "
-            f"with sharding {sharding}; pass `gather=True`."
+            f"`to_host(gather=False)`: cannot take the process-local part of the array "
+            f"at {path_str(path)!r} with sharding {sharding}; pass `gather=True`."
         )
 
-    return jax.tree.map(fetch, tree)
+    return jax.tree_util.tree_map_with_path(fetch, tree)

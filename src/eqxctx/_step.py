@@ -23,11 +23,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ._collection import OutputCollection
 from ._context import Context, check_returns_context
 from ._sharding import (
+    check_divisible,
     constrain,
     is_explicit,
     leaf_spec,
     named_sharding,
     normalize_spec,
+    path_str,
     resolve_specs,
     to_global,
 )
@@ -36,19 +38,6 @@ from ._sharding import (
 REPLICATED = PartitionSpec()
 _setattr = object.__setattr__  # sets fields of the frozen `Settings`
 _flatten = jax.tree_util.default_registry.flatten
-
-
-def path_str(path: tuple[Any, ...]) -> str:
-    """Return a key path as "a/b/0" (attribute names, dict keys, sequence indices)."""
-    parts: list[str] = []
-    for k in path:
-        for attr in ("name", "key", "idx"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts)
 
 
 class Frozen:
@@ -171,9 +160,12 @@ class Settings:
         placed: list[Any] = []
         shardings: list[NamedSharding] = []
         for (path, x), spec in zip(with_path, base, strict=True):
-            s = named_sharding(
-                self.mesh, leaf_spec(spec, np.ndim(x), explicit=self.explicit)
-            )
+            try:
+                spec = leaf_spec(spec, np.ndim(x), explicit=self.explicit)
+            except ValueError:  # name the leaf (computing paths only here)
+                leaf_spec(spec, np.ndim(x), explicit=self.explicit, path=path_str(path))
+                raise
+            s = named_sharding(self.mesh, spec)
             if not (isinstance(x, jax.Array) and x.sharding == s):
                 x = to_global(x, s, path=path_str(path))
             placed.append(x)
@@ -183,19 +175,27 @@ class Settings:
         return treedef.unflatten(placed)
 
 
-def _constrain_tree(tree: Any, partition: Any, mesh: Mesh, *, what: str) -> Any:
-    """Constrain every array of `tree` by `partition` (with the rank rule)."""
-    leaves, treedef = jax.tree.flatten(tree)
+def _constrain_tree(
+    tree: Any, partition: Any, mesh: Mesh, *, what: str, kind: str
+) -> Any:
+    """Constrain every array of `tree` by `partition` (with the rank rule).
+
+    Runs at trace time. Checks that each leaf's dimensions divide over their mesh
+    axes (`kind` is "batch" or "output", for the message): on Auto meshes JAX would
+    silently replicate a leaf that does not divide, on Explicit meshes its error
+    names no leaf.
+    """
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
     specs = resolve_specs(partition, tree, mesh, what=what)
     explicit = is_explicit(mesh)
-    out = [
-        constrain(
-            x,
-            named_sharding(mesh, leaf_spec(s, np.ndim(x), explicit=explicit)),
-            explicit=explicit,
-        )
-        for x, s in zip(leaves, specs, strict=True)
-    ]
+    out: list[Any] = []
+    for (path, x), s in zip(with_path, specs, strict=True):
+        if isinstance(x, jax.Array):
+            name = path_str(path)
+            spec = leaf_spec(s, np.ndim(x), explicit=explicit, path=name)
+            check_divisible(np.shape(x), spec, mesh, path=name, what=kind)
+            x = constrain(x, named_sharding(mesh, spec), explicit=explicit)
+        out.append(x)
     return treedef.unflatten(out)
 
 
@@ -244,7 +244,9 @@ def _step(
         for x, s in zip(p_leaves, settings.param_specs, strict=True)
     ]
     model = eqx.combine(p_def.unflatten(p_leaves), settings.static_model.tree())
-    batch = _constrain_tree(batch, settings.input_partition, mesh, what="input")
+    batch = _constrain_tree(
+        batch, settings.input_partition, mesh, what="input_partition", kind="batch"
+    )
     new_key, iter_key = jax.random.split(prng_key)
     new_key = constrain(new_key, replicated(mesh, new_key), explicit=explicit)
     kwargs: dict[str, Any] = {}
@@ -258,9 +260,23 @@ def _step(
     else:
         result = method(model, batch, ctx, **kwargs)
         what = f"`MethodRunner`: method {getattr(method, '__name__', method)!r}"
+    if (
+        isinstance(result, tuple)
+        and len(result) == 2
+        and isinstance(result[0], Context)
+        and not isinstance(result[1], Context)
+    ):
+        raise TypeError(
+            f"{what} returned `(ctx, output)`; it must return `(output, ctx)` (the "
+            "context last, as in `y, state = layer(x, state)`). Swap the order."
+        )
     output_batch, ctx = check_returns_context(result, what)
     output_batch = _constrain_tree(
-        output_batch, settings.output_partition, mesh, what="output_partition"
+        output_batch,
+        settings.output_partition,
+        mesh,
+        what="output_partition",
+        kind="output",
     )
     drop = settings.drop_module_outputs
     pruned = OutputCollection({}, {}, ctx.collection.module_outputs).prune(

@@ -32,11 +32,14 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _int(text: str) -> int:
+def _seed(text: str) -> int:
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,7 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=64,
         help="examples per batch; must divide over --devices",
     )
-    add("--seed", type=_int, default=0, help="seed of the split, the init and dropout")
+    add(
+        "--seed",
+        type=_seed,
+        default=0,
+        help="seed (>= 0) of the split, the init and dropout",
+    )
     add(
         "--devices",
         type=_positive_int,
@@ -100,8 +108,11 @@ def make_run_dir(parent: str) -> str:
     """Create and return a new folder `parent/YYYYmmdd-HHMMSS[-k]`; never reuse one.
 
     Raises:
+        NotADirectoryError: if `parent` exists and is not a folder.
         OSError: if `parent` or the run folder cannot be created.
     """
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise NotADirectoryError(f"{parent!r} exists and is not a directory")
     os.makedirs(parent, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     for k in range(1000):
@@ -143,6 +154,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"argument --batch-size: {args.batch_size} does not divide over the "
             f"{len(devices)} {devices[0].platform} devices"
         )
+    if os.path.exists(args.logdir) and not os.path.isdir(args.logdir):
+        parser.error(
+            f"argument --logdir: {args.logdir!r} exists and is not a directory; pass "
+            "a folder (each run writes into a new subfolder of it)"
+        )
     try:
         run_dir = make_run_dir(args.logdir)
     except OSError as e:
@@ -153,6 +169,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from eqxctx.demo._run import run
 
     start = time.perf_counter()
-    run(args, run_dir)
+    try:
+        run(args, run_dir)
+    except BaseException:
+        # Leave no empty run folder behind (a failure before anything was written).
+        with contextlib.suppress(OSError):
+            os.rmdir(run_dir)
+        raise
     print(f"done in {time.perf_counter() - start:.1f} s")
     return 0

@@ -9,7 +9,7 @@ from typing import Any, SupportsIndex, TypeAlias, TypeVar
 import jax
 import numpy as np
 
-from eqxctx._collection import OutputCollection
+from eqxctx._collection import IterationSummaries, OutputCollection
 from eqxctx._summary import leaf_value
 
 
@@ -21,21 +21,66 @@ Summaries: TypeAlias = OutputCollection | Mapping[str, Any]
 Step: TypeAlias = SupportsIndex
 
 
+def _check_name(key: object, prefix: str, *, where: str) -> str:
+    if not isinstance(key, str) or not key or "/" in key:
+        at = f"under {prefix.rstrip('/')!r}" if prefix else "at the top level"
+        raise ValueError(
+            f"`{where}`: invalid summary name {key!r} {at}. Names are non-empty "
+            "strings without '/'; nest mappings instead (`{'a': {'b': x}}` is "
+            "written as 'a/b')."
+        )
+    return key
+
+
+def _walk(
+    tree: Mapping[Any, Any], prefix: str, *, where: str
+) -> Iterator[tuple[str, Any]]:
+    for key, value in tree.items():
+        path = prefix + _check_name(key, prefix, where=where)
+        if isinstance(value, IterationSummaries):
+            for i in range(value.length):
+                yield from _walk(value.iteration(i), f"{path}{i}/", where=where)
+        elif isinstance(value, Mapping):
+            yield from _walk(value, f"{path}/", where=where)
+        else:
+            yield path, value
+
+
+def _collision(path: str, *, where: str) -> ValueError:
+    return ValueError(
+        f"`{where}`: two summaries have the path {path!r} (per-iteration children "
+        "are written as 'name{i}/...', and a `CallbackSummary` returning a mapping "
+        "as 'path/key'); rename one of them so that no value is lost."
+    )
+
+
 def flatten_summaries(summaries: object, *, where: str) -> dict[str, Any]:
     """Return `{path: leaf}` with "/"-joined paths; per-iteration children expanded.
 
     Raises:
         TypeError: if `summaries` is neither an `OutputCollection` nor a mapping, or a
             leaf is not a valid summary leaf (the message names its path).
+        ValueError: if a name is empty, not a string or contains "/", or if two
+            entries get the same path (e.g. `{"a/b": 1}` and `{"a": {"b": 2}}`, or
+            a per-iteration child `iter0` next to a scan's `iter`); the message
+            names the path. No value is ever dropped silently.
     """
     if isinstance(summaries, OutputCollection):
-        return summaries.flatten("summaries")
-    if isinstance(summaries, Mapping):
-        return OutputCollection(summaries, {}, {}).flatten("summaries")
-    raise TypeError(
-        f"`{where}`: summaries must be an `OutputCollection` or a nested mapping of "
-        f"summaries, got {type(summaries).__name__}."
-    )
+        tree = summaries.summaries
+    elif isinstance(summaries, Mapping):
+        # Validates the leaves (TypeError naming the path).
+        tree = OutputCollection(summaries, {}, {}).summaries
+    else:
+        raise TypeError(
+            f"`{where}`: summaries must be an `OutputCollection` or a nested mapping "
+            f"of summaries, got {type(summaries).__name__}."
+        )
+    out: dict[str, Any] = {}
+    for path, leaf in _walk(tree, "", where=where):
+        if path in out:
+            raise _collision(path, where=where)
+        out[path] = leaf
+    return out
 
 
 def check_step(step: object, *, where: str) -> int:
@@ -59,11 +104,12 @@ def check_step(step: object, *, where: str) -> int:
     return value
 
 
-def _expand(path: str, value: Any) -> Iterator[tuple[str, Any]]:
+def _expand(path: str, value: Any, *, where: str) -> Iterator[tuple[str, Any]]:
     """Yield `(path, value)`; a mapping (a `CallbackSummary` result) is expanded."""
     if isinstance(value, Mapping):
         for key, sub in value.items():
-            yield from _expand(f"{path}/{key}", sub)
+            name = _check_name(key, f"{path}/", where=where)
+            yield from _expand(f"{path}/{name}", sub, where=where)
     else:
         yield path, value
 
@@ -77,12 +123,17 @@ def host_values(flat: Mapping[str, Any], *, where: str) -> dict[str, np.ndarray]
     Raises:
         TypeError: if a value is not numeric (bool, integer or floating); the message
             names the path.
+        ValueError: if an expanded `path/key` is the path of another summary, or a
+            key is not a valid name (the message names the path).
         RuntimeError: if a value is a JAX array that this process cannot read (a
             multi-host array); fetch it with `eqxctx.to_host` first.
     """
     values: dict[str, Any] = {}
     for path, leaf in flat.items():
-        values.update(_expand(path, leaf_value(leaf)))
+        for sub, value in _expand(path, leaf_value(leaf), where=where):
+            if sub in values:
+                raise _collision(sub, where=where)
+            values[sub] = value
     try:
         fetched = jax.device_get(values)
     except RuntimeError as e:
