@@ -245,8 +245,12 @@ class MethodRunner(eqx.Module):
                 take only the first spec entry (AXLearn's `reshard_fn`).
             output_partition: the same, for the method's output.
             param_partition: a PyTree of `PartitionSpec` (a prefix of the model's
-                array leaves), or a callable `(path: str, leaf) -> PartitionSpec`
-                with paths like `"layers/0/weight"`; None replicates every parameter.
+                array leaves; e.g. `jax.tree.map(lambda _: P(), model)` — the tree
+                form even when it is callable, like an `eqx.Module` with
+                `__call__`), or a callable with no `PartitionSpec` leaves (a
+                function) `(path: str, leaf) -> PartitionSpec` with paths like
+                `"layers/0/weight"`; None replicates every parameter. Trailing None
+                entries beyond a parameter's rank are dropped.
             drop_module_outputs: `drop(path) -> bool` with paths relative to the
                 module outputs (`"input_stats/x_mean"`); the default drops all.
             is_training: the root context's training flag (static).
@@ -263,8 +267,11 @@ class MethodRunner(eqx.Module):
                 message lists the available methods.
             ValueError: for `DataPartition.BATCH` on a mesh without a `"data"` or
                 `"fsdp"` axis, a `param_partition` tree that does not match the model,
-                or a parameter dimension that does not divide over its mesh axes.
-            TypeError: for an unhashable non-array leaf of `model`.
+                a spec naming a mesh axis the mesh does not have (naming the
+                argument, the leaf and the mesh axes), or a parameter dimension that
+                does not divide over its mesh axes.
+            TypeError: for an unhashable non-array leaf of `model`, or a bound method
+                of the model as `method` (pass its name or `type(model).method`).
         """
         _check_method(model, method)
         if isinstance(method, str) and not callable(getattr(model, method, None)):
@@ -335,10 +342,14 @@ class MethodRunner(eqx.Module):
             `MethodRunner.Output` of global arrays. `self` is unchanged.
 
         Raises:
-            ValueError: if a batch dimension does not divide over the mesh axes it is
-                split over (naming the leaf, its shape and the axes), or if the input
-                or output partition tree does not match the batch or the output.
-            TypeError: if the method does not return `(output_batch, ctx)`.
+            ValueError: if a batch or output dimension does not divide over the
+                mesh axes it is split over (naming the leaf, its shape and the axes;
+                outputs are checked when the step is traced), if the input or output
+                partition tree does not match the batch or the output, or if a spec
+                names an unknown mesh axis or has non-None entries beyond a leaf's
+                rank.
+            TypeError: if the method does not return `(output_batch, ctx)` (a
+                method returning `(ctx, output)` is told to swap them).
         """
         # The hot path: read the fields once (an `eqx.Module`'s `__getattribute__`
         # is Python code that wraps methods; it costs ~0.5 µs per access).
