@@ -11,15 +11,14 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import eqxctx
 from eqxctx import DataPartition
-from eqxctx._sharding import (
+from eqxctx._partition import (
     check_divisible,
-    constrain,
     data_partition_spec,
     leaf_spec,
     normalize_spec,
     resolve_specs,
-    to_global,
 )
+from eqxctx._transfer import constrain, to_global
 
 
 pytestmark = pytest.mark.skipif(

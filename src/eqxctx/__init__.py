@@ -15,11 +15,11 @@ from ._combinators import (
 from ._context import Context as Context
 from ._errors import OutputConflictError as OutputConflictError
 from ._functional import functional as functional
+from ._partition import DataPartition as DataPartition
 from ._repeat import (
     propagate_repeated_output_collections as propagate_repeated_output_collections,
 )
 from ._runner import MethodRunner as MethodRunner
-from ._sharding import DataPartition as DataPartition, to_host as to_host
 from ._summary import (
     AudioSummary as AudioSummary,
     CallbackSummary as CallbackSummary,
@@ -31,6 +31,7 @@ from ._summary import (
     SumSummary as SumSummary,
     WeightedSummary as WeightedSummary,
 )
+from ._transfer import to_host as to_host
 
 
 __version__ = "0.1.0"

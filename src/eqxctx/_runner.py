@@ -26,46 +26,26 @@ from typing import TYPE_CHECKING, Any
 import equinox as eqx
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
-from ._sharding import (
+from ._aot import LoweredRunner, lower_runner
+from ._partition import (
     DataPartition,
     check_divisible,
     is_explicit,
-    leaf_spec,
     named_sharding,
     normalize_spec,
     path_str,
-    raise_unknown_axes,
+    resolve_param_specs,
     resolve_specs,
-    to_global,
-    unknown_axes,
 )
-from ._step import (
-    REPLICATED,
-    Frozen,
-    Settings,
-    StaticOut,
-    jit_step,
-    replicated,
-)
+from ._step import Frozen, Settings, jit_step, replicated
 
 
 # Bound once: the hot path calls them on every runner call.
 _setattr = object.__setattr__
 _getattribute = object.__getattribute__
 _flatten = jax.tree_util.default_registry.flatten
-
-
-def _new(cls: type[Any], fields: dict[str, Any]) -> Any:
-    """Build an `eqx.Module` from its fields without `__init__`, as its unflatten does.
-
-    The hot path's constructor: `eqx.Module.__init__` walks every leaf of its arguments
-    (Python work per parameter), this costs ~0.3 µs.
-    """
-    self = object.__new__(cls)
-    _setattr(self, "__dict__", fields)
-    return self
 
 
 def _available_methods(model: Any) -> list[str]:
@@ -77,49 +57,6 @@ def _available_methods(model: Any) -> list[str]:
     if callable(model):
         names.add("__call__")
     return sorted(names)
-
-
-def _is_spec(x: object) -> bool:
-    return isinstance(x, PartitionSpec)
-
-
-def is_callable_partition(param_partition: object) -> bool:
-    """Return whether `param_partition` is the callable form `(path, leaf) -> spec`.
-
-    A callable PyTree with `PartitionSpec` leaves (e.g. `jax.tree.map(lambda _: P(),
-    model)` for an `eqx.Module` with `__call__`) is the tree form, not the callable.
-    """
-    if not callable(param_partition) or isinstance(param_partition, PartitionSpec):
-        return False
-    leaves = jax.tree_util.tree_leaves(param_partition, is_leaf=_is_spec)
-    return not any(isinstance(x, PartitionSpec) for x in leaves)
-
-
-def _resolve_param_specs(
-    param_partition: Any, params: Any, mesh: Mesh
-) -> tuple[PartitionSpec, ...]:
-    with_path = jax.tree_util.tree_flatten_with_path(params)[0]
-    if param_partition is None:
-        return tuple(REPLICATED for _ in with_path)
-    if is_callable_partition(param_partition):
-        specs: list[PartitionSpec] = []
-        axes = set(mesh.axis_names)
-        for path, leaf in with_path:
-            spec = param_partition(path_str(path), leaf)
-            if not isinstance(spec, PartitionSpec):
-                raise TypeError(
-                    "`MethodRunner.create(param_partition=fn)`: fn must return a "
-                    f"`PartitionSpec`, got {type(spec).__name__} for parameter "
-                    f"{path_str(path)!r}."
-                )
-            unknown = unknown_axes(spec, axes)
-            if unknown:
-                raise_unknown_axes(
-                    spec, unknown, mesh, what="param_partition", path=path_str(path)
-                )
-            specs.append(spec)
-        return tuple(specs)
-    return tuple(resolve_specs(param_partition, params, mesh, what="param_partition"))
 
 
 def _check_method(model: Any, method: object) -> None:
@@ -137,28 +74,6 @@ def _check_method(model: Any, method: object) -> None:
             f"`method={name!r}`, or the unbound function, "
             f"`method=type(model).{name}`."
         )
-
-
-def _finish(
-    fields: dict[str, Any], result: tuple[Any, Any, StaticOut | None], batch: Any
-) -> tuple["MethodRunner", "MethodRunner.Output"]:
-    """Build the next runner and the output of one call, in O(1) Python work."""
-    new_key, out, extra = result
-    if extra is not None:
-        out = eqx.combine(out, extra.value)
-    runner_fields = fields.copy()
-    runner_fields["prng_key"] = new_key
-    output_batch, summaries, module_outputs = out
-    output = _new(
-        _Output,
-        {
-            "output_batch": output_batch,
-            "input_batch": batch,
-            "summaries": summaries,
-            "module_outputs": module_outputs,
-        },
-    )
-    return _new(MethodRunner, runner_fields), output
 
 
 class MethodRunner(eqx.Module):
@@ -288,7 +203,7 @@ class MethodRunner(eqx.Module):
                     # Raises early for BATCH on a mesh without data-like axes.
                     resolve_specs(leaf, 0, mesh, what=f"{what}_partition")
         params, static = eqx.partition(model, eqx.is_array)
-        specs = _resolve_param_specs(param_partition, params, mesh)
+        specs = resolve_param_specs(param_partition, params, mesh)
         leaves, treedef = jax.tree.flatten(params)
         with_path = jax.tree_util.tree_flatten_with_path(params)[0]
         placed: list[Any] = []
@@ -402,7 +317,7 @@ class MethodRunner(eqx.Module):
         )
         return runner, output
 
-    def lower(self, batch_spec: Any, **kwargs: Any) -> "LoweredRunner":
+    def lower(self, batch_spec: Any, **kwargs: Any) -> LoweredRunner:
         """Lower the step for batches like `batch_spec`, ahead of time.
 
         Args:
@@ -413,133 +328,7 @@ class MethodRunner(eqx.Module):
         Returns:
             A `LoweredRunner` with `.as_text()` and `.compile()`.
         """
-        settings = self.settings
-        specs = resolve_specs(
-            settings.input_partition, batch_spec, settings.mesh, what="input_partition"
-        )
-        leaves, treedef = jax.tree.flatten(batch_spec)
-        with_path = jax.tree_util.tree_flatten_with_path(batch_spec)[0]
-        structs: list[jax.ShapeDtypeStruct] = []
-        for (path, x), spec in zip(with_path, specs, strict=True):
-            shape = tuple(np.shape(x))
-            sharding = getattr(x, "sharding", None)
-            if not isinstance(sharding, NamedSharding):
-                name = path_str(path)
-                s = leaf_spec(spec, len(shape), explicit=settings.explicit, path=name)
-                check_divisible(shape, s, settings.mesh, path=name)
-                sharding = named_sharding(settings.mesh, s)
-            structs.append(
-                jax.ShapeDtypeStruct(shape, np.result_type(x), sharding=sharding)
-            )
-        del leaves
-        if kwargs:
-            dynamic, static = eqx.partition(kwargs, eqx.is_array)
-            static_kwargs = Frozen(static, what="a keyword argument")
-        else:
-            dynamic = static_kwargs = None
-        lowered = jit_step.lower(
-            settings,
-            static_kwargs,
-            self.params,
-            self.prng_key,
-            treedef.unflatten(structs),
-            dynamic,
-        )
-        shardings = [x.sharding for x in structs]
-        return LoweredRunner(self, lowered, static_kwargs, (treedef, shardings))
+        return lower_runner(self, batch_spec, **kwargs)
 
 
 _Output = MethodRunner.Output
-
-
-class LoweredRunner:
-    """A runner step lowered ahead of time by `MethodRunner.lower`."""
-
-    def __init__(
-        self,
-        runner: MethodRunner,
-        lowered: Any,
-        static_kwargs: Any,
-        inputs: tuple[Any, list[Any]],
-    ):
-        self._runner = runner
-        self._lowered = lowered
-        self._static_kwargs = static_kwargs
-        self._inputs = inputs
-
-    def as_text(self) -> str:
-        """Return the lowered program (StableHLO) as text."""
-        return self._lowered.as_text()
-
-    def compile(self) -> "CompiledRunner":
-        """Compile the lowered program; the result is called like the runner."""
-        return CompiledRunner(
-            self._runner, self._lowered.compile(), self._static_kwargs, self._inputs
-        )
-
-
-class CompiledRunner:
-    """A compiled runner step: `compiled(batch, **kwargs) -> (runner, output)`.
-
-    Runs the program compiled by `MethodRunner.lower(...).compile()` with the key of
-    the runner it was lowered from; returns that runner's successor and the output,
-    exactly like calling the runner. Each leaf of the batch is placed with the
-    sharding it was lowered with (the `ShapeDtypeStruct`'s, else the input
-    partition's), so a batch lowered with another sharding than the input partition
-    runs too; inside, the step constrains it to the input partition as usual.
-    """
-
-    def __init__(
-        self,
-        runner: MethodRunner,
-        compiled: Any,
-        static_kwargs: Any,
-        inputs: tuple[Any, list[Any]],
-    ):
-        self._runner = runner
-        self._compiled = compiled
-        self._static_kwargs = static_kwargs
-        self._inputs = inputs
-
-    def as_text(self) -> str:
-        """Return the compiled (optimized HLO) program as text."""
-        return self._compiled.as_text()
-
-    def __call__(
-        self, input_batch: Any, **kwargs: Any
-    ) -> tuple[MethodRunner, MethodRunner.Output]:
-        """Run the compiled step; see `MethodRunner.__call__`.
-
-        Raises:
-            ValueError: if the static keyword arguments differ from the lowered ones,
-                if the batch's structure differs from the lowered one, or if a batch
-                dimension does not divide over its mesh axes.
-        """
-        runner = self._runner
-        batch = self._place(input_batch)
-        dynamic, static = eqx.partition(kwargs, eqx.is_array) if kwargs else (None, {})
-        static_kwargs = Frozen(static, what="a keyword argument") if kwargs else None
-        if static_kwargs != self._static_kwargs:
-            raise ValueError(
-                "`CompiledRunner`: the non-array keyword arguments differ from those "
-                "given to `MethodRunner.lower`; lower again for new static arguments."
-            )
-        result = self._compiled(runner.params, runner.prng_key, batch, dynamic)
-        return _finish(_getattribute(runner, "__dict__"), result, batch)
-
-    def _place(self, input_batch: Any) -> Any:
-        """Return the batch with the shardings it was lowered with, leaf by leaf."""
-        treedef, shardings = self._inputs
-        with_path, got = jax.tree_util.tree_flatten_with_path(input_batch)
-        if got != treedef:
-            raise ValueError(
-                "`CompiledRunner`: the batch's structure differs from the one given to "
-                f"`MethodRunner.lower` (got {got}, lowered {treedef}); lower again "
-                "for batches of another structure."
-            )
-        placed: list[Any] = []
-        for (path, x), s in zip(with_path, shardings, strict=True):
-            if not (isinstance(x, jax.Array) and x.sharding == s):
-                x = to_global(x, s, path=path_str(path))
-            placed.append(x)
-        return treedef.unflatten(placed)

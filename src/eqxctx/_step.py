@@ -22,17 +22,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._collection import OutputCollection
 from ._context import Context, check_returns_context
-from ._sharding import (
+from ._partition import (
     check_divisible,
-    constrain,
     is_explicit,
     leaf_spec,
     named_sharding,
     normalize_spec,
     path_str,
     resolve_specs,
-    to_global,
 )
+from ._transfer import constrain, to_global
 
 
 REPLICATED = PartitionSpec()

@@ -1,8 +1,8 @@
-"""Partition specs, host-local -> global arrays, resharding and host transfer.
+"""Partition specs: resolution, the rank rule and divisibility checks.
 
-Follows AXLearn's `DataPartitionType`, `data_partition_type_to_spec`,
-`host_to_global_device_array` and `reshard_fn` (`axlearn/common/utils.py`), on top of
-`jax.make_array_from_process_local_data` and `jax.sharding.NamedSharding`.
+Follows AXLearn's `DataPartitionType`, `data_partition_type_to_spec` and the rank rule
+of `reshard_fn` (`axlearn/common/utils.py`), on top of `jax.sharding.PartitionSpec` and
+`jax.sharding.NamedSharding`.
 """
 
 import enum
@@ -11,8 +11,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 
@@ -323,145 +321,59 @@ def check_divisible(
             )
 
 
-def to_global(x: Any, sharding: NamedSharding, *, path: str) -> jax.Array:
-    """Return `x` as a global array with `sharding`.
+def _is_spec(x: object) -> bool:
+    return isinstance(x, PartitionSpec)
 
-    Host-local leaves (NumPy arrays, Python scalars, arrays addressable by this process
-    alone in a multi-process run) go through `jax.make_array_from_process_local_data`:
-    in a multi-process run each process passes its own slice of the batch. Global
-    arrays with another sharding are resharded with `jax.device_put`.
 
-    Raises:
-        ValueError: if a dimension does not divide over the mesh axes of its spec.
+def is_callable_partition(param_partition: object) -> bool:
+    """Return whether `param_partition` is the callable form `(path, leaf) -> spec`.
+
+    A callable PyTree with `PartitionSpec` leaves (e.g. `jax.tree.map(lambda _: P(),
+    model)` for an `eqx.Module` with `__call__`) is the tree form, not the callable.
     """
-    mesh = sharding.mesh
-    assert isinstance(mesh, Mesh)
-    spec = sharding.spec
-    if isinstance(x, jax.Array) and (
-        jax.process_count() == 1 or not x.is_fully_addressable
-    ):
-        check_divisible(x.shape, spec, mesh, path=path)
-        return jax.device_put(x, sharding)
-    local = np.asarray(x)
-    global_shape = _global_shape(local.shape, sharding, path=path)
-    check_divisible(global_shape, spec, mesh, path=path)
-    return jax.make_array_from_process_local_data(sharding, local, global_shape)
+    if not callable(param_partition) or isinstance(param_partition, PartitionSpec):
+        return False
+    leaves = jax.tree_util.tree_leaves(param_partition, is_leaf=_is_spec)
+    return not any(isinstance(x, PartitionSpec) for x in leaves)
 
 
-def _global_shape(
-    local: tuple[int, ...], sharding: NamedSharding, *, path: str
-) -> tuple[int, ...]:
-    """Return the global shape of process-local data (this process's slice).
-
-    Raises:
-        ValueError: if a sharded dimension does not divide over this process's devices.
-    """
-    if jax.process_count() == 1:
-        return local
-    mesh = sharding.mesh
-    assert isinstance(mesh, Mesh)
-    shape = list(local)
-    for dim, entry in enumerate(sharding.spec):
-        if dim < len(shape) and entry is not None:
-            names, total = mesh_axes_size(mesh, entry)
-            mine = _local_slices(mesh, names)
-            if local[dim] % mine:
-                raise ValueError(
-                    f"Host-local leaf {path!r} of shape {local}: dimension {dim} "
-                    f"(size {local[dim]}) is split over mesh axes {names}, of which "
-                    f"this process holds {mine} slices; it does not divide. Feed "
-                    f"each process a batch divisible by {mine}."
-                )
-            shape[dim] = local[dim] * total // mine
-    return tuple(shape)
-
-
-@functools.lru_cache(maxsize=256)
-def _local_slices(mesh: Mesh, names: tuple[str, ...]) -> int:
-    """Return how many of the slices over mesh axes `names` this process holds."""
-    me = jax.process_index()
-    is_local = np.vectorize(lambda d: d.process_index == me, otypes=[bool])(
-        mesh.devices
-    )
-    count = 1
-    for name in names:
-        axis = list(mesh.axis_names).index(name)
-        others = tuple(i for i in range(is_local.ndim) if i != axis)
-        count *= int(np.any(is_local, axis=others).sum())
-    return count
-
-
-def constrain(x: Any, sharding: NamedSharding, *, explicit: bool) -> Any:
-    """Constrain a traced array to `sharding`.
-
-    On meshes with Explicit axes `jax.lax.with_sharding_constraint` only asserts, so
-    this uses `jax.sharding.reshard`, which moves the data.
-    """
-    if not isinstance(x, jax.Array):
-        return x
-    if explicit:
-        return jax.sharding.reshard(x, sharding)
-    return jax.lax.with_sharding_constraint(x, sharding)
-
-
-def _is_key_array(x: jax.Array) -> bool:
-    return bool(jax.numpy.issubdtype(x.dtype, jax.dtypes.prng_key))
-
-
-def to_host(tree: Any, *, gather: bool = True) -> Any:
-    """Fetch the arrays of `tree` to the host as NumPy arrays.
-
-    Never reads data that this process cannot address: replicated arrays are read from
-    one local shard; arrays split over several processes are all-gathered across
-    processes (`jax.experimental.multihost_utils.process_allgather`), or, with
-    `gather=False`, reduced to this process's addressable part (its slice of the
-    batch, `multihost_utils.global_array_to_host_local_array`). In a single-process
-    run both give the whole array. Other leaves are returned as they are.
-
-    Typed PRNG keys (`jax.random.key`) have no NumPy dtype: they are returned as
-    their raw key data, `jax.random.key_data(key)` as a NumPy `uint32` array of shape
-    `[*key.shape, 2]` for the default implementation (`jax.random.wrap_key_data`
-    turns it back into a key).
+def resolve_param_specs(
+    param_partition: Any, params: Any, mesh: Mesh
+) -> tuple[PartitionSpec, ...]:
+    """Return one `PartitionSpec` per array leaf of `params` (before the rank rule).
 
     Args:
-        tree: a PyTree (for example a `MethodRunner.Output`).
-        gather: whether sharded arrays are gathered from all processes (a collective:
-            every process must call `to_host` on the same arrays).
-
-    Returns:
-        A PyTree of the same structure with NumPy arrays for JAX arrays.
+        param_partition: None (every parameter replicated), a prefix tree of
+            `PartitionSpec` (see `resolve_specs`), or a callable `(path: str, leaf) ->
+            PartitionSpec` (see `is_callable_partition`).
+        params: the model's array part.
+        mesh: the mesh whose axis names the specs may use.
 
     Raises:
-        ValueError: with `gather=False`, for an array split over processes whose
-            sharding is not a `NamedSharding` (the message names its path).
-
-    Examples:
-        >>> to_host({"x": jax.numpy.arange(3)})
-        {'x': array([0, 1, 2], dtype=int32)}
-        >>> to_host(jax.random.key(0))
-        array([0, 0], dtype=uint32)
+        TypeError: if the callable returns something other than a `PartitionSpec`.
+        ValueError: if a spec names a mesh axis that `mesh` does not have, or the
+            tree does not match `params` (see `resolve_specs`).
     """
-
-    def fetch(path: tuple[Any, ...], x: Any) -> Any:
-        if not isinstance(x, jax.Array):
-            return x
-        if _is_key_array(x):
-            x = jax.random.key_data(x)
-        if x.is_fully_replicated:
-            return np.asarray(x.addressable_data(0))
-        if x.is_fully_addressable:
-            return np.asarray(x)
-        if gather:
-            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-        sharding = x.sharding
-        if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
-            local = multihost_utils.global_array_to_host_local_array(
-                x, sharding.mesh, sharding.spec
-            )
-            return np.asarray(local)
-        raise ValueError(
-            f"`to_host(gather=False)`: cannot take the process-local part of the array "
-            f"at {path_str(path)!r} with sharding {sharding}; pass `gather=True`."
-        )
-
-    return jax.tree_util.tree_map_with_path(fetch, tree)
+    with_path = jax.tree_util.tree_flatten_with_path(params)[0]
+    if param_partition is None:
+        replicated = PartitionSpec()
+        return tuple(replicated for _ in with_path)
+    if is_callable_partition(param_partition):
+        specs: list[PartitionSpec] = []
+        axes = set(mesh.axis_names)
+        for path, leaf in with_path:
+            spec = param_partition(path_str(path), leaf)
+            if not isinstance(spec, PartitionSpec):
+                raise TypeError(
+                    "`MethodRunner.create(param_partition=fn)`: fn must return a "
+                    f"`PartitionSpec`, got {type(spec).__name__} for parameter "
+                    f"{path_str(path)!r}."
+                )
+            unknown = unknown_axes(spec, axes)
+            if unknown:
+                raise_unknown_axes(
+                    spec, unknown, mesh, what="param_partition", path=path_str(path)
+                )
+            specs.append(spec)
+        return tuple(specs)
+    return tuple(resolve_specs(param_partition, params, mesh, what="param_partition"))
