@@ -207,3 +207,35 @@ def test_scan_length_accepts_numpy_integers() -> None:
 def test_numeric_dtypes_are_accepted(dtype: Any) -> None:
     coll = OutputCollection.empty().add_summary("a", jnp.ones(2, dtype))
     assert coll.flatten("summaries")["a"].dtype == dtype
+
+
+def test_reserved_iteration_names_are_checked_on_construction() -> None:
+    from eqxctx import IterationSummaries, OutputConflictError
+    from eqxctx.writers import JsonlWriter
+
+    bad = {"iter": IterationSummaries(2, {"x": np.zeros(2)}), "iter0": {"y": 3.0}}
+    with pytest.raises(OutputConflictError, match="summaries/iter0"):
+        OutputCollection(bad, {}, {})
+    with JsonlWriter("/dev/null") as w, pytest.raises(ValueError, match="iter0"):
+        w.write(0, bad)
+
+
+def test_mapping_over_a_non_leading_axis_says_why() -> None:
+    def f(c: None, x: jax.Array, ctx: Context) -> tuple[None, None, Context]:
+        return c, None, ctx.add_summary("v", x)
+
+    _, _, coll = scan_in_context(
+        f, context=Context.root(), carry=None, xs=jnp.arange(12.0).reshape(4, 3)
+    )
+    with pytest.raises(ValueError, match="fewer axes than when it was made"):
+        jax.vmap(lambda c: c.flatten("summaries")["iter1/v"], in_axes=(0,))(coll)
+
+
+def test_runner_without_key_is_a_clear_error() -> None:
+    from eqxctx import MethodRunner
+
+    mesh = jax.make_mesh((1,), ("data",))
+    with pytest.raises(TypeError, match=r"prng_key=None"):
+        MethodRunner.create(
+            {"w": jnp.ones(2)}, lambda m, b, c: (b, c), mesh=mesh, prng_key=None
+        )

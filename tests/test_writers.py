@@ -238,15 +238,12 @@ def test_writers_report_colliding_paths(tmp_path: Path) -> None:
             JsonlWriter(tmp_path / "s.jsonl"),
             TensorBoardWriter(tmp_path / "tb"),
         ):
-            with (
-                writer,
-                pytest.raises(
-                    ValueError, match="two summaries have the path 'iter0/loss'"
-                ),
-            ):
+            # The collection refuses the layout (`iter0` is reserved by `iter`), or
+            # the writer finds the colliding path: either way nothing is written.
+            with writer, pytest.raises(ValueError, match="iter0"):
                 writer.write(0, summaries)
     assert (tmp_path / "s.jsonl").read_text() == ""
-    with pytest.raises(ValueError, match="two summaries have the path 'iter0/loss'"):
+    with pytest.raises(ValueError, match="iter0"):
         eqxctx.SummaryAccumulator().update(child)
     with pytest.raises(ValueError, match="invalid summary name 'a/b'"):
         eqxctx.SummaryAccumulator().update({"a/b": 1.0, "a": {"b": 2.0}})

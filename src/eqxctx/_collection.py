@@ -61,6 +61,13 @@ class IterationSummaries(eqx.Module):
     scans, vmapped over a batch), the outer axes come first; `ndims` records each
     leaf's rank at creation, so `iteration(i)` slices the axis just after the added
     ones and iteration i keeps the outer axes (`iter0/x` has shape `[batch]`).
+    This needs the outer axes in front, as `jax.vmap`'s default `out_axes=0` and
+    `jax.lax.scan`'s stacking put them: with `out_axes=1` (or axes moved by hand) the
+    views slice the wrong axis; move the outer axes to the front first
+    (`jnp.moveaxis`).
+
+    Raises:
+        ValueError: if a leaf of `stacked` has no leading axis of size `length`.
 
     Attributes:
         length: the number of iterations N, static.
@@ -78,7 +85,9 @@ class IterationSummaries(eqx.Module):
         self,
         length: int,
         stacked: dict[str, Any],
-        ndims: tuple[int, ...] | None = None,
+        # `Any`, not `tuple[int, ...] | None`: beartype checks a variadic tuple by
+        # sampling it with `random`, which hypothesis forbids inside strategies.
+        ndims: Any = None,
     ):
         leaves = jax.tree_util.tree_leaves(stacked)
         if ndims is None:
@@ -114,8 +123,11 @@ class IterationSummaries(eqx.Module):
             outer = np.ndim(x) - ndim  # axes added by an outer vmap or scan
             if outer < 0:
                 raise ValueError(
-                    f"`IterationSummaries`: a leaf of shape {np.shape(x)} has lost its "
-                    f"iteration axis (it was made with rank {ndim})."
+                    f"`IterationSummaries`: a leaf of shape {np.shape(x)} has fewer "
+                    f"axes than when it was made (rank {ndim}, iteration axis first): "
+                    "it was indexed or mapped over (e.g. `jax.vmap` with `in_axes` on "
+                    "a non-leading axis). Read the per-iteration views before mapping "
+                    "over a collection, or map over its leading (outer) axes only."
                 )
             out.append(x[(slice(None),) * outer + (i,)])
         # A nested `IterationSummaries` (a scan inside a scan) is a PyTree with static
@@ -127,6 +139,19 @@ def _copy_tree(tree: Any, path: str) -> dict[str, Any]:
     """Copy the mappings of `tree` (not its leaves) and check every leaf's type."""
     if not isinstance(tree, Mapping):
         raise TypeError(f"`OutputCollection`: {path!r} must be a mapping, got {tree!r}")
+    reserved = {
+        f"{key}{i}"
+        for key, value in tree.items()
+        if isinstance(value, IterationSummaries)
+        for i in range(value.length)
+    }
+    clash = reserved & set(tree)
+    if clash:
+        name = sorted(clash)[0]
+        raise OutputConflictError(
+            f"`OutputCollection`: {path}/{name} is both an entry and a per-iteration "
+            f"child of a scan's per-iteration summaries at {path}. " + PREFIX_HINT
+        )
     out: dict[str, Any] = {}
     for key, value in tree.items():
         sub = f"{path}/{key}"

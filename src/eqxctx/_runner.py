@@ -185,9 +185,15 @@ class MethodRunner(eqx.Module):
                 a spec naming a mesh axis the mesh does not have (naming the
                 argument, the leaf and the mesh axes), or a parameter dimension that
                 does not divide over its mesh axes.
-            TypeError: for an unhashable non-array leaf of `model`, or a bound method
-                of the model as `method` (pass its name or `type(model).method`).
+            TypeError: for an unhashable non-array leaf of `model`, a bound method
+                of the model as `method` (pass its name or `type(model).method`), or
+                `prng_key=None`.
         """
+        if prng_key is None:
+            raise TypeError(
+                "`MethodRunner.create(prng_key=None)`: the runner needs a key to "
+                "split on every call; pass e.g. `prng_key=jax.random.key(0)`."
+            )
         _check_method(model, method)
         if isinstance(method, str) and not callable(getattr(model, method, None)):
             raise AttributeError(
@@ -326,7 +332,14 @@ class MethodRunner(eqx.Module):
             **kwargs: the method's keyword arguments (as for a call).
 
         Returns:
-            A `LoweredRunner` with `.as_text()` and `.compile()`.
+            A `LoweredRunner` with `.as_text()` and `.compile()`. The compiled
+            runner places each batch leaf with the sharding it was lowered for, so
+            its `input_batch` has those shardings.
+
+        Raises:
+            ValueError: if a batch dimension does not divide over the mesh axes it
+                is split over, or the input partition tree does not match
+                `batch_spec` (naming the leaf, its shape and the axes).
         """
         return lower_runner(self, batch_spec, **kwargs)
 

@@ -5,6 +5,7 @@ strategies with `hypothesis.given`, e.g. `@given(output_collections())`, and com
 collections with `assert_collections_equal(actual, expected)`.
 """
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +23,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "'eqxctx[test]'` (or `pip install hypothesis`)."
     ) from e
 
-from ._collection import ADDERS, KINDS, OutputCollection
+from ._collection import ADDERS, KINDS, IterationSummaries, OutputCollection
+from ._errors import OutputConflictError
 from ._summary import (
     MaxSummary,
     MinSummary,
@@ -87,7 +89,29 @@ def _collection(
     coll = OutputCollection.empty()
     n = draw(st.integers(0, max_entries))
     for _ in range(n):
-        choice = draw(st.sampled_from(KINDS + (("child",) if depth > 0 else ())))
+        extra = ("child", "iterations") if depth > 0 else ()
+        choice = draw(st.sampled_from(KINDS + extra))
+        if choice == "iterations":
+            # A scan's per-iteration summaries: one stacked `IterationSummaries`.
+            prefix = draw(child_names())
+            length = draw(st.integers(0, 3))
+            names = draw(st.lists(leaf_names(), max_size=3, unique=True))
+            stacked = {
+                leaf: draw(
+                    hnp.arrays(
+                        np.float32, (length,), elements=st.floats(-100, 100, width=32)
+                    )
+                )
+                for leaf in names
+            }
+            entry = OutputCollection(
+                {prefix: IterationSummaries(length, stacked)},
+                {prefix: {}},
+                {prefix: {}},
+            )
+            with contextlib.suppress(OutputConflictError):
+                coll = coll.merge(entry)
+            continue
         if choice == "child":
             name = draw(child_names())
             used = coll.child_names() | coll.leaf_names()
@@ -108,6 +132,9 @@ def output_collections(
     max_depth: int = 2, max_entries: int = 4
 ) -> st.SearchStrategy[OutputCollection]:
     """Return a strategy of valid `OutputCollection`s built through the public API.
+
+    Besides leaves and children, collections may hold a scan's per-iteration
+    summaries (an `IterationSummaries` entry with 0 to 3 iterations).
 
     Args:
         max_depth: the deepest nesting of children.
