@@ -1,5 +1,6 @@
 """MethodRunner, run_batches and SummaryAccumulator on 8 simulated CPU devices."""
 
+import collections
 import re
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import eqxctx
 from eqxctx import Context, DataPartition, MethodRunner
+from eqxctx._step import Settings
 
 
 pytestmark = pytest.mark.skipif(
@@ -246,6 +248,92 @@ def test_host_local_global_and_mixture_give_identical_results() -> None:
     # Chaining: the outputs of one call feed the next without a transfer.
     _, again = runner(outs[0].input_batch)
     assert again.input_batch["x"] is outs[0].input_batch["x"]
+
+
+def test_dict_batches_after_a_placed_one_are_checked_leaf_by_leaf(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A plain dict batch with the last batch's keys skips flattening (fast path).
+
+    Every variant that is not already placed must still be placed: NumPy leaves,
+    wrongly sharded leaves, other keys, other insertion order, dict subclasses.
+    """
+    model, batch, key = make_model(), make_batch(), jax.random.PRNGKey(0)
+    mesh = mesh_1d()
+    runner = MethodRunner.create(model, "predict", mesh=mesh, prng_key=key)
+    full = NamedSharding(mesh, P("data"))
+    _, first = runner(batch)
+    placed = first.input_batch
+    assert all(x.sharding == full for x in placed.values())
+    ref = first.output_batch
+    placements: list[int] = []
+    place_batch = Settings.place_batch
+
+    def counting(self: Settings, batch: Any) -> Any:
+        placements.append(1)
+        return place_batch(self, batch)
+
+    monkeypatch.setattr(Settings, "place_batch", counting)
+    wrong = jax.device_put(batch["x"], NamedSharding(mesh, P()))
+    variants: list[dict[str, Any]] = [
+        dict(placed),  # fast path: passed through
+        {"x": placed["x"], "label": batch["label"]},  # a NumPy leaf
+        {"x": wrong, "label": placed["label"]},  # another sharding
+        {"label": placed["label"], "x": placed["x"]},  # another insertion order
+        {"x": placed["x"], "label": placed["label"], "extra": batch["label"]},
+        {"x": placed["x"], "lbl": placed["label"], "label": batch["label"]},
+        {"x": placed["x"], "label": {"nested": batch["label"]}},
+        collections.OrderedDict(placed),
+        dict(placed),  # found in the cache by its structure: passed through
+        dict(placed),  # back to the fast path
+    ]
+    for i, b in enumerate(variants):
+        if i == 6:  # a nested value reaches the method: label["nested"] + 1
+            with pytest.raises(TypeError):
+                runner(b)
+            continue
+        placements.clear()
+        _, out = runner(b)
+        # Only a batch with the last batch's keys and shardings skips placing.
+        assert len(placements) == (0 if i in (0, 3, 9) else 1), i
+        assert out.input_batch.keys() == b.keys()
+        for name, x in out.input_batch.items():
+            assert isinstance(x, jax.Array)
+            assert x.sharding == full, (i, name)
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(b[name]))
+        np.testing.assert_allclose(
+            np.asarray(out.output_batch["y"]), np.asarray(ref["y"]), rtol=1e-6
+        )
+        np.testing.assert_array_equal(
+            np.asarray(out.output_batch["label"]), np.asarray(ref["label"])
+        )
+        if i in (0, 3, 7, 8, 9):
+            assert out.input_batch["x"] is placed["x"]
+        if i == 1:
+            assert out.input_batch["x"] is placed["x"]
+            assert out.input_batch["label"] is not placed["label"]
+
+
+def test_params_in_the_model_structure_and_runner_leaves() -> None:
+    model = make_model()
+    runner = MethodRunner.create(
+        model, "predict", mesh=mesh_1d(), prng_key=jax.random.PRNGKey(3)
+    )
+    # Flattened once in `create`; `params` and `model` rebuild the structure.
+    assert isinstance(runner.param_leaves, tuple)
+    assert len(runner.param_leaves) == 3
+    assert isinstance(runner.params, MLP)
+    assert runner.params.name is None  # the non-array part is in `settings`
+    assert eqx.tree_equal(runner.model, model)
+    # The runner is a PyTree of its parameters and its key.
+    leaves = jax.tree.leaves(runner)
+    assert len(leaves) == 4
+    arrays = jax.tree.leaves(eqx.filter(model, eqx.is_array))
+    for got, want in zip(leaves[:3], arrays, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(
+        np.asarray(leaves[3]), np.asarray(jax.random.PRNGKey(3))
+    )
 
 
 def cache_size(jitted: Any) -> int:

@@ -98,7 +98,7 @@ def lower_runner(
     lowered = jit_step.lower(
         settings,
         static_kwargs,
-        runner.params,
+        runner.param_leaves,
         runner.prng_key,
         treedef.unflatten(structs),
         dynamic,
@@ -179,7 +179,7 @@ class CompiledRunner:
                 "`CompiledRunner`: the non-array keyword arguments differ from those "
                 "given to `MethodRunner.lower`; lower again for new static arguments."
             )
-        result = self._compiled(runner.params, runner.prng_key, batch, dynamic)
+        result = self._compiled(runner.param_leaves, runner.prng_key, batch, dynamic)
         return _finish(runner, result, batch)
 
     def _place(self, input_batch: Any) -> Any:

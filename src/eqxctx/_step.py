@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -84,12 +84,16 @@ class Settings:
     static_model: Frozen
     drop_module_outputs: Callable[[str], bool]
     is_training: bool
-    # Per batch treedef: the input spec of each leaf, before the rank rule.
-    batch_cache: dict[Any, tuple[list[PartitionSpec], list[NamedSharding]]] = (
-        dataclasses.field(default_factory=dict[Any, Any])
+    # The structure of the model's array part (`MethodRunner.param_leaves`).
+    param_treedef: Any
+    # Per batch treedef: the input spec of each leaf (before the rank rule), its
+    # sharding, and, for a flat dict of arrays, its keys in leaf order.
+    batch_cache: dict[Any, "BatchEntry"] = dataclasses.field(
+        default_factory=dict[Any, Any]
     )
-
-    last_batch: tuple[Any, list[NamedSharding]] | None = None
+    # `(treedef, shardings, dict_keys)` of the last batch: `MethodRunner.__call__`
+    # passes a batch with that structure and those shardings straight to the step.
+    last_batch: "tuple[Any, list[NamedSharding], tuple[Any, ...] | None] | None" = None
     # `jax.jit` of the step without keyword arguments, shared by equal settings.
     jitted: Callable[..., Any] = dataclasses.field(init=False, repr=False)
     _key: tuple[Any, ...] = dataclasses.field(init=False, repr=False)
@@ -105,6 +109,7 @@ class Settings:
             self.static_model,
             self.drop_module_outputs,
             self.is_training,
+            self.param_treedef,
         )
 
     def __post_init__(self) -> None:
@@ -128,19 +133,16 @@ class Settings:
 
     def placed_batch(self, leaves: list[Any], treedef: Any) -> bool:
         """Return whether the batch's leaves already have the input shardings."""
-        last = self.last_batch  # (treedef, shardings), read once: thread safe
-        if last is None or last[0] != treedef:
-            entry = self.batch_cache.get(treedef)
-            if entry is None:
-                return False
-            last = (treedef, entry[1])
+        entry = self.batch_cache.get(treedef)
+        if entry is None:
+            return False
         try:
-            for x, s in zip(leaves, last[1], strict=True):
+            for x, s in zip(leaves, entry.shardings, strict=True):
                 if x.sharding != s:
                     return False
         except AttributeError:  # a host-local leaf: NumPy, Python scalar
             return False
-        _setattr(self, "last_batch", last)
+        _setattr(self, "last_batch", (treedef, entry.shardings, entry.dict_keys))
         return True
 
     def place_batch(self, batch: Any) -> Any:
@@ -150,7 +152,7 @@ class Settings:
             return batch
         entry = self.batch_cache.get(treedef)
         if entry is not None:
-            base = entry[0]
+            base = entry.specs
         else:
             base = resolve_specs(
                 self.input_partition, batch, self.mesh, what="input_partition"
@@ -169,9 +171,34 @@ class Settings:
                 x = to_global(x, s, path=path_str(path))
             placed.append(x)
             shardings.append(s)
-        self.batch_cache[treedef] = (base, shardings)
-        _setattr(self, "last_batch", (treedef, shardings))
+        dict_keys = _flat_dict_keys(batch, with_path)
+        self.batch_cache[treedef] = BatchEntry(base, shardings, dict_keys)
+        _setattr(self, "last_batch", (treedef, shardings, dict_keys))
         return treedef.unflatten(placed)
+
+
+class BatchEntry(NamedTuple):
+    """How batches of one structure are placed (`Settings.batch_cache`)."""
+
+    specs: list[PartitionSpec]
+    shardings: list[NamedSharding]
+    dict_keys: tuple[Any, ...] | None
+
+
+def _flat_dict_keys(batch: Any, with_path: list[Any]) -> tuple[Any, ...] | None:
+    """The keys of a plain dict whose values are all leaves, in leaf order; else None.
+
+    Such a batch (AXLearn's usual input) is checked without flattening it: same keys,
+    same shardings (`MethodRunner.__call__`).
+    """
+    if type(batch) is not dict or len(with_path) != len(batch):
+        return None
+    keys: list[Any] = []
+    for path, _ in with_path:
+        if len(path) != 1 or not isinstance(path[0], jax.tree_util.DictKey):
+            return None
+        keys.append(path[0].key)
+    return tuple(keys)
 
 
 def _constrain_tree(
@@ -230,19 +257,19 @@ class StaticOut:
 def _step(
     settings: Settings,
     static_kwargs: Frozen | None,
-    params: Any,
+    param_leaves: tuple[Any, ...],
     prng_key: Any,
     batch: Any,
     dynamic_kwargs: Any,
 ) -> tuple[Any, Any, StaticOut | None]:
     """The traced step: AXLearn's `_jit_run_on_batch`."""
     mesh, explicit = settings.mesh, settings.explicit
-    p_leaves, p_def = jax.tree.flatten(params)
     p_leaves = [
         constrain(x, named_sharding(mesh, s), explicit=explicit)
-        for x, s in zip(p_leaves, settings.param_specs, strict=True)
+        for x, s in zip(param_leaves, settings.param_specs, strict=True)
     ]
-    model = eqx.combine(p_def.unflatten(p_leaves), settings.static_model.tree())
+    params = settings.param_treedef.unflatten(p_leaves)
+    model = eqx.combine(params, settings.static_model.tree())
     batch = _constrain_tree(
         batch, settings.input_partition, mesh, what="input_partition", kind="batch"
     )
@@ -295,9 +322,9 @@ jit_step = jax.jit(_step, static_argnums=(0, 1))
 
 
 def _step_without_kwargs(
-    settings: Settings, params: Any, prng_key: Any, batch: Any
+    settings: Settings, param_leaves: tuple[Any, ...], prng_key: Any, batch: Any
 ) -> tuple[Any, Any, StaticOut | None]:
-    return _step(settings, None, params, prng_key, batch, None)
+    return _step(settings, None, param_leaves, prng_key, batch, None)
 
 
 #: The compiled step per settings (LRU): runners re-created from equal settings
