@@ -25,4 +25,6 @@ settings.register_profile(
     database=None,
     print_blob=True,
 )
+# A longer search, for runs by hand: `pytest --hypothesis-profile=thorough`.
+settings.register_profile("thorough", settings.get_profile("dev"), max_examples=500)
 settings.load_profile("dev")

@@ -299,6 +299,50 @@ def test_prune_sees_iteration_paths() -> None:
     pruned = iteration_collection().prune(lambda p: p == "summaries/iter1/loss")
     assert "iter1/loss" not in pruned.flatten("summaries")
     assert "iter0/loss" in pruned.flatten("summaries")
+    # A drop that depends on the iteration slices the kept iterations.
+    assert not isinstance(pruned.summaries["iter"], IterationSummaries)
+    assert "iter2" in pruned.summaries
+    assert_collections_equal(
+        pruned,
+        iteration_collection()
+        .materialize()
+        .prune(lambda p: p == "summaries/iter1/loss"),
+    )
+
+
+def test_prune_keeps_iterations_stacked_when_each_keeps_the_same() -> None:
+    """Under an outer vmap too: the kept leaves keep their recorded ranks."""
+
+    def make(x: jax.Array) -> OutputCollection:
+        stacked = {"a": x, "enc": {"b": MaxSummary(x * 2), "c": x + 1}}
+        return OutputCollection({"iter": IterationSummaries(3, stacked)}, {}, {})
+
+    batched = jax.vmap(make)(jnp.arange(6.0).reshape(2, 3))
+    for coll in (make(jnp.arange(3.0)), batched):
+        calls: list[str] = []
+
+        def drop(p: str, calls: list[str] = calls) -> bool:
+            calls.append(p)
+            return p.endswith("/a") or p.endswith("/c")
+
+        pruned = coll.prune(drop)
+        entry = pruned.summaries["iter"]
+        assert isinstance(entry, IterationSummaries)
+        assert entry.length == 3
+        assert entry.ndims == (1,)
+        assert list(entry.stacked) == ["enc"]
+        assert list(entry.stacked["enc"]) == ["b"]
+        # `drop` saw the materialized paths, as `materialize().prune` does.
+        want: list[str] = []
+        expected = coll.materialize().prune(
+            lambda p, want=want: want.append(p) or drop(p, [])
+        )
+        assert calls == want
+        assert_collections_equal(pruned, expected)
+        flat = pruned.flatten("summaries")
+        assert sorted(flat) == [f"iter{i}/enc/b" for i in range(3)]
+        outer = (2,) if coll is batched else ()
+        assert flat["iter1/enc/b"].value().shape == outer
 
 
 def test_iteration_collection_through_jit() -> None:

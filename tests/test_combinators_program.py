@@ -1,5 +1,6 @@
 """scan_in_context's compiled program: size, outputs, memory, gradients, errors."""
 
+import functools
 import re
 import types
 from typing import Any
@@ -119,6 +120,62 @@ def test_dropped_outputs_are_not_program_outputs() -> None:
     _, _, coll = jax.jit(run)(h, ws, None)
     assert coll.flatten("module_outputs") == {}
     assert {p.split("/")[1] for p in coll.flatten("summaries")} == {"s0", "s2"}
+
+
+def test_nested_scan_with_drop_output_keeps_inner_summaries_stacked() -> None:
+    """Pruning an outer body does not slice an inner scan's per-iteration summaries."""
+    m, n, s = 3, 5, 2
+    h0 = jnp.ones((2, 4), jnp.float32)
+    ws = jax.random.normal(jax.random.PRNGKey(0), (m, n, 4, 4)) * 0.3
+
+    def outer_body(h: jax.Array, w_block: jax.Array, ctx: Context) -> Any:
+        h, _, inner = _ours(s)(h, w_block, None)
+        return h, None, ctx.merge(inner)
+
+    def run(drop: Any) -> Any:
+        return scan_in_context(
+            outer_body,
+            context=Context.root(prng_key=None),
+            carry=h0,
+            xs=ws,
+            child_name_prefix="block",
+            drop_output=drop,
+        )
+
+    for drop, compact in (
+        (lambda p: p.startswith("module_outputs"), True),  # the same per iteration
+        (  # depends on the inner iteration: sliced
+            lambda p: p == "summaries/iter2/s0" or p.startswith("module_outputs"),
+            False,
+        ),
+    ):
+        jitted = jax.jit(functools.partial(run, drop))
+        outputs = jax.tree_util.tree_leaves(jitted.lower().out_info)
+        if compact:
+            # The carry and S stacked [M, N] summaries, not M * N * S slices.
+            assert sorted(o.shape for o in outputs) == [(2, 4)] + [(m, n)] * s
+        else:
+            # The carry and the N * S - 1 kept slices, each stacked over M.
+            assert sorted(o.shape for o in outputs) == [(2, 4)] + [(m,)] * (n * s - 1)
+        h, _, coll = jitted()
+        entry = coll.summaries["block"]
+        assert isinstance(entry, IterationSummaries)
+        inner = entry.stacked.get("iter")
+        assert isinstance(inner, IterationSummaries) == compact
+        # Values: a Python loop over the blocks and layers.
+        ref_h = h0
+        for i in range(m):
+            for j in range(n):
+                ref_h, sums = _layer(ref_h, ws[i, j], s)
+                for name, value in sums.items():
+                    path = f"block{i}/iter{j}/{name}"
+                    got = coll.flatten("summaries").get(path)
+                    if drop(f"summaries/iter{j}/{name}"):
+                        assert got is None, path
+                    else:
+                        np.testing.assert_allclose(got, value, rtol=1e-5, err_msg=path)
+        np.testing.assert_allclose(h, ref_h, rtol=1e-5)
+        assert coll.flatten("module_outputs") == {}
 
 
 def test_merge_memory_does_not_grow_with_iterations() -> None:

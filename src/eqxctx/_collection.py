@@ -401,14 +401,20 @@ class OutputCollection(eqx.Module):
         "module_outputs": ...}`: `drop` is called bottom-up on every mapping entry with
         "/"-joined paths such as `"summaries/iter/loss"`, and on the kind roots
         (`"summaries"`), whose dropping empties that kind. Per-iteration summaries are
-        materialized first so that their paths are `"summaries/iter3/loss"`.
+        seen as materialized, with paths like `"summaries/iter3/loss"` (the calls are
+        those of `materialize().prune(drop)`), but stay stacked where every iteration
+        keeps the same entries (a `drop` that does not depend on the iteration index),
+        so pruning inside a scan body does not slice an inner scan's summaries.
         """
         tree = {
-            "summaries": _materialize(self.summaries),
+            "summaries": _skeleton(self.summaries),
             "state_updates": self.state_updates,
             "module_outputs": self.module_outputs,
         }
         pruned = _prune(tree, drop, "")
+        summaries = pruned.get("summaries")
+        if summaries is not None:
+            pruned["summaries"] = _restore(summaries, self.summaries)
         return OutputCollection(*(pruned.get(kind, {}) for kind in KINDS))
 
     def is_empty(self) -> bool:
@@ -475,6 +481,103 @@ def _flatten(tree: dict[str, Any], prefix: str, sep: str) -> Iterator[tuple[str,
             yield from _flatten(value, f"{path}{sep}", sep)
         else:
             yield path, value
+
+
+class _Slot(tuple[str, ...]):
+    """A stand-in for a leaf of an `IterationSummaries` entry: its path in `stacked`."""
+
+
+def _skeleton(tree: dict[str, Any]) -> dict[str, Any]:
+    """`_materialize(tree)`'s mappings, with `_Slot`s for per-iteration leaves.
+
+    `prune` calls `drop` on this tree (the same paths, in the same order as on the
+    materialized tree) without slicing anything. An entry whose `stacked` holds
+    another `IterationSummaries` is materialized for real.
+    """
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, IterationSummaries):
+            if _has_iterations(value.stacked):
+                out.update(_materialize({key: value}))
+                continue
+            out[key] = {}
+            slots = _slots(value.stacked, ())
+            for i in range(value.length):
+                out[f"{key}{i}"] = slots
+        elif isinstance(value, dict):
+            out[key] = _skeleton(value)
+        else:
+            out[key] = value
+    return out
+
+
+def _has_iterations(tree: dict[str, Any]) -> bool:
+    return any(
+        isinstance(v, IterationSummaries)
+        or (isinstance(v, dict) and _has_iterations(v))
+        for v in tree.values()
+    )
+
+
+def _slots(tree: dict[str, Any], prefix: tuple[str, ...]) -> dict[str, Any]:
+    # Sorted, as `IterationSummaries.iteration` returns them (JAX sorts dict keys).
+    return {
+        k: _slots(tree[k], (*prefix, k))
+        if isinstance(tree[k], dict)
+        else _Slot((*prefix, k))
+        for k in sorted(tree)
+    }
+
+
+def _restore(pruned: dict[str, Any], original: dict[str, Any]) -> dict[str, Any]:
+    """Replace the `_Slot`s of a pruned `_skeleton` with the summaries they stand for.
+
+    An `IterationSummaries` entry whose iterations all kept the same slots stays one
+    (stacked) entry; otherwise the kept iterations are sliced.
+    """
+    out: dict[str, Any] = {}
+    for key, value in original.items():
+        if isinstance(value, IterationSummaries) and not _has_iterations(value.stacked):
+            kept = [pruned.get(f"{key}{i}") for i in range(value.length)]
+            first = kept[0] if kept else None
+            if first is not None and all(k == first for k in kept):
+                out[key] = _stacked_subset(value, first)
+                continue
+            if key in pruned:
+                out[key] = {}
+            for i, slots in enumerate(kept):
+                if slots is not None:
+                    out[f"{key}{i}"] = _fill(slots, value.iteration(i))
+        elif isinstance(value, IterationSummaries):  # materialized in `_skeleton`
+            for k in [key, *(f"{key}{i}" for i in range(value.length))]:
+                if k in pruned:
+                    out[k] = pruned[k]
+        elif key in pruned:
+            if isinstance(value, dict):
+                out[key] = _restore(pruned[key], value)
+            else:
+                out[key] = pruned[key]
+    return out
+
+
+def _fill(slots: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: _fill(v, values[k]) if isinstance(v, dict) else values[k]
+        for k, v in slots.items()
+    }
+
+
+def _stacked_subset(
+    entry: "IterationSummaries", slots: dict[str, Any]
+) -> "IterationSummaries":
+    """The entry with only the summaries in `slots`, still stacked."""
+    stacked = _fill(slots, entry.stacked)
+    with_path = jax.tree_util.tree_flatten_with_path(entry.stacked)[0]
+    ndim = {path: n for (path, _), n in zip(with_path, entry.ndims, strict=True)}
+    kept = jax.tree_util.tree_flatten_with_path(stacked)[0]
+    return IterationSummaries(
+        entry.length, stacked, tuple(ndim[path] for path, _ in kept)
+    )
 
 
 def _prune(tree: dict[str, Any], drop: Callable[[str], bool], prefix: str) -> Any:
