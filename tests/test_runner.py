@@ -1,6 +1,7 @@
 """MethodRunner, run_batches and SummaryAccumulator on 8 simulated CPU devices."""
 
 import collections
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any
@@ -314,6 +315,177 @@ def test_dict_batches_after_a_placed_one_are_checked_leaf_by_leaf(
             assert out.input_batch["label"] is not placed["label"]
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class QArray:
+    """A PyTree of two arrays that looks like an array (`.sharding`, `.ndim`)."""
+
+    value: jax.Array
+    scale: Any
+
+    @property
+    def sharding(self) -> Any:
+        return self.value.sharding
+
+    @property
+    def ndim(self) -> int:
+        return self.value.ndim
+
+
+class Dequantize(eqx.Module):
+    def f(self, batch: dict[str, Any], ctx: Context) -> tuple[Any, Context]:
+        x = batch["x"]
+        x = x.value * x.scale if isinstance(x, QArray) else x
+        return {"y": jnp.sum(x, axis=-1) if jnp.ndim(x) else x}, ctx
+
+
+def test_batch_leaves_are_checked_by_type_and_rank_not_only_sharding() -> None:
+    """A warm runner places what a fresh runner would place."""
+    mesh = mesh_2d()
+    full = NamedSharding(mesh, P(("data", "model")))
+
+    def fresh(b: Any, **kw: Any) -> MethodRunner.Output:
+        r = MethodRunner.create(
+            Dequantize(), "f", mesh=mesh, prng_key=jax.random.PRNGKey(0), **kw
+        )
+        return r(b)[1]
+
+    # A PyTree with a `.sharding` is not an array: its leaves are placed.
+    runner = MethodRunner.create(
+        Dequantize(), "f", mesh=mesh, prng_key=jax.random.PRNGKey(0)
+    )
+    runner, _ = runner({"x": np.ones((8, 4), np.float32)})
+    q = QArray(jax.device_put(jnp.ones((8, 4)), full), np.full((8, 1), 3.0, np.float32))
+    _, out = runner({"x": q})
+    assert isinstance(out.input_batch["x"].scale, jax.Array)
+    assert out.input_batch["x"].scale.sharding == full
+    np.testing.assert_allclose(np.asarray(out.output_batch["y"]), np.full(8, 12.0))
+    # A leaf whose rank changed, with the sharding of the old rank's spec.
+    for partition, first, second, want in (
+        (P("data", "model"), np.ones((8,), np.float32), P("data"), ("data", "model")),
+        (DataPartition.FULL, np.float32(3), P(), (("data", "model"),)),
+    ):
+        runner = MethodRunner.create(
+            Dequantize(),
+            "f",
+            mesh=mesh,
+            prng_key=jax.random.PRNGKey(0),
+            input_partition=partition,
+        )
+        runner, _ = runner({"x": first})
+        x2 = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, second))
+        _, out = runner({"x": x2})
+        assert spec_of(out.input_batch["x"]) == want
+        assert spec_of(
+            fresh({"x": x2}, input_partition=partition).input_batch["x"]
+        ) == (want)
+        np.testing.assert_allclose(np.asarray(out.output_batch["y"]), np.full(8, 4.0))
+
+
+def test_input_batch_never_aliases_the_callers_containers() -> None:
+    mesh = mesh_2d()
+    full = NamedSharding(mesh, P(("data", "model")))
+    runner = MethodRunner.create(
+        Dequantize(), "f", mesh=mesh, prng_key=jax.random.PRNGKey(0)
+    )
+    for make in (lambda x: {"x": x}, lambda x: [{"x": x}][0], lambda x: ({"x": x},)):
+        buf = make(jax.device_put(jnp.zeros((8, 4)), full))
+        batch = buf if isinstance(buf, dict) else buf[0]
+        runner, _ = runner(batch)  # placed: now on the fast path
+        outs = []
+        for i in range(3):
+            batch["x"] = jax.device_put(jnp.full((8, 4), float(i)), full)
+            runner, out = runner(batch)
+            outs.append(out)
+        assert [float(o.input_batch["x"][0, 0]) for o in outs] == [0.0, 1.0, 2.0]
+        assert all(o.input_batch is not batch for o in outs)
+    # A tuple batch (the general path) gets new containers too.
+    tupled = MethodRunner.create(
+        TupleIn(), "f", mesh=mesh, prng_key=jax.random.PRNGKey(0)
+    )
+    inner = [jax.device_put(jnp.ones((8, 4)), full)]
+    tupled, _ = tupled((inner,))
+    _, out = tupled((inner,))
+    assert out.input_batch[0] is not inner
+    assert out.input_batch[0][0] is inner[0]
+
+
+class TupleIn(eqx.Module):
+    def f(self, batch: Any, ctx: Context) -> tuple[Any, Context]:
+        return jnp.sum(batch[0][0], axis=-1), ctx
+
+
+class Scaled(eqx.Module):
+    n: Any  # a non-array leaf: static
+
+    def f(self, batch: dict[str, Any], ctx: Context) -> tuple[Any, Context]:
+        y = jnp.full(batch["x"].shape, self.n)  # the dtype follows the leaf's type
+        return {"y": y, "label": str(self.n)}, ctx
+
+
+def test_static_leaves_equal_in_value_but_not_type_do_not_share_a_compilation() -> None:
+    mesh = mesh_1d()
+    batch = {"x": np.ones((8,), np.int32)}
+    outs = {}
+    for n in (2, 2.0, True):
+        runner = MethodRunner.create(
+            Scaled(n), "f", mesh=mesh, prng_key=jax.random.PRNGKey(0)
+        )
+        outs[type(n)] = runner(batch)[1].output_batch
+    assert outs[int]["label"] == "2"
+    assert outs[float]["label"] == "2.0"
+    assert outs[bool]["label"] == "True"
+    assert outs[int]["y"].dtype == jnp.int32
+    assert outs[float]["y"].dtype == jnp.float32
+    assert outs[bool]["y"].dtype == jnp.bool_
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_runner_called_inside_jit_and_eval_shape(axis_type: AxisType) -> None:
+    model, batch, key = make_model(), make_batch(), jax.random.PRNGKey(0)
+    runner = MethodRunner.create(
+        model, "predict", mesh=mesh_1d(axis_type), prng_key=key
+    )
+    want_runner, want = runner(batch)
+
+    @jax.jit
+    def step(r: MethodRunner, b: dict[str, Any]) -> Any:
+        r, out = r(b)
+        return r, out.output_batch, out.summaries
+
+    got_runner, got, summaries = step(runner, batch)
+    np.testing.assert_array_equal(
+        np.asarray(got_runner.prng_key), np.asarray(want_runner.prng_key)
+    )
+    for name in ("y", "noise", "label"):
+        np.testing.assert_allclose(
+            np.asarray(got[name]), np.asarray(want.output_batch[name]), rtol=1e-6
+        )
+    assert spec_of(got["y"]) == ("data",)
+    np.testing.assert_allclose(
+        np.asarray(summaries["y_mean"].value()),
+        np.asarray(want.summaries["y_mean"].value()),
+        rtol=1e-6,
+    )
+    shapes = jax.eval_shape(lambda r, b: r(b)[1].output_batch, runner, batch)
+    assert shapes["y"].shape == (16, 3)
+
+
+def test_batch_leaves_that_are_not_arrays_get_a_clear_error() -> None:
+    runner = MethodRunner.create(
+        Dequantize(), "f", mesh=mesh_1d(), prng_key=jax.random.PRNGKey(0)
+    )
+    spec = {"x": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
+    with pytest.raises(TypeError, match=r"'x'.*ShapeDtypeStruct.*runner\.lower"):
+        runner(spec)
+
+    class Box(dict[str, Any]):  # not a registered PyTree: one opaque leaf
+        pass
+
+    with pytest.raises(TypeError, match=r"batch leaf 'x' is a Box, not an array"):
+        runner({"x": Box(a=np.ones((8, 4), np.float32))})
+
+
 def test_params_in_the_model_structure_and_runner_leaves() -> None:
     model = make_model()
     runner = MethodRunner.create(
@@ -420,6 +592,13 @@ def test_method_kwargs_traced_and_static() -> None:
     assert len(TRACES) == 2
     _, ref, _ = reference(model, batch, key, shift=1.5)
     np.testing.assert_allclose(np.asarray(out3.output_batch["y"]), ref["y"], rtol=1e-5)
+    # An array committed to one device off the mesh's device set is replicated.
+    off_mesh = jax.device_put(jnp.asarray(2.0), jax.devices()[3])
+    mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[4:])
+    runner = MethodRunner.create(model, "predict", mesh=mesh, prng_key=key)
+    _, out4 = runner(batch, shift=off_mesh)
+    _, ref, _ = reference(model, batch, key, shift=2.0)
+    np.testing.assert_allclose(np.asarray(out4.output_batch["y"]), ref["y"], rtol=1e-5)
 
 
 def test_drop_module_outputs_paths_and_default() -> None:
@@ -495,6 +674,30 @@ def test_lower_and_compile_match_the_call() -> None:
     )
     _, out2 = runner.lower(sharded).compile()(out_jit.input_batch)
     assert eqx.tree_equal(out2.output_batch, out_jit.output_batch)
+
+
+def test_compiled_runner_in_a_loop_follows_the_key_sequence() -> None:
+    model, batch, key = make_model(), make_batch(), jax.random.PRNGKey(5)
+    runner = MethodRunner.create(model, "predict", mesh=mesh_1d(), prng_key=key)
+    compiled = runner.lower(batch).compile()
+    assert compiled.runner is runner
+    jit_runner = runner
+    for _ in range(3):
+        aot_runner, aot_out = compiled(batch)
+        again_runner, _ = compiled(batch)  # the same binding: the same key
+        assert jnp.array_equal(again_runner.prng_key, aot_runner.prng_key)
+        jit_runner, jit_out = jit_runner(batch)
+        assert jnp.array_equal(aot_runner.prng_key, jit_runner.prng_key)
+        np.testing.assert_array_equal(
+            np.asarray(aot_out.output_batch["noise"]),
+            np.asarray(jit_out.output_batch["noise"]),
+        )
+        compiled = compiled.bind(aot_runner)
+    other = MethodRunner.create(
+        named_model("other"), "predict", mesh=mesh_1d(), prng_key=key
+    )
+    with pytest.raises(ValueError, match="other settings"):
+        compiled.bind(other)
 
 
 def test_errors() -> None:

@@ -136,12 +136,21 @@ class LoweredRunner:
 class CompiledRunner:
     """A compiled runner step: `compiled(batch, **kwargs) -> (runner, output)`.
 
-    Runs the program compiled by `MethodRunner.lower(...).compile()` with the key of
-    the runner it was lowered from; returns that runner's successor and the output,
-    exactly like calling the runner. Each leaf of the batch is placed with the
-    sharding it was lowered with (the `ShapeDtypeStruct`'s, else the input
-    partition's), so a batch lowered with another sharding than the input partition
-    runs too; inside, the step constrains it to the input partition as usual.
+    Runs the program compiled by `MethodRunner.lower(...).compile()` with the
+    parameters and key of the runner it is bound to (the one it was lowered from);
+    returns that runner's successor and the output, exactly like calling the runner.
+    Calling it again gives the same result (the same key). To run the compiled
+    program in a loop, bind it to each successor:
+
+        compiled = runner.lower(batch_spec).compile()
+        for batch in batches:
+            runner, out = compiled(batch)
+            compiled = compiled.bind(runner)
+
+    Each leaf of the batch is placed with the sharding it was lowered with (the
+    `ShapeDtypeStruct`'s, else the input partition's), so a batch lowered with another
+    sharding than the input partition runs too; inside, the step constrains it to the
+    input partition as usual.
     """
 
     def __init__(
@@ -159,6 +168,26 @@ class CompiledRunner:
     def as_text(self) -> str:
         """Return the compiled (optimized HLO) program as text."""
         return self._compiled.as_text()
+
+    @property
+    def runner(self) -> "MethodRunner":
+        """The runner whose parameters and key the next call uses."""
+        return self._runner
+
+    def bind(self, runner: "MethodRunner") -> "CompiledRunner":
+        """Return this compiled program bound to `runner` (e.g. a call's successor).
+
+        Raises:
+            ValueError: if `runner` has other settings (method, mesh, partitions,
+                static model parts) than the runner this program was compiled for.
+        """
+        if runner.settings != self._runner.settings:
+            raise ValueError(
+                "`CompiledRunner.bind`: the runner has other settings (method, mesh, "
+                "partitions or static parts of the model) than the one this program "
+                "was compiled for; lower and compile it instead."
+            )
+        return CompiledRunner(runner, self._compiled, self._static_kwargs, self._inputs)
 
     def __call__(
         self, input_batch: Any, **kwargs: Any

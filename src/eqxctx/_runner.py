@@ -37,7 +37,6 @@ a process-local NumPy leaf must go through `jax.make_array_from_process_local_da
 never be taken by `jit` as the global value.
 """
 
-import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -64,7 +63,6 @@ from ._step import Frozen, Settings, jit_step, replicated
 _setattr = object.__setattr__
 _getattribute = object.__getattribute__
 _flatten = jax.tree_util.default_registry.flatten
-_get_sharding = operator.attrgetter("sharding")
 _new = object.__new__
 
 
@@ -113,7 +111,8 @@ class MethodRunner(eqx.Module):
     Attributes:
         param_leaves: the model's array leaves, flattened once in `create` and placed
             by `param_partition` (traced). `runner.params` gives them in the model's
-            structure, `runner.model` the whole model.
+            structure, `runner.model` the whole model. Calls do not place them again:
+            for other parameters, create another runner.
         prng_key: the key that the next call splits: `new_key, iter_key =
             jax.random.split(prng_key)`; `iter_key` is the root context's key and
             `new_key` the returned runner's key (replicated over the mesh).
@@ -132,7 +131,8 @@ class MethodRunner(eqx.Module):
             output_batch: the method's output, as global arrays with the output
                 partition.
             input_batch: the global input arrays actually used, with the input
-                partition; pass them to another runner without a host transfer.
+                partition, in new containers (already-placed arrays are passed
+                through); pass them to another runner without a host transfer.
             summaries: the root context's summaries (nested mapping; may hold
                 `IterationSummaries` and `Summary` leaves), replicated.
             module_outputs: the module outputs kept by `drop_module_outputs`
@@ -297,38 +297,46 @@ class MethodRunner(eqx.Module):
                 names an unknown mesh axis or has non-None entries beyond a leaf's
                 rank.
             TypeError: if the method does not return `(output_batch, ctx)` (a
-                method returning `(ctx, output)` is told to swap them).
+                method returning `(ctx, output)` is told to swap them), or a batch
+                leaf is not an array (a `jax.ShapeDtypeStruct`: use `lower`; an
+                object that is not a registered PyTree), naming the leaf.
         """
         # The hot path: read the fields once (an `eqx.Module`'s `__getattribute__`
         # is Python code that wraps methods; it costs ~0.5 µs per access).
         fields: dict[str, Any] = _getattribute(self, "__dict__")
         settings: Settings = fields["settings"]
-        # Fast path: the batch has the structure and shardings of the last one. The
-        # shardings are read and compared in C (`map`, list equality, which tries
-        # identity first); a leaf without `.sharding` (NumPy, a Python scalar) raises
-        # AttributeError and goes through `place_batch`. A plain dict of arrays with
-        # the last batch's keys is not even flattened (~0.4 µs saved).
+        # Fast path: the batch has the structure, leaf types and shardings of the
+        # last one (`_step.BatchEntry`), read and compared in C (`map`, list
+        # equality, which tries identity first); a leaf without `.sharding` (NumPy, a
+        # Python scalar) raises AttributeError and goes through `place_batch`. A
+        # plain dict of arrays with the last batch's keys is not even flattened
+        # (~0.4 µs saved). The containers are copied: `Output.input_batch` never
+        # aliases the caller's dict.
         last = settings.last_batch
-        placed = False
+        batch = None
         if last is not None:
+            last_treedef, signature, expected, keys = last
             try:
-                keys = last[2]
                 if keys is not None and type(input_batch) is dict:
-                    placed = len(input_batch) == len(keys) and (
-                        list(map(_get_sharding, map(input_batch.__getitem__, keys)))
-                        == last[1]
-                    )
+                    if len(input_batch) == len(keys) and (
+                        list(map(signature, map(input_batch.__getitem__, keys)))
+                        == expected
+                    ):
+                        batch = input_batch.copy()
                 else:
                     leaves, treedef = _flatten(input_batch)
-                    placed = last[0] == treedef and (
-                        list(map(_get_sharding, leaves)) == last[1]
-                    )
+                    if treedef == last_treedef and (
+                        list(map(signature, leaves)) == expected
+                    ):
+                        batch = treedef.unflatten(leaves)
             except (AttributeError, KeyError):
                 pass
-        batch = input_batch if placed else settings.place_batch(input_batch)
+        if batch is None:
+            batch = settings.place_batch(input_batch)
         if kwargs:
             dynamic, static = eqx.partition(kwargs, eqx.is_array)
             static_kwargs = Frozen(static, what="a keyword argument")
+            dynamic = settings.place_kwargs(dynamic)
             result = jit_step(
                 settings,
                 static_kwargs,

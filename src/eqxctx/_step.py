@@ -11,6 +11,7 @@ constrain inputs, outputs and parameters to their shardings.
 import collections
 import dataclasses
 import functools
+import operator
 import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -18,6 +19,7 @@ from typing import Any, NamedTuple
 import equinox as eqx
 import jax
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._collection import OutputCollection
@@ -42,14 +44,17 @@ _flatten = jax.tree_util.default_registry.flatten
 class Frozen:
     """A PyTree of hashable leaves, hashed and compared by value (a static arg)."""
 
-    __slots__ = ("_hash", "leaves", "treedef")
+    __slots__ = ("_hash", "leaves", "treedef", "types")
 
     def __init__(self, tree: Any, *, what: str):
         leaves, treedef = jax.tree.flatten(tree)
         self.leaves = tuple(leaves)
         self.treedef = treedef
+        # `2 == 2.0 == True`: compare types too, or runners of models that differ
+        # only there would share one compiled program (and its output dtypes).
+        self.types = tuple(map(type, leaves))
         try:
-            self._hash = hash((treedef, self.leaves))
+            self._hash = hash((treedef, self.leaves, self.types))
         except TypeError as e:
             raise TypeError(
                 f"`MethodRunner`: {what} has a non-array leaf that is not hashable "
@@ -68,6 +73,7 @@ class Frozen:
             isinstance(other, Frozen)
             and self._hash == other._hash
             and self.treedef == other.treedef
+            and self.types == other.types
             and self.leaves == other.leaves
         )
 
@@ -86,14 +92,13 @@ class Settings:
     is_training: bool
     # The structure of the model's array part (`MethodRunner.param_leaves`).
     param_treedef: Any
-    # Per batch treedef: the input spec of each leaf (before the rank rule), its
-    # sharding, and, for a flat dict of arrays, its keys in leaf order.
+    # Per batch treedef: how batches of that structure are placed and recognized.
     batch_cache: dict[Any, "BatchEntry"] = dataclasses.field(
         default_factory=dict[Any, Any]
     )
-    # `(treedef, shardings, dict_keys)` of the last batch: `MethodRunner.__call__`
-    # passes a batch with that structure and those shardings straight to the step.
-    last_batch: "tuple[Any, list[NamedSharding], tuple[Any, ...] | None] | None" = None
+    # The last batch's `(treedef, signature, expected, dict_keys)` (see `BatchEntry`):
+    # `MethodRunner.__call__` passes a batch that matches it straight to the step.
+    last_batch: "tuple[Any, Callable[[Any], Any], list[Any], Any] | None" = None
     # `jax.jit` of the step without keyword arguments, shared by equal settings.
     jitted: Callable[..., Any] = dataclasses.field(init=False, repr=False)
     _key: tuple[Any, ...] = dataclasses.field(init=False, repr=False)
@@ -132,24 +137,33 @@ class Settings:
         return is_explicit(self.mesh)
 
     def placed_batch(self, leaves: list[Any], treedef: Any) -> bool:
-        """Return whether the batch's leaves already have the input shardings."""
+        """Return whether the batch's leaves are arrays with the input shardings."""
         entry = self.batch_cache.get(treedef)
         if entry is None:
             return False
         try:
-            for x, s in zip(leaves, entry.shardings, strict=True):
-                if x.sharding != s:
-                    return False
+            if list(map(entry.signature, leaves)) != entry.expected:
+                return False
         except AttributeError:  # a host-local leaf: NumPy, Python scalar
             return False
-        _setattr(self, "last_batch", (treedef, entry.shardings, entry.dict_keys))
+        _setattr(self, "last_batch", entry.last(treedef))
         return True
 
     def place_batch(self, batch: Any) -> Any:
-        """Return `batch` as global arrays with the input partition."""
+        """Return `batch` as global arrays with the input partition (new containers).
+
+        Leaves that are tracers (the runner called inside `jax.jit`, `jax.vmap`, ...)
+        are left to the step, which constrains them to the input partition.
+
+        Raises:
+            TypeError: for a leaf that is not an array (naming its path).
+            ValueError: for a dimension that does not divide over its mesh axes.
+        """
         leaves, treedef = _flatten(batch)
         if self.placed_batch(leaves, treedef):
-            return batch
+            return treedef.unflatten(leaves)
+        if any(isinstance(x, Tracer) for x in leaves):
+            return treedef.unflatten(leaves)
         entry = self.batch_cache.get(treedef)
         if entry is not None:
             base = entry.specs
@@ -171,18 +185,73 @@ class Settings:
                 x = to_global(x, s, path=path_str(path))
             placed.append(x)
             shardings.append(s)
-        dict_keys = _flat_dict_keys(batch, with_path)
-        self.batch_cache[treedef] = BatchEntry(base, shardings, dict_keys)
-        _setattr(self, "last_batch", (treedef, shardings, dict_keys))
+        # The rank rule maps a leaf of rank r < len(spec) to a shorter spec, whose
+        # sharding an array of another rank can have too: compare ranks as well.
+        by_rank = any(np.ndim(x) < len(b) for x, b in zip(placed, base, strict=True))
+        signature = _SIGNATURE_WITH_RANK if by_rank else _SIGNATURE
+        entry = BatchEntry(
+            base,
+            shardings,
+            _flat_dict_keys(batch, with_path),
+            signature,
+            list(map(signature, placed)),
+        )
+        self.batch_cache[treedef] = entry
+        _setattr(self, "last_batch", entry.last(treedef))
         return treedef.unflatten(placed)
+
+    def place_kwargs(self, dynamic: Any) -> Any:
+        """Replicate array keyword arguments committed to devices off the mesh.
+
+        `jax.jit` refuses an argument committed to another device set (e.g. a
+        `jax.device_put(x, jax.devices()[3])`) than the mesh's; arrays already on
+        the mesh and NumPy arrays pass as they are.
+        """
+
+        def place(x: Any) -> Any:
+            if (
+                isinstance(x, jax.Array)
+                and not isinstance(x, Tracer)
+                and x.committed
+                and x.sharding.device_set != self.mesh_devices
+            ):
+                return jax.device_put(x, replicated(self.mesh, x))
+            return x
+
+        return jax.tree.map(place, dynamic)
+
+    @functools.cached_property
+    def mesh_devices(self) -> set[Any]:
+        return set(self.mesh.devices.flat)
+
+
+# What `MethodRunner.__call__` compares of each batch leaf with the last batch's: the
+# type (a `jax.Array` subclass, not a PyTree with a `.sharding`), the sharding, and the
+# rank where the rank rule makes it matter. Read in C by `map`.
+_SIGNATURE = operator.attrgetter("__class__", "sharding")
+_SIGNATURE_WITH_RANK = operator.attrgetter("__class__", "sharding", "ndim")
 
 
 class BatchEntry(NamedTuple):
-    """How batches of one structure are placed (`Settings.batch_cache`)."""
+    """How batches of one structure are placed (`Settings.batch_cache`).
+
+    Attributes:
+        specs: the input spec of each leaf, before the rank rule.
+        shardings: the sharding of each placed leaf.
+        dict_keys: for a plain dict whose values are all leaves, its keys in leaf
+            order (such a batch is checked without flattening it); else None.
+        signature: what is compared of each leaf (`_SIGNATURE...`).
+        expected: `signature` of each placed leaf.
+    """
 
     specs: list[PartitionSpec]
     shardings: list[NamedSharding]
     dict_keys: tuple[Any, ...] | None
+    signature: Callable[[Any], Any]
+    expected: list[Any]
+
+    def last(self, treedef: Any) -> tuple[Any, Callable[[Any], Any], list[Any], Any]:
+        return (treedef, self.signature, self.expected, self.dict_keys)
 
 
 def _flat_dict_keys(batch: Any, with_path: list[Any]) -> tuple[Any, ...] | None:

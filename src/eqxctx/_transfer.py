@@ -26,7 +26,15 @@ def to_global(x: Any, sharding: NamedSharding, *, path: str) -> jax.Array:
 
     Raises:
         ValueError: if a dimension does not divide over the mesh axes of its spec.
+        TypeError: if `x` is a `jax.ShapeDtypeStruct` (use `MethodRunner.lower`) or
+            not an array (e.g. a container that is not a registered PyTree).
     """
+    if isinstance(x, jax.ShapeDtypeStruct):
+        raise TypeError(
+            f"`MethodRunner`: batch leaf {path!r} is a `jax.ShapeDtypeStruct`; a call "
+            "needs arrays. To compile ahead of time for a batch signature, use "
+            "`runner.lower(batch_spec).compile()`."
+        )
     mesh = sharding.mesh
     assert isinstance(mesh, Mesh)
     spec = sharding.spec
@@ -36,6 +44,12 @@ def to_global(x: Any, sharding: NamedSharding, *, path: str) -> jax.Array:
         check_divisible(x.shape, spec, mesh, path=path)
         return jax.device_put(x, sharding)
     local = np.asarray(x)
+    if local.dtype == object:
+        raise TypeError(
+            f"`MethodRunner`: batch leaf {path!r} is a {type(x).__name__}, not an "
+            "array. Pass arrays (NumPy or JAX), or register its type as a PyTree "
+            "(`jax.tree_util.register_pytree_node`) so that its arrays are leaves."
+        )
     global_shape = _global_shape(local.shape, sharding, path=path)
     check_divisible(global_shape, spec, mesh, path=path)
     return jax.make_array_from_process_local_data(sharding, local, global_shape)
