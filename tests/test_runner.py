@@ -1,6 +1,7 @@
 """MethodRunner, run_batches and SummaryAccumulator on 8 simulated CPU devices."""
 
 import collections
+import copy
 import dataclasses
 import re
 from pathlib import Path
@@ -484,6 +485,17 @@ def test_batch_leaves_that_are_not_arrays_get_a_clear_error() -> None:
 
     with pytest.raises(TypeError, match=r"batch leaf 'x' is a Box, not an array"):
         runner({"x": Box(a=np.ones((8, 4), np.float32))})
+
+
+def test_copied_runners_share_settings_and_give_the_same_results() -> None:
+    model, batch, key = make_model(), make_batch(), jax.random.PRNGKey(0)
+    runner = MethodRunner.create(model, "predict", mesh=mesh_1d(), prng_key=key)
+    _, want = runner(batch)
+    for clone in (copy.copy(runner), copy.deepcopy(runner)):
+        assert clone.settings is runner.settings
+        assert eqx.tree_equal(clone, runner)
+        _, got = clone(batch)
+        assert eqx.tree_equal(got.output_batch, want.output_batch)
 
 
 def test_params_in_the_model_structure_and_runner_leaves() -> None:

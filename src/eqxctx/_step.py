@@ -125,6 +125,15 @@ class Settings:
     def __hash__(self) -> int:
         return self._hash
 
+    def __copy__(self) -> "Settings":
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "Settings":
+        # Immutable and static (its cache only speeds calls up): copies share it,
+        # so a copied runner keeps its compilations and compares equal.
+        del memo
+        return self
+
     def __eq__(self, other: object) -> bool:
         return self is other or (
             isinstance(other, Settings)
