@@ -310,6 +310,16 @@ def test_prune_sees_iteration_paths() -> None:
     )
 
 
+def test_prune_of_the_empty_iteration_child_frees_its_name() -> None:
+    """Dropping `iter` itself (its empty child) slices: the name is free again."""
+    drop = lambda p: p.split("/")[-1] == "iter"
+    pruned = iteration_collection().prune(drop)
+    expected = iteration_collection().materialize().prune(drop)
+    assert_collections_equal(pruned, expected)
+    assert pruned.child_names() == expected.child_names() == {"iter0", "iter1", "iter2"}
+    assert float(pruned.add_summary("iter", 1.0).summaries["iter"]) == 1.0
+
+
 def test_prune_keeps_iterations_stacked_when_each_keeps_the_same() -> None:
     """Under an outer vmap too: the kept leaves keep their recorded ranks."""
 

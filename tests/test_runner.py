@@ -472,6 +472,69 @@ def test_runner_called_inside_jit_and_eval_shape(axis_type: AxisType) -> None:
     assert shapes["y"].shape == (16, 3)
 
 
+def test_runner_called_inside_jit_on_a_batch_it_closes_over() -> None:
+    model, batch, key = make_model(), make_batch(), jax.random.PRNGKey(0)
+    runner = MethodRunner.create(model, "predict", mesh=mesh_1d(), prng_key=key)
+    _, want = runner(batch)
+    got = jax.jit(lambda r: r(batch)[1].output_batch)(runner)
+    np.testing.assert_allclose(
+        np.asarray(got["y"]), np.asarray(want.output_batch["y"]), rtol=1e-6
+    )
+    shapes = jax.eval_shape(lambda r: r(batch)[1].output_batch, runner)
+    assert shapes["noise"].shape == (16,)
+    _, again = runner(batch)  # the traced call left nothing behind
+    assert eqx.tree_equal(again.output_batch, want.output_batch)
+
+
+class StaticScale(eqx.Module):
+    w: jax.Array
+    scale: Any = eqx.field(static=True)
+
+    def f(self, batch: dict[str, Any], ctx: Context) -> tuple[Any, Context]:
+        return {"y": jnp.full(batch["x"].shape, self.scale)}, ctx
+
+
+def test_static_fields_equal_in_value_but_not_type_do_not_share_a_compilation() -> None:
+    batch = {"x": np.ones((8,), np.int32)}
+    dtypes = []
+    for scale in (2, 2.0):
+        runner = MethodRunner.create(
+            StaticScale(jnp.ones(2), scale),
+            "f",
+            mesh=mesh_1d(),
+            prng_key=jax.random.PRNGKey(0),
+        )
+        dtypes.append(runner(batch)[1].output_batch["y"].dtype)
+    assert dtypes == [jnp.int32, jnp.float32]
+
+
+def test_compiled_runner_places_kwargs_and_bind_checks_parameters() -> None:
+    model, batch, key = make_model(), make_batch(), jax.random.PRNGKey(0)
+    mesh = mesh_2d()
+    runner = MethodRunner.create(model, "predict", mesh=mesh, prng_key=key)
+    compiled = runner.lower(batch, shift=jnp.zeros((16, 3))).compile()
+    _, ref, _ = reference(model, batch, key, shift=1.5)
+    host = np.full((16, 3), 1.5, np.float32)
+    for shift in (
+        jax.device_put(host, jax.devices()[0]),  # committed to one device
+        jax.device_put(host, NamedSharding(mesh, P("model"))),
+        host,
+    ):
+        _, out = compiled(batch, shift=shift)
+        _, out_call = runner(batch, shift=shift)
+        np.testing.assert_allclose(np.asarray(out.output_batch["y"]), ref["y"], 1e-5)
+        np.testing.assert_allclose(
+            np.asarray(out_call.output_batch["y"]), ref["y"], rtol=1e-5
+        )
+    with pytest.raises(ValueError, match=r"static: pass `jnp\.asarray"):
+        compiled(batch, shift=1.5)
+    wider = MethodRunner.create(
+        make_model(hidden=16), "predict", mesh=mesh, prng_key=key
+    )
+    with pytest.raises(ValueError, match="shape, dtype or sharding"):
+        compiled.bind(wider)
+
+
 def test_batch_leaves_that_are_not_arrays_get_a_clear_error() -> None:
     runner = MethodRunner.create(
         Dequantize(), "f", mesh=mesh_1d(), prng_key=jax.random.PRNGKey(0)
@@ -485,6 +548,8 @@ def test_batch_leaves_that_are_not_arrays_get_a_clear_error() -> None:
 
     with pytest.raises(TypeError, match=r"batch leaf 'x' is a Box, not an array"):
         runner({"x": Box(a=np.ones((8, 4), np.float32))})
+    with pytest.raises(TypeError, match=r"batch leaf 'name' is a str, not an array"):
+        runner({"x": np.ones((8, 4), np.float32), "name": "abc"})
 
 
 def test_copied_runners_share_settings_and_give_the_same_results() -> None:

@@ -32,6 +32,18 @@ _setattr = object.__setattr__
 _getattribute = object.__getattribute__
 
 
+def _signature(runner: "MethodRunner") -> list[tuple[Any, Any, Any]]:
+    leaves = [*runner.param_leaves, runner.prng_key]
+    return [(np.shape(x), jax.typeof(x).dtype, x.sharding) for x in leaves]
+
+
+def _put(x: Any, sharding: Any) -> Any:
+    """`x` with `sharding` (moved only when it has another)."""
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+        return x
+    return jax.device_put(x, sharding)
+
+
 def _new(cls: type[Any], fields: dict[str, Any]) -> Any:
     """Build an `eqx.Module` from its fields without `__init__`, as its unflatten does.
 
@@ -179,7 +191,8 @@ class CompiledRunner:
 
         Raises:
             ValueError: if `runner` has other settings (method, mesh, partitions,
-                static model parts) than the runner this program was compiled for.
+                static model parts) than the runner this program was compiled for, or
+                parameters or a key of another shape, dtype or sharding.
         """
         if runner.settings != self._runner.settings:
             raise ValueError(
@@ -187,6 +200,14 @@ class CompiledRunner:
                 "partitions or static parts of the model) than the one this program "
                 "was compiled for; lower and compile it instead."
             )
+        if runner.param_leaves is not self._runner.param_leaves:
+            got, want = _signature(runner), _signature(self._runner)
+            if got != want:
+                raise ValueError(
+                    "`CompiledRunner.bind`: the runner's parameters or key differ in "
+                    "shape, dtype or sharding from those this program was compiled "
+                    "for; lower and compile it instead."
+                )
         return CompiledRunner(runner, self._compiled, self._static_kwargs, self._inputs)
 
     def __call__(
@@ -206,8 +227,13 @@ class CompiledRunner:
         if static_kwargs != self._static_kwargs:
             raise ValueError(
                 "`CompiledRunner`: the non-array keyword arguments differ from those "
-                "given to `MethodRunner.lower`; lower again for new static arguments."
+                "given to `MethodRunner.lower` (Python scalars and other non-arrays "
+                "are static: pass `jnp.asarray(...)` to trace a value); lower again "
+                "for new static arguments."
             )
+        if dynamic is not None:
+            # As lowered (a call places array kwargs too: `Settings.place_kwargs`).
+            dynamic = jax.tree.map(_put, dynamic, self._compiled.input_shardings[0][3])
         result = self._compiled(runner.param_leaves, runner.prng_key, batch, dynamic)
         return _finish(runner, result, batch)
 

@@ -532,15 +532,17 @@ def _slots(tree: dict[str, Any], prefix: tuple[str, ...]) -> dict[str, Any]:
 def _restore(pruned: dict[str, Any], original: dict[str, Any]) -> dict[str, Any]:
     """Replace the `_Slot`s of a pruned `_skeleton` with the summaries they stand for.
 
-    An `IterationSummaries` entry whose iterations all kept the same slots stays one
-    (stacked) entry; otherwise the kept iterations are sliced.
+    An `IterationSummaries` entry whose iterations all kept the same slots (and whose
+    empty `{prefix}` child was kept) stays one (stacked) entry; otherwise the kept
+    iterations are sliced.
     """
     out: dict[str, Any] = {}
     for key, value in original.items():
         if isinstance(value, IterationSummaries) and not _has_iterations(value.stacked):
             kept = [pruned.get(f"{key}{i}") for i in range(value.length)]
             first = kept[0] if kept else None
-            if first is not None and all(k == first for k in kept):
+            # Stacked, the entry also reserves `key` (its empty child): only if kept.
+            if first is not None and key in pruned and all(k == first for k in kept):
                 out[key] = _stacked_subset(value, first)
                 continue
             if key in pruned:

@@ -50,9 +50,11 @@ class Frozen:
         leaves, treedef = jax.tree.flatten(tree)
         self.leaves = tuple(leaves)
         self.treedef = treedef
-        # `2 == 2.0 == True`: compare types too, or runners of models that differ
-        # only there would share one compiled program (and its output dtypes).
-        self.types = tuple(map(type, leaves))
+        # `2 == 2.0 == True`: compare types too (of the leaves and of the values in
+        # the treedef, such as `eqx.field(static=True)` fields), or runners of
+        # models that differ only there would share one compiled program (and its
+        # output dtypes).
+        self.types = (tuple(map(type, leaves)), _aux_types(treedef))
         try:
             self._hash = hash((treedef, self.leaves, self.types))
         except TypeError as e:
@@ -76,6 +78,21 @@ class Frozen:
             and self.types == other.types
             and self.leaves == other.leaves
         )
+
+
+def _aux_types(treedef: Any) -> Any:
+    """The types of the values a treedef holds (node aux data), nested like it."""
+    data = treedef.node_data()
+    here = None if data is None else _typed(data[1])
+    return (here, tuple(_aux_types(child) for child in treedef.children()))
+
+
+def _typed(x: Any) -> Any:
+    if isinstance(x, (tuple, list)):
+        return (type(x), tuple(_typed(v) for v in x))
+    if isinstance(x, dict):
+        return (dict, tuple((k, _typed(v)) for k, v in x.items()))
+    return type(x)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -194,6 +211,10 @@ class Settings:
                 x = to_global(x, s, path=path_str(path))
             placed.append(x)
             shardings.append(s)
+        if any(isinstance(x, Tracer) for x in placed):
+            # Host-local leaves placed inside a trace (a runner called in `jax.jit`
+            # on a batch it closes over): nothing to remember for later calls.
+            return treedef.unflatten(placed)
         # The rank rule maps a leaf of rank r < len(spec) to a shorter spec, whose
         # sharding an array of another rank can have too: compare ranks as well.
         by_rank = any(np.ndim(x) < len(b) for x, b in zip(placed, base, strict=True))

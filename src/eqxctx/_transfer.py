@@ -44,7 +44,7 @@ def to_global(x: Any, sharding: NamedSharding, *, path: str) -> jax.Array:
         check_divisible(x.shape, spec, mesh, path=path)
         return jax.device_put(x, sharding)
     local = np.asarray(x)
-    if local.dtype == object:
+    if local.dtype.kind in "OUSMm":  # objects, strings, bytes, datetimes
         raise TypeError(
             f"`MethodRunner`: batch leaf {path!r} is a {type(x).__name__}, not an "
             "array. Pass arrays (NumPy or JAX), or register its type as a PyTree "
