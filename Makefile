@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint docs check
+.PHONY: demo test test-min lint docs check
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,18 @@ demo: $(BIN)/.installed
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest --hypothesis-profile=ci $(ARGS)
+
+# The test suite on the oldest core dependencies pyproject.toml allows.
+MIN_VENV := .venv-min
+$(MIN_VENV)/bin/.installed: pyproject.toml .ci/min-versions.txt
+	$(PYTHON) -m venv $(MIN_VENV)
+	$(MIN_VENV)/bin/python -m pip install --quiet --upgrade "pip>=25.1"
+	$(MIN_VENV)/bin/python -m pip install --quiet -c .ci/min-versions.txt \
+		-e ".[demo,tensorboard]" --group test
+	touch $@
+
+test-min: $(MIN_VENV)/bin/.installed
+	$(MIN_VENV)/bin/python -m pytest --hypothesis-profile=ci -p no:cacheprovider $(ARGS)
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff format --check .

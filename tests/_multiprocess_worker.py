@@ -97,9 +97,11 @@ def main() -> None:
         k: v[process_id * half : (process_id + 1) * half]
         for k, v in make_batch().items()
     }
-    results = run(batch, mesh)
+    results: dict[str, Any] = run(batch, mesh)
     if process_id == 0:
-        np.savez(out_path, allow_pickle=False, **results)
+        # Numeric arrays only (loaded without pickle). No `allow_pickle=` here: numpy
+        # < 2.1 would store it as an array named "allow_pickle".
+        np.savez(out_path, **results)
     jax.distributed.shutdown()
 
 

@@ -172,7 +172,9 @@ def test_sharded_equals_unsharded(mesh_name: str) -> None:
     else:
         assert spec_of(out.input_batch["x"]) in ((("data",),), ("data",))
     assert spec_of(out.input_batch["label"]) == spec_of(out.input_batch["x"])[:1]
-    assert spec_of(out.output_batch["y"]) in ((("data",),), ("data",))
+    # On one device every spec is the same placement; jax < 0.9 reports P() there.
+    one_device = () if mesh.size == 1 else ("data",)
+    assert spec_of(out.output_batch["y"]) in ((("data",),), ("data",), one_device)
     assert spec_of(out.output_batch["noise"]) == spec_of(out.output_batch["y"])
     for leaf in jax.tree.leaves((out.module_outputs, out.summaries)):
         assert leaf.sharding.is_fully_replicated
@@ -922,6 +924,8 @@ def test_running_on_batches_page(capsys: pytest.CaptureFixture[str]) -> None:
     ns: dict[str, Any] = {"__name__": "running_on_batches"}
     exec(compile("\n".join(blocks), str(PAGE), "exec"), ns)
     printed = capsys.readouterr().out.splitlines()
+    # jax < 0.9 prints `PartitionSpec(...)` where later versions print `P(...)`.
+    printed = [line.replace("PartitionSpec(", "P(") for line in printed]
     assert printed[:3] == ["P(('data', 'model'),)", "P('data',)", "True"]
     # Reference: the unsharded model on one device, batch by batch, with the keys
     # AXLearn's runner would use.

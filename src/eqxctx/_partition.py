@@ -39,6 +39,11 @@ class DataPartition(enum.Enum):
     REPLICATED = "replicated"
 
 
+def spec_str(spec: PartitionSpec) -> str:
+    """`P('data', None)`, the same on every JAX version (for error messages)."""
+    return "P(" + ", ".join(repr(entry) for entry in spec) + ")"
+
+
 def is_explicit(mesh: Mesh) -> bool:
     """Return whether any axis of `mesh` has `AxisType.Explicit`."""
     return any(t == AxisType.Explicit for t in mesh.axis_types)
@@ -105,10 +110,10 @@ def fit_rank(spec: PartitionSpec, ndim: int, *, path: str) -> PartitionSpec:
         entries.pop()
     if len(entries) > ndim:
         raise ValueError(
-            f"Leaf {path!r} has rank {ndim} but its partition spec {spec} has "
-            f"{len(spec)} entries, with non-None entries beyond its rank; pass a spec "
-            "with at most one entry per dimension (trailing None entries are "
-            "dropped)."
+            f"Leaf {path!r} has rank {ndim} but its partition spec "
+            f"{spec_str(spec)} has {len(spec)} entries, with non-None entries beyond "
+            "its rank; pass a spec with at most one entry per dimension (trailing "
+            "None entries are dropped)."
         )
     return PartitionSpec(*entries)
 
@@ -237,8 +242,8 @@ def raise_unknown_axes(
 ) -> None:
     """Raise the `ValueError` for a spec that names axes the mesh does not have."""
     raise ValueError(
-        f"`MethodRunner({what}=...)`: the spec {spec} of leaf {path!r} names mesh "
-        f"axes {unknown} that the mesh does not have (mesh axes: "
+        f"`MethodRunner({what}=...)`: the spec {spec_str(spec)} of leaf {path!r} "
+        f"names mesh axes {unknown} that the mesh does not have (mesh axes: "
         f"{tuple(str(n) for n in mesh.axis_names)}). Use the mesh's axis names."
     )
 
@@ -307,8 +312,8 @@ def check_divisible(
         except ValueError:
             raise ValueError(
                 f"{label} {path!r} of shape {tuple(shape)} has rank {len(shape)} but "
-                f"its partition spec {spec} has {len(spec)} entries; pass a spec "
-                "with at most one entry per dimension."
+                f"its partition spec {spec_str(spec)} has {len(spec)} entries; pass a "
+                "spec with at most one entry per dimension."
             ) from None
     for dim, entry in enumerate(spec):
         names, size = mesh_axes_size(mesh, entry)

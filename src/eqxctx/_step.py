@@ -54,7 +54,7 @@ class Frozen:
         # the treedef, such as `eqx.field(static=True)` fields), or runners of
         # models that differ only there would share one compiled program (and its
         # output dtypes).
-        self.types = (tuple(map(type, leaves)), _aux_types(treedef))
+        self.types = _value_types(tree)
         try:
             self._hash = hash((treedef, self.leaves, self.types))
         except TypeError as e:
@@ -80,18 +80,24 @@ class Frozen:
         )
 
 
-def _aux_types(treedef: Any) -> Any:
-    """The types of the values a treedef holds (node aux data), nested like it."""
-    data = treedef.node_data()
-    here = None if data is None else _typed(data[1])
-    return (here, tuple(_aux_types(child) for child in treedef.children()))
+def _value_types(x: Any) -> Any:
+    """The types of everything `x` holds, nested like it (for `Frozen`'s equality).
 
-
-def _typed(x: Any) -> Any:
+    Walks dataclasses (so `eqx.Module`s, including their `eqx.field(static=True)`
+    fields, which a treedef compares only with `==`), tuples, lists and dicts.
+    """
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return (
+            type(x),
+            tuple(
+                (f.name, _value_types(getattr(x, f.name, None)))
+                for f in dataclasses.fields(x)
+            ),
+        )
     if isinstance(x, (tuple, list)):
-        return (type(x), tuple(_typed(v) for v in x))
+        return (type(x), tuple(_value_types(v) for v in x))
     if isinstance(x, dict):
-        return (dict, tuple((k, _typed(v)) for k, v in x.items()))
+        return (dict, tuple((k, _value_types(v)) for k, v in x.items()))
     return type(x)
 
 
