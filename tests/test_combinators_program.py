@@ -5,6 +5,7 @@ import re
 import types
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -176,6 +177,65 @@ def test_nested_scan_with_drop_output_keeps_inner_summaries_stacked() -> None:
                         np.testing.assert_allclose(got, value, rtol=1e-5, err_msg=path)
         np.testing.assert_allclose(h, ref_h, rtol=1e-5)
         assert coll.flatten("module_outputs") == {}
+
+
+def test_stacked_module_with_a_function_field_gets_a_clear_error() -> None:
+    mlps = eqx.filter_vmap(lambda k: eqx.nn.MLP(2, 2, 4, 1, key=k))(
+        jax.random.split(jax.random.PRNGKey(0), 3)
+    )
+    with pytest.raises(
+        TypeError, match=r"xs\.activation is a .*not an array.*eqx\.partition"
+    ):
+        scan_in_context(
+            lambda h, m, c: (m(h), None, c),
+            context=Context.root(),
+            carry=jnp.ones(2),
+            xs=mlps,
+        )
+    with pytest.raises(TypeError, match=r"xs\.activation is a .*not an array"):
+        vmap_in_context(
+            lambda m, c: (m(jnp.ones(2)), c), context=Context.root(), xs=mlps
+        )
+    # The documented way works and matches a Python loop.
+    params, static = eqx.partition(mlps, eqx.is_array)
+    h, _, _ = scan_in_context(
+        lambda h, p, c: (eqx.combine(p, static)(h), None, c),
+        context=Context.root(),
+        carry=jnp.ones(2),
+        xs=params,
+    )
+    ref = jnp.ones(2)
+    for i in range(3):
+        ref = eqx.combine(jax.tree.map(lambda a, i=i: a[i], params), static)(ref)
+    np.testing.assert_allclose(h, ref, rtol=1e-6)
+
+
+def test_carry_that_changes_dtype_names_the_carry() -> None:
+    with pytest.raises(
+        TypeError,
+        match=r"carry\['n'\] went in as int32\[\] but the body returned float32\[\]",
+    ):
+        scan_in_context(
+            lambda c, x, k: ({"n": c["n"].astype(jnp.float32) + x}, None, k),
+            context=Context.root(),
+            carry={"n": jnp.int32(0)},
+            xs=jnp.arange(3.0),
+        )
+    with pytest.raises(TypeError, match="carry with structure"):
+        scan_in_context(
+            lambda c, x, k: ((c, c), None, k),
+            context=Context.root(),
+            carry=jnp.float32(0),
+            xs=jnp.arange(3.0),
+        )
+    # A Python float carry is weakly typed: float32 in, float32 out is fine.
+    c, _, _ = scan_in_context(
+        lambda c, x, k: (c + x, None, k),
+        context=Context.root(),
+        carry=0.0,
+        xs=jnp.arange(3.0),
+    )
+    assert float(c) == 3.0
 
 
 def test_merge_memory_does_not_grow_with_iterations() -> None:

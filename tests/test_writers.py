@@ -105,7 +105,8 @@ def test_jsonl_nested_paths_collection_and_scan(tmp_path: Path) -> None:
     with JsonlWriter(path) as w:
         w.write(0, ctx.collection)  # an OutputCollection
         w.write(1, {"train": ctx.collection.summaries})  # a nested mapping
-    first, second = read_jsonl(path)
+        w.write(2, {"train": ctx.collection, "eval": {"top": 5.0}})  # of collections
+    first, second, third = read_jsonl(path)
     expected = {
         "top": 1.0,
         "a/b/deep": 2.0,
@@ -118,6 +119,11 @@ def test_jsonl_nested_paths_collection_and_scan(tmp_path: Path) -> None:
     }
     assert first == {"step": 0, **expected}
     assert second == {"step": 1, **{f"train/{k}": v for k, v in expected.items()}}
+    assert third == {
+        "step": 2,
+        **{f"train/{k}": v for k, v in expected.items()},
+        "eval/top": 5.0,
+    }
 
 
 @pytest.mark.parametrize("rank", [0, 1, 2, 3, 4])

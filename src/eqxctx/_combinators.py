@@ -10,6 +10,7 @@ from typing import Any, SupportsIndex
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ._collection import OutputCollection, validate_child_name
 from ._context import Context, fold_in_name
@@ -36,6 +37,22 @@ def _leaves_with_names(tree: Any, root: str) -> list[tuple[str, Any]]:
     return [(f"{root}{jax.tree_util.keystr(path)}", leaf) for path, leaf in leaves]
 
 
+_ARRAY_LIKE = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
+
+
+def _check_array_leaf(name: str, leaf: Any, where: str) -> None:
+    """Raise for a leaf that is not an array (e.g. a function field of a module)."""
+    if not isinstance(leaf, _ARRAY_LIKE):
+        raise TypeError(
+            f"{where}: {name} is a {type(leaf).__name__}, not an array; `xs` and "
+            "`per_iteration` may hold arrays only (as in `jax.lax.scan` and "
+            "`jax.vmap`). For a stacked Equinox module (e.g. built with "
+            "`eqx.filter_vmap`), pass its arrays, `params, static = "
+            "eqx.partition(xs, eqx.is_array)`, and rebuild each one in the body "
+            "with `eqx.combine(params_i, static)`."
+        )
+
+
 def _scan_length(xs: Any, per_iteration: Mapping[str, Any], length: object) -> int:
     """Return N, checking every leading axis before anything is traced."""
     where = "`scan_in_context`"
@@ -57,6 +74,7 @@ def _scan_length(xs: Any, per_iteration: Mapping[str, Any], length: object) -> i
     )
     sizes: list[tuple[str, tuple[int, ...]]] = []
     for name, leaf in leaves:
+        _check_array_leaf(name, leaf, where)
         shape = tuple(jnp.shape(leaf))
         if not shape:
             raise ValueError(
@@ -267,9 +285,10 @@ def scan_in_context(
     step = jnp.array(1, jnp.uint32)
 
     def body(state: Any, inputs: tuple[Any, Any]) -> tuple[Any, Any]:
-        c, acc, first, index = state
+        c_in, acc, first, index = state
         x, k = inputs
-        c, y, coll = one_iteration(c, x, index if count else k)
+        c, y, coll = one_iteration(c_in, x, index if count else k)
+        _check_carry(c_in, c)
         if merge:
             new = cast_like(coll.summaries, like)
             summed = cast_like(accumulate_trees(acc, new), like)
@@ -302,6 +321,36 @@ def scan_in_context(
     )
 
 
+def _check_carry(before: Any, after: Any) -> None:
+    """Raise for a body whose carry changes structure, shape or dtype (at trace time).
+
+    `jax.lax.scan` raises too, but names eqxctx's internal loop state (`state[0]`).
+    """
+    where = "`scan_in_context`"
+    got, want = (
+        jax.tree_util.tree_structure(after),
+        jax.tree_util.tree_structure(before),
+    )
+    if got != want:
+        raise TypeError(
+            f"{where}: the body returned a carry with structure {got}, but the carry "
+            f"went in as {want}; `fn` must return a carry of the same structure, "
+            "shapes and dtypes (as in `jax.lax.scan`)."
+        )
+    leaves = jax.tree_util.tree_leaves_with_path(before)
+    for (path, a), b in zip(leaves, jax.tree_util.tree_leaves(after), strict=True):
+        a_type = (jnp.shape(a), jnp.result_type(a))
+        b_type = (jnp.shape(b), jnp.result_type(b))
+        if a_type != b_type:
+            name = f"carry{jax.tree_util.keystr(path)}"
+            raise TypeError(
+                f"{where}: {name} went in as {a_type[1]}{list(a_type[0])} but the body "
+                f"returned {b_type[1]}{list(b_type[0])}; `fn` must return a carry of "
+                "the same shapes and dtypes (as in `jax.lax.scan`). Cast it, e.g. "
+                "`new.astype(old.dtype)`, or start from a carry of the right dtype."
+            )
+
+
 def _vmap_length(xs: Any, in_axes: Any) -> int:
     where = "`vmap_in_context`"
     try:
@@ -321,6 +370,7 @@ def _vmap_length(xs: Any, in_axes: Any) -> int:
     for (name, leaf), ax in zip(_leaves_with_names(xs, "xs"), flat_axes, strict=True):
         if ax is None:
             continue
+        _check_array_leaf(name, leaf, where)
         shape = tuple(jnp.shape(leaf))
         if not -len(shape) <= ax < len(shape):
             raise ValueError(

@@ -187,6 +187,11 @@ class _KeepFirst(Summary):
 class ImageSummary(_KeepFirst):
     """A batch of images (AXLearn's `ImageSummary`).
 
+    Accumulated (merged scan or vmap summaries, `SummaryAccumulator`), the first
+    value is kept and later ones are dropped (media are not averaged): under
+    `merge_summaries` that is the first iteration in execution order (the last index
+    with `reverse=True`). For every iteration's value, keep per-iteration summaries.
+
     Attributes:
         value_: shape `[batch, height, width]` (grayscale) or
             `[batch, height, width, channels]` with channels 1, 3 (RGB) or 4 (RGBA);
@@ -223,6 +228,11 @@ class ImageSummary(_KeepFirst):
 class AudioSummary(_KeepFirst):
     """A waveform (AXLearn's `AudioSummary`).
 
+    Accumulated (merged scan or vmap summaries, `SummaryAccumulator`), the first
+    value is kept and later ones are dropped (media are not averaged): under
+    `merge_summaries` that is the first iteration in execution order (the last index
+    with `reverse=True`). For every iteration's value, keep per-iteration summaries.
+
     Attributes:
         value_: shape `[time]` or `[time, channels]`, floating values in `[-1, 1]`
             (traced). Construct as `AudioSummary(value, sample_rate=16000)`.
@@ -257,6 +267,11 @@ class AudioSummary(_KeepFirst):
 class HistogramSummary(_KeepFirst):
     """Values to be shown as a histogram (e.g. weights or activations).
 
+    Accumulated (merged scan or vmap summaries, `SummaryAccumulator`), the first
+    value is kept and later ones are dropped (media are not averaged): under
+    `merge_summaries` that is the first iteration in execution order (the last index
+    with `reverse=True`). For every iteration's value, keep per-iteration summaries.
+
     Attributes:
         value_: the values, any shape (flattened by writers), real dtype (traced).
             Construct as `HistogramSummary(value)`.
@@ -274,6 +289,7 @@ class CallbackSummary(_KeepFirst):
 
     AXLearn's `CallbackSummary`: `args` and `kwargs` are traced PyTrees; `fn` is static
     and runs when the value is read (by a writer), outside `jax.jit`.
+    Accumulated, the first value is kept (see `HistogramSummary`).
 
     Attributes:
         fn: the callable, static (hashed by identity: pass the same function object

@@ -54,12 +54,29 @@ def _collision(path: str, *, where: str) -> ValueError:
     )
 
 
+def _summaries_of(tree: Mapping[str, Any]) -> dict[str, Any]:
+    """`tree` with each `OutputCollection` in it replaced by its summaries.
+
+    So `write(step, {"train": train_coll, "eval": eval_coll})` writes
+    `train/...` and `eval/...`.
+    """
+    return {
+        key: value.summaries
+        if isinstance(value, OutputCollection)
+        else _summaries_of(value)
+        if isinstance(value, Mapping)
+        else value
+        for key, value in tree.items()
+    }
+
+
 def flatten_summaries(summaries: object, *, where: str) -> dict[str, Any]:
     """Return `{path: leaf}` with "/"-joined paths; per-iteration children expanded.
 
     Raises:
-        TypeError: if `summaries` is neither an `OutputCollection` nor a mapping, or a
-            leaf is not a valid summary leaf (the message names its path).
+        TypeError: if `summaries` is neither an `OutputCollection` nor a mapping (of
+            summaries and `OutputCollection`s, whose summaries are written under
+            their key), or a leaf is not a valid summary leaf (naming its path).
         ValueError: if a name is empty, not a string or contains "/", or if two
             entries get the same path (e.g. `{"a/b": 1}` and `{"a": {"b": 2}}`, or
             a per-iteration child `iter0` next to a scan's `iter`); the message
@@ -69,7 +86,7 @@ def flatten_summaries(summaries: object, *, where: str) -> dict[str, Any]:
         tree = summaries.summaries
     elif isinstance(summaries, Mapping):
         # Validates the leaves (TypeError naming the path).
-        tree = OutputCollection(summaries, {}, {}).summaries
+        tree = OutputCollection(_summaries_of(summaries), {}, {}).summaries
     else:
         raise TypeError(
             f"`{where}`: summaries must be an `OutputCollection` or a nested mapping "

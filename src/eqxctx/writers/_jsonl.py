@@ -89,7 +89,8 @@ class JsonlWriter(AbstractWriter):
             step: the step number, a non-negative `int`.
             summaries: an `OutputCollection` (its `summaries` are written) or a nested
                 mapping of summary leaves (arrays of any rank and a numeric dtype,
-                Python numbers, `Summary` objects, `IterationSummaries`). JAX arrays
+                Python numbers, `Summary` objects, `IterationSummaries`) and
+                `OutputCollection`s (`{"train": coll}` writes `train/...`). JAX arrays
                 are fetched to the host.
 
         Raises:

@@ -118,7 +118,8 @@ class TensorBoardWriter(AbstractWriter):
         Args:
             step: the step number (`global_step`), a non-negative `int`.
             summaries: an `OutputCollection` (its `summaries` are written) or a nested
-                mapping of summary leaves. JAX arrays are fetched to the host.
+                mapping of summary leaves and `OutputCollection`s (`{"train": coll}`
+                writes `train/...`). JAX arrays are fetched to the host.
 
         Raises:
             TypeError: for a non-integer step, a leaf that is not a summary leaf, or
