@@ -273,9 +273,9 @@ def test_dict_batches_after_a_placed_one_are_checked_leaf_by_leaf(
     placements: list[int] = []
     place_batch = Settings.place_batch
 
-    def counting(self: Settings, batch: Any) -> Any:
+    def counting(self: Settings, batch: Any, flat: Any = None) -> Any:
         placements.append(1)
-        return place_batch(self, batch)
+        return place_batch(self, batch, flat)
 
     monkeypatch.setattr(Settings, "place_batch", counting)
     wrong = jax.device_put(batch["x"], NamedSharding(mesh, P()))

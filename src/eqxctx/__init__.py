@@ -1,5 +1,9 @@
 """eqxctx: AXLearn's invocation contexts for Equinox, as explicit immutable PyTrees."""
 
+from ._aot import (
+    CompiledRunner as CompiledRunner,
+    LoweredRunner as LoweredRunner,
+)
 from ._batches import (
     SummaryAccumulator as SummaryAccumulator,
     run_batches as run_batches,

@@ -119,33 +119,42 @@ def lower_runner(
     return LoweredRunner(runner, lowered, static_kwargs, (treedef, shardings))
 
 
-class LoweredRunner:
-    """A runner step lowered ahead of time by `MethodRunner.lower`."""
+class _Staged:
+    """A runner's step at one ahead-of-time stage (JAX's `Lowered` or `Compiled`)."""
 
     def __init__(
         self,
         runner: "MethodRunner",
-        lowered: Any,
+        program: Any,
         static_kwargs: Any,
         inputs: tuple[Any, list[Any]],
     ):
         self._runner = runner
-        self._lowered = lowered
+        self._program = program
         self._static_kwargs = static_kwargs
-        self._inputs = inputs
+        self._inputs = inputs  # the batch's (treedef, shardings) as lowered
 
     def as_text(self) -> str:
-        """Return the lowered program (StableHLO) as text."""
-        return self._lowered.as_text()
+        """Return the program as text (lowered: StableHLO; compiled: optimized HLO)."""
+        return self._program.as_text()
+
+
+class LoweredRunner(_Staged):
+    """A runner step lowered ahead of time by `MethodRunner.lower`.
+
+    Follows JAX's `jax.stages.Lowered`: `as_text()` gives the StableHLO, `compile()`
+    a `CompiledRunner`. The batch shapes, dtypes and shardings are those of the
+    `batch_spec` given to `lower`.
+    """
 
     def compile(self) -> "CompiledRunner":
         """Compile the lowered program; the result is called like the runner."""
         return CompiledRunner(
-            self._runner, self._lowered.compile(), self._static_kwargs, self._inputs
+            self._runner, self._program.compile(), self._static_kwargs, self._inputs
         )
 
 
-class CompiledRunner:
+class CompiledRunner(_Staged):
     """A compiled runner step: `compiled(batch, **kwargs) -> (runner, output)`.
 
     Runs the program compiled by `MethodRunner.lower(...).compile()` with the
@@ -164,22 +173,6 @@ class CompiledRunner:
     sharding than the input partition runs too; inside, the step constrains it to the
     input partition as usual.
     """
-
-    def __init__(
-        self,
-        runner: "MethodRunner",
-        compiled: Any,
-        static_kwargs: Any,
-        inputs: tuple[Any, list[Any]],
-    ):
-        self._runner = runner
-        self._compiled = compiled
-        self._static_kwargs = static_kwargs
-        self._inputs = inputs
-
-    def as_text(self) -> str:
-        """Return the compiled (optimized HLO) program as text."""
-        return self._compiled.as_text()
 
     @property
     def runner(self) -> "MethodRunner":
@@ -208,7 +201,7 @@ class CompiledRunner:
                     "shape, dtype or sharding from those this program was compiled "
                     "for; lower and compile it instead."
                 )
-        return CompiledRunner(runner, self._compiled, self._static_kwargs, self._inputs)
+        return CompiledRunner(runner, self._program, self._static_kwargs, self._inputs)
 
     def __call__(
         self, input_batch: Any, **kwargs: Any
@@ -233,8 +226,8 @@ class CompiledRunner:
             )
         if dynamic is not None:
             # As lowered (a call places array kwargs too: `Settings.place_kwargs`).
-            dynamic = jax.tree.map(_put, dynamic, self._compiled.input_shardings[0][3])
-        result = self._compiled(runner.param_leaves, runner.prng_key, batch, dynamic)
+            dynamic = jax.tree.map(_put, dynamic, self._program.input_shardings[0][3])
+        result = self._program(runner.param_leaves, runner.prng_key, batch, dynamic)
         return _finish(runner, result, batch)
 
     def _place(self, input_batch: Any) -> Any:

@@ -10,7 +10,6 @@ from typing import Any, SupportsIndex
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ._collection import OutputCollection, validate_child_name
 from ._context import Context, fold_in_name
@@ -21,6 +20,7 @@ from ._repeat import (
     cast_like,
     propagate_repeated_output_collections as propagate,
 )
+from ._summary import is_array_leaf
 from ._typing import Carry, X, Y
 
 
@@ -37,12 +37,9 @@ def _leaves_with_names(tree: Any, root: str) -> list[tuple[str, Any]]:
     return [(f"{root}{jax.tree_util.keystr(path)}", leaf) for path, leaf in leaves]
 
 
-_ARRAY_LIKE = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
-
-
 def _check_array_leaf(name: str, leaf: Any, where: str) -> None:
     """Raise for a leaf that is not an array (e.g. a function field of a module)."""
-    if not isinstance(leaf, _ARRAY_LIKE):
+    if not is_array_leaf(leaf):
         raise TypeError(
             f"{where}: {name} is a {type(leaf).__name__}, not an array; `xs` and "
             "`per_iteration` may hold arrays only (as in `jax.lax.scan` and "

@@ -181,17 +181,18 @@ class Settings:
         _setattr(self, "last_batch", entry.last(treedef))
         return True
 
-    def place_batch(self, batch: Any) -> Any:
+    def place_batch(self, batch: Any, flat: tuple[list[Any], Any] | None = None) -> Any:
         """Return `batch` as global arrays with the input partition (new containers).
 
         Leaves that are tracers (the runner called inside `jax.jit`, `jax.vmap`, ...)
-        are left to the step, which constrains them to the input partition.
+        are left to the step, which constrains them to the input partition. `flat`
+        is `batch`'s `(leaves, treedef)` when the caller has flattened it already.
 
         Raises:
             TypeError: for a leaf that is not an array (naming its path).
             ValueError: for a dimension that does not divide over its mesh axes.
         """
-        leaves, treedef = _flatten(batch)
+        leaves, treedef = flat if flat is not None else _flatten(batch)
         if self.placed_batch(leaves, treedef):
             return treedef.unflatten(leaves)
         if any(isinstance(x, Tracer) for x in leaves):
