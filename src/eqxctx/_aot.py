@@ -171,7 +171,8 @@ class CompiledRunner(_Staged):
     Each leaf of the batch is placed with the sharding it was lowered with (the
     `ShapeDtypeStruct`'s, else the input partition's), so a batch lowered with another
     sharding than the input partition runs too; inside, the step constrains it to the
-    input partition as usual.
+    input partition as usual. Follows JAX's `jax.stages.Compiled`, bound to a runner's
+    parameters and key.
     """
 
     @property
