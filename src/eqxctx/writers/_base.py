@@ -9,7 +9,8 @@ from typing import Any, SupportsIndex, TypeAlias, TypeVar
 import jax
 import numpy as np
 
-from eqxctx._collection import IterationSummaries, OutputCollection
+from eqxctx._collection import OutputCollection, check_summary_name, summary_tree
+from eqxctx._iterations import flatten_into
 from eqxctx._summary import leaf_value
 
 
@@ -21,31 +22,6 @@ Summaries: TypeAlias = OutputCollection | Mapping[str, Any]
 Step: TypeAlias = SupportsIndex
 
 
-def _check_name(key: object, prefix: str, *, where: str) -> str:
-    if not isinstance(key, str) or not key or "/" in key:
-        at = f"under {prefix.rstrip('/')!r}" if prefix else "at the top level"
-        raise ValueError(
-            f"`{where}`: invalid summary name {key!r} {at}. Names are non-empty "
-            "strings without '/'; nest mappings instead (`{'a': {'b': x}}` is "
-            "written as 'a/b')."
-        )
-    return key
-
-
-def _walk(
-    tree: Mapping[Any, Any], prefix: str, *, where: str
-) -> Iterator[tuple[str, Any]]:
-    for key, value in tree.items():
-        path = prefix + _check_name(key, prefix, where=where)
-        if isinstance(value, IterationSummaries):
-            for i in range(value.length):
-                yield from _walk(value.iteration(i), f"{path}{i}/", where=where)
-        elif isinstance(value, Mapping):
-            yield from _walk(value, f"{path}/", where=where)
-        else:
-            yield path, value
-
-
 def _collision(path: str, *, where: str) -> ValueError:
     return ValueError(
         f"`{where}`: two summaries have the path {path!r} (per-iteration children "
@@ -54,24 +30,10 @@ def _collision(path: str, *, where: str) -> ValueError:
     )
 
 
-def _summaries_of(tree: Mapping[str, Any]) -> dict[str, Any]:
-    """`tree` with each `OutputCollection` in it replaced by its summaries.
-
-    So `write(step, {"train": train_coll, "eval": eval_coll})` writes
-    `train/...` and `eval/...`.
-    """
-    return {
-        key: value.summaries
-        if isinstance(value, OutputCollection)
-        else _summaries_of(value)
-        if isinstance(value, Mapping)
-        else value
-        for key, value in tree.items()
-    }
-
-
 def flatten_summaries(summaries: object, *, where: str) -> dict[str, Any]:
     """Return `{path: leaf}` with "/"-joined paths; per-iteration children expanded.
+
+    Each stacked array is fetched to the host once and indexed there.
 
     Raises:
         TypeError: if `summaries` is neither an `OutputCollection` nor a mapping (of
@@ -82,21 +44,15 @@ def flatten_summaries(summaries: object, *, where: str) -> dict[str, Any]:
             a per-iteration child `iter0` next to a scan's `iter`); the message
             names the path. No value is ever dropped silently.
     """
-    if isinstance(summaries, OutputCollection):
-        tree = summaries.summaries
-    elif isinstance(summaries, Mapping):
-        # Validates the leaves (TypeError naming the path).
-        tree = OutputCollection(_summaries_of(summaries), {}, {}).summaries
-    else:
-        raise TypeError(
-            f"`{where}`: summaries must be an `OutputCollection` or a nested mapping "
-            f"of summaries, got {type(summaries).__name__}."
-        )
+    tree = summary_tree(summaries, where=where)
     out: dict[str, Any] = {}
-    for path, leaf in _walk(tree, "", where=where):
+
+    def put(path: str, leaf: Any) -> None:
         if path in out:
             raise _collision(path, where=where)
         out[path] = leaf
+
+    flatten_into(put, tree, "", "/")
     return out
 
 
@@ -125,7 +81,7 @@ def _expand(path: str, value: Any, *, where: str) -> Iterator[tuple[str, Any]]:
     """Yield `(path, value)`; a mapping (a `CallbackSummary` result) is expanded."""
     if isinstance(value, Mapping):
         for key, sub in value.items():
-            name = _check_name(key, f"{path}/", where=where)
+            name = check_summary_name(key, f"{path}/", where=where)
             yield from _expand(f"{path}/{name}", sub, where=where)
     else:
         yield path, value
