@@ -59,7 +59,7 @@ class _Log:
         if span:
             self.spans[key] = (pos, span)
 
-    def numbers(self) -> dict[str, list[tuple[int, int]]]:
+    def numbers(self) -> dict[str, Any]:
         """Return the index of numbered keys, brought up to date (amortized O(1))."""
         keys = self.keys
         for pos in range(self.numbered_upto, len(keys)):
