@@ -5,7 +5,8 @@ Follow AXLearn's `InferenceRunner.run` and `MetricAccumulator`
 """
 
 import collections
-from collections.abc import Iterable, Iterator
+import functools
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeAlias
 
 import equinox as eqx
@@ -126,17 +127,41 @@ def _flat(tree: SummaryTree) -> dict[str, Any]:
     return out
 
 
-# One jitted step per update: per-iteration summaries are accumulated in their stacked
-# form (vectorized over the iterations), whatever the number of iterations.
-_accumulate_jit = jax.jit(accumulate_trees)
+@functools.lru_cache(maxsize=64)
+def _step(treedef: Any) -> Callable[..., Any]:
+    """The jitted accumulation of two trees of `treedef`, over their leaves.
+
+    One jitted call per update: per-iteration summaries are accumulated in their
+    stacked form (vectorized over the iterations), whatever their number. Taking
+    leaves rather than trees keeps the per-call flattening in C++; the result's
+    structure comes back as a static output.
+    """
+
+    def step(a: list[Any], b: list[Any]) -> list[Any]:
+        out = accumulate_trees(treedef.unflatten(a), treedef.unflatten(b))
+        return jax.tree_util.tree_leaves(out)
+
+    return jax.jit(step)
 
 
-def _same_layout(a: SummaryTree, b: SummaryTree) -> bool:
-    leaves_a, treedef_a = jax.tree_util.tree_flatten(a)
+@functools.lru_cache(maxsize=64)
+def _out_treedef(treedef: Any, num_leaves: int) -> Any:
+    """The structure of an accumulation: `treedef`'s (accumulating keeps each kind)."""
+    if treedef.num_leaves != num_leaves:  # pragma: no cover - a kind changed shape
+        raise ValueError("`SummaryAccumulator`: accumulation changed the structure.")
+    return treedef
+
+
+def _accumulate_same_layout(a: SummaryTree, b: SummaryTree) -> FrozenMapping | None:
+    """Accumulate in one jitted step if both have one layout, else return None."""
+    leaves_a, treedef = jax.tree_util.tree_flatten(a)
     leaves_b, treedef_b = jax.tree_util.tree_flatten(b)
-    return treedef_a == treedef_b and all(
-        np.shape(x) == np.shape(y) for x, y in zip(leaves_a, leaves_b, strict=True)
-    )
+    if treedef != treedef_b or any(
+        np.shape(x) != np.shape(y) for x, y in zip(leaves_a, leaves_b, strict=True)
+    ):
+        return None
+    out = _step(treedef)(leaves_a, leaves_b)
+    return _out_treedef(treedef, len(out)).unflatten(out)
 
 
 class SummaryAccumulator(eqx.Module):
@@ -165,6 +190,10 @@ class SummaryAccumulator(eqx.Module):
 
     accumulated: FrozenMapping | None = None
 
+    def __init__(self, accumulated: FrozenMapping | None = None):
+        # A custom `__init__`: Equinox's generated one walks every leaf.
+        self.accumulated = accumulated
+
     @property
     def flat(self) -> dict[str, Any] | None:
         """The accumulated summaries as `{"a/b/name": leaf}`, or None before any."""
@@ -190,8 +219,9 @@ class SummaryAccumulator(eqx.Module):
         tree = summary_tree(summaries, where="SummaryAccumulator.update")
         if self.accumulated is None:
             return SummaryAccumulator(tree)
-        if _same_layout(self.accumulated, tree):
-            return SummaryAccumulator(_accumulate_jit(self.accumulated, tree))
+        same = _accumulate_same_layout(self.accumulated, tree)
+        if same is not None:
+            return SummaryAccumulator(same)
         # Another layout: accumulate path by path, with errors naming the path.
         mine, flat = _flat(self.accumulated), _flat(tree)
         if flat.keys() != mine.keys():

@@ -26,13 +26,14 @@ from ._iterations import (
 from ._leaves import (
     ADDERS,
     KINDS,
+    SUMMARY,
     Kind,
     check_leaf,
+    leaf_type,
     validate_child_name,
     validate_leaf_name,
 )
 from ._mapping import EMPTY, FrozenMapping
-from ._summary import Summary
 from ._typing import Leaf, PathPredicate, Tree
 
 
@@ -48,8 +49,12 @@ __all__ = [
 _MISSING: Any = object()
 
 
+# Both are final: a type lookup is a faster check than `isinstance` of an ABC.
+_CHILD_TYPES = frozenset({FrozenMapping, IterationSummaries})
+
+
 def _is_child(value: object) -> bool:
-    return isinstance(value, (FrozenMapping, IterationSummaries))
+    return type(value) in _CHILD_TYPES
 
 
 class OutputCollection:
@@ -286,15 +291,22 @@ class OutputCollection:
         return not any(has_leaf(t) for t in _trees(self))
 
 
+# The slots' own setters: faster than `object.__setattr__`, and the class's
+# `__setattr__` (which refuses every assignment) is not involved.
+_set_summaries = OutputCollection.__dict__["summaries"].__set__
+_set_state_updates = OutputCollection.__dict__["state_updates"].__set__
+_set_module_outputs = OutputCollection.__dict__["module_outputs"].__set__
+
+
 def _init(
     self: OutputCollection,
     summaries: FrozenMapping,
     state_updates: FrozenMapping,
     module_outputs: FrozenMapping,
 ) -> None:
-    object.__setattr__(self, "summaries", summaries)
-    object.__setattr__(self, "state_updates", state_updates)
-    object.__setattr__(self, "module_outputs", module_outputs)
+    _set_summaries(self, summaries)
+    _set_state_updates(self, state_updates)
+    _set_module_outputs(self, module_outputs)
 
 
 def _make(
@@ -349,8 +361,13 @@ def _reserver(coll: OutputCollection, name: str) -> str | None:
 
 def name_in_use(coll: OutputCollection, name: str) -> bool:
     """Return whether `name` is a leaf, a child or a reserved child name here."""
-    s, su, mo = _trees(coll)
-    return name in s or name in su or name in mo or _reserver(coll, name) is not None
+    s, su, mo = coll.summaries, coll.state_updates, coll.module_outputs
+    return (
+        name in s
+        or name in su
+        or name in mo
+        or (name[-1:].isdigit() and _reserver(coll, name) is not None)
+    )
 
 
 def with_child(
@@ -372,26 +389,27 @@ def add_leaf(
 
     Checks the name, the leaf (once, here) and conflicts in O(1).
     """
-    where = ADDERS[kind]
-    validate_leaf_name(name, where=where)
+    if type(name) is not str or not name or "/" in name:
+        validate_leaf_name(name, where=ADDERS[kind])
     check_leaf(value, f"{kind}/{name}")
-    if isinstance(value, Summary):
+    if leaf_type(value) == SUMMARY:
         value.validate()
-    s, su, mo = _trees(coll)
+    s, su, mo = coll.summaries, coll.state_updates, coll.module_outputs
     target = s if kind == "summaries" else su if kind == "state_updates" else mo
     existing = target.get(name, _MISSING)
-    if existing is not _MISSING and not _is_child(existing):
+    if existing is not _MISSING and type(existing) not in _CHILD_TYPES:
         raise OutputConflictError(
-            f"`{where}`: {kind} already has an entry {name!r} (path "
+            f"`{ADDERS[kind]}`: {kind} already has an entry {name!r} (path "
             f"{kind}/{name}). Each name can be added once per context; use another "
             "name or a child context (`ctx.call`)."
         )
     if (
-        _is_child(s.get(name))
-        or _is_child(su.get(name))
-        or _is_child(mo.get(name))
-        or _reserver(coll, name) is not None
+        type(s.get(name)) in _CHILD_TYPES
+        or type(su.get(name)) in _CHILD_TYPES
+        or type(mo.get(name)) in _CHILD_TYPES
+        or (name[-1:].isdigit() and _reserver(coll, name) is not None)
     ):
+        where = ADDERS[kind]
         raise OutputConflictError(
             f"`{where}`: {name!r} is already a child at this level (path "
             f"{kind}/{name}); leaf names and child names must differ."

@@ -276,6 +276,9 @@ class Context:
 
 
 _EMPTY = OutputCollection.empty()
+# The slots' own setters: faster than `object.__setattr__`, and the class's
+# `__setattr__` (which refuses every assignment) is not involved.
+_SET = {name: Context.__dict__[name].__set__ for name in Context.__slots__}
 
 
 def _init(
@@ -289,14 +292,14 @@ def _init(
     collection: OutputCollection,
     shape_only: bool = False,
 ) -> None:
-    object.__setattr__(ctx, "path", path)
-    object.__setattr__(ctx, "_base_key", base_key)
-    object.__setattr__(ctx, "_key_names", key_names)
-    object.__setattr__(ctx, "is_training", is_training)
-    object.__setattr__(ctx, "collection", collection)
+    _SET["path"](ctx, path)
+    _SET["_base_key"](ctx, base_key)
+    _SET["_key_names"](ctx, key_names)
+    _SET["is_training"](ctx, is_training)
+    _SET["collection"](ctx, collection)
     # True inside eqxctx's own shape-only passes (`jax.eval_shape` of a scan body):
     # nested scans then skip their own shape pass (see `scan_in_context`).
-    object.__setattr__(ctx, "_shape_only", shape_only)
+    _SET["_shape_only"](ctx, shape_only)
 
 
 def _make(

@@ -274,6 +274,15 @@ def _flatten_entry(
         else:
             units.append((rel, None, start, start + 1))
             start += 1
+    if all(treedef is None for _, treedef, _, _ in units):
+        # Only raw arrays (the common case): one row per unit, no rebuilding.
+        rels = [rel for rel, _, _, _ in units]
+        columns = [rows[a] for _, _, a, _ in units]
+        for i in range(entry.length):
+            at = f"{path}{i}{sep}"
+            for rel, column in zip(rels, columns, strict=True):
+                put(at + rel, column[i])
+        return
     for i in range(entry.length):
         at = f"{path}{i}{sep}"
         for rel, treedef, a, b in units:

@@ -61,6 +61,29 @@ def _is_numeric(dtype: Any) -> bool:
     return ok
 
 
+# What a leaf's type makes it (whether a value is an array, a number or a `Summary`
+# depends on its type only): looked up once per type.
+SUMMARY, ARRAY, NUMBER, INVALID = 0, 1, 2, 3
+_leaf_types: dict[type, int] = {}
+
+
+def leaf_type(value: object) -> int:
+    """Return `SUMMARY`, `ARRAY` (has a dtype), `NUMBER` or `INVALID` for `value`."""
+    cls = type(value)
+    found = _leaf_types.get(cls)
+    if found is None:
+        if isinstance(value, Summary):
+            found = SUMMARY
+        elif isinstance(value, (bool, int, float)):
+            found = NUMBER
+        elif is_array_leaf(value):
+            found = ARRAY
+        else:
+            found = INVALID
+        _leaf_types[cls] = found
+    return found
+
+
 def check_leaf(value: object, path: str) -> None:
     """Raise `TypeError` naming `path` unless `value` is a valid collection leaf.
 
@@ -68,9 +91,10 @@ def check_leaf(value: object, path: str) -> None:
     floating, complex, typed PRNG keys), Python `bool`/`int`/`float`, and `Summary`
     objects. Called once per leaf, where it enters a collection.
     """
-    if isinstance(value, Summary):
+    kind = leaf_type(value)
+    if kind in (SUMMARY, NUMBER):
         return
-    if is_array_leaf(value):
+    if kind == ARRAY:
         dtype = getattr(value, "dtype", None)
         if dtype is None or _is_numeric(dtype):
             return

@@ -15,7 +15,7 @@ that are `prefix` followed by a number.
 
 import threading
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, NoReturn, TypeAlias
+from typing import Any, TypeAlias
 
 import jax
 
@@ -102,9 +102,9 @@ class FrozenMapping(Mapping[str, Any]):
             if key in log.index:
                 raise ValueError(f"`FrozenMapping`: key {key!r} given twice.")
             log.append(key, value, _span_of(value))
-        object.__setattr__(self, "_log", log)
-        object.__setattr__(self, "_n", len(log.keys))
-        object.__setattr__(self, "_sorted", None)
+        self._log = log
+        self._n = len(log.keys)
+        self._sorted: Keys | None = None
 
     # -- reading -----------------------------------------------------------------
 
@@ -122,7 +122,7 @@ class FrozenMapping(Mapping[str, Any]):
         return self._log.values[pos]
 
     def __contains__(self, key: object) -> bool:
-        pos = self._log.index.get(key)
+        pos = self._log.index.get(key) if isinstance(key, str) else None
         return pos is not None and pos < self._n
 
     def __iter__(self) -> Iterator[str]:
@@ -142,7 +142,7 @@ class FrozenMapping(Mapping[str, Any]):
         keys = self._sorted
         if keys is None:
             keys = tuple(sorted(self._log.keys[: self._n]))
-            object.__setattr__(self, "_sorted", keys)
+            self._sorted = keys
         return keys
 
     def __repr__(self) -> str:
@@ -154,9 +154,6 @@ class FrozenMapping(Mapping[str, Any]):
         return dict(self.items_list()) == dict(other.items())
 
     __hash__ = None
-
-    def __setattr__(self, name: str, value: object) -> NoReturn:
-        raise AttributeError(f"`FrozenMapping` is immutable; cannot set {name!r}.")
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (FrozenMapping, (self.items_list(),))
@@ -232,9 +229,9 @@ class FrozenMapping(Mapping[str, Any]):
 def _version(log: _Log, n: int) -> FrozenMapping:
     """The version of `log` that holds its first `n` entries."""
     out = object.__new__(FrozenMapping)
-    object.__setattr__(out, "_log", log)
-    object.__setattr__(out, "_n", n)
-    object.__setattr__(out, "_sorted", None)
+    out._log = log  # pyright: ignore[reportPrivateUsage]
+    out._n = n  # pyright: ignore[reportPrivateUsage]
+    out._sorted = None  # pyright: ignore[reportPrivateUsage]
     return out
 
 
@@ -257,7 +254,7 @@ def _unflatten(keys: Keys, children: Iterable[Any]) -> FrozenMapping:
     for key, value in zip(keys, children, strict=True):
         log.append(key, value, _span_of(value))
     out = _version(log, len(keys))
-    object.__setattr__(out, "_sorted", keys)
+    out._sorted = keys  # pyright: ignore[reportPrivateUsage]
     return out
 
 

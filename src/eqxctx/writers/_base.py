@@ -1,6 +1,7 @@
 """The writer interface and the shared step: flatten summaries, fetch their values."""
 
 import abc
+import functools
 import operator
 from collections.abc import Iterator, Mapping
 from types import TracebackType
@@ -103,32 +104,61 @@ def host_values(flat: Mapping[str, Any], *, where: str) -> dict[str, np.ndarray]
     """
     values: dict[str, Any] = {}
     for path, leaf in flat.items():
-        for sub, value in _expand(path, leaf_value(leaf), where=where):
-            if sub in values:
-                raise _collision(sub, where=where)
-            values[sub] = value
+        if type(leaf) in _HOST_SCALARS:  # per-iteration views: no checks to make
+            values[path] = leaf
+            continue
+        value = leaf_value(leaf)
+        if isinstance(value, Mapping):
+            for sub, v in _expand(path, value, where=where):
+                if sub in values:
+                    raise _collision(sub, where=where)
+                values[sub] = v
+        elif path in values:
+            raise _collision(path, where=where)
+        else:
+            values[path] = value
+    # Fetch the device arrays at once; host values (NumPy, Python numbers, the
+    # per-iteration views) need no transfer.
+    on_device = [
+        path
+        for path, v in values.items()
+        if type(v) not in _HOST_SCALARS and isinstance(v, jax.Array)
+    ]
     try:
-        fetched = jax.device_get(values)
+        fetched = jax.device_get([values[path] for path in on_device])
     except RuntimeError as e:
         raise RuntimeError(
             f"`{where}`: could not fetch the summaries to this host ({e}). For arrays "
             "sharded across processes, write `eqxctx.to_host(summaries)` instead."
         ) from e
+    values.update(zip(on_device, fetched, strict=True))
     out: dict[str, np.ndarray] = {}
-    for path in values:  # `device_get` sorts the keys; keep the summaries' order.
-        arr = np.asarray(fetched[path])
-        if not (arr.dtype == np.bool_ or jax.numpy.issubdtype(arr.dtype, np.number)):
-            raise TypeError(
-                f"`{where}`: the summary at {path!r} has dtype {arr.dtype}; writers "
-                "accept bool, integer and floating values."
-            )
-        if jax.numpy.issubdtype(arr.dtype, np.complexfloating):
-            raise TypeError(
-                f"`{where}`: the summary at {path!r} is complex ({arr.dtype}); write "
-                "its real and imaginary parts (or its absolute value) instead."
-            )
+    for path, value in values.items():
+        arr = value if type(value) is np.ndarray else np.asarray(value)
+        problem = _dtype_problem(arr.dtype)
+        if problem is not None:
+            raise TypeError(f"`{where}`: the summary at {path!r} {problem}")
         out[path] = arr
     return out
+
+
+_HOST_SCALARS = frozenset(
+    {np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64}
+    | {np.uint8, np.uint16, np.uint32, np.uint64, np.bool_}
+)
+
+
+@functools.cache
+def _dtype_problem(dtype: np.dtype[Any]) -> str | None:
+    """Why writers refuse values of `dtype`, or None (cached: one check per dtype)."""
+    if not (dtype == np.bool_ or jax.numpy.issubdtype(dtype, np.number)):
+        return f"has dtype {dtype}; writers accept bool, integer and floating values."
+    if jax.numpy.issubdtype(dtype, np.complexfloating):
+        return (
+            f"is complex ({dtype}); write its real and imaginary parts (or its "
+            "absolute value) instead."
+        )
+    return None
 
 
 _W = TypeVar("_W", bound="AbstractWriter")
