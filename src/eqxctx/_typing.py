@@ -40,4 +40,4 @@ SummaryTree: TypeAlias = Mapping[str, Any]
 PathPredicate: TypeAlias = Callable[[str], bool]
 
 #: `jax.vmap`'s `in_axes`: a prefix tree of the inputs with an int or None per subtree.
-InAxes: TypeAlias = int | None | Sequence[Any] | Mapping[str, Any]
+InAxes: TypeAlias = int | Sequence[Any] | Mapping[str, Any] | None
