@@ -300,3 +300,37 @@ def test_a_function_must_return_the_context_it_was_handed() -> None:
     # The context handed in, with outputs added, is accepted.
     out = root.call("enc", lambda c: (None, c.add_summary("y", 2.0)))[1]
     assert out.collection.flatten("summaries") == {"outer": 1.0, "enc/y": 2.0}
+
+
+@pytest.mark.parametrize(
+    "bad", [0, "key", np.zeros(3, np.uint32), np.zeros(2, np.float32)]
+)
+def test_keys_are_checked_where_they_enter(bad: Any) -> None:
+    from eqxctx import functional
+    from eqxctx._context import check_prng_key
+
+    # The suite's runtime type checks may refuse first (a `TypeError` too).
+    with pytest.raises(TypeError, match="prng_key"):
+        Context.root(prng_key=bad)
+    with pytest.raises(TypeError, match="prng_key"):
+        functional(lambda c: (None, c), prng_key=bad, is_training=False)
+    with pytest.raises(TypeError, match=r"`functional`: prng_key must be a raw key"):
+        check_prng_key(bad, "functional")
+
+
+def test_is_training_and_root_names_are_checked() -> None:
+    from eqxctx import functional
+
+    for bad in ("no", 1, None):
+        with pytest.raises(TypeError, match="is_training"):
+            Context.root(is_training=bad)  # pyright: ignore[reportArgumentType]
+        with pytest.raises(TypeError, match="is_training"):
+            Context.root().child("a", is_training=bad)  # pyright: ignore[reportArgumentType]
+        with pytest.raises(TypeError, match="is_training"):
+            functional(lambda c: (None, c), prng_key=None, is_training=bad)  # pyright: ignore[reportArgumentType]
+    assert Context.root(is_training=np.bool_(True)).is_training is True
+    for name in (None, "Bad/Name!", ""):
+        with pytest.raises((ValueError, TypeError), match="name"):
+            Context.root(name=name)  # pyright: ignore[reportArgumentType]
+    typed = Context.root(prng_key=jax.random.key(0)).child("a")
+    assert jnp.issubdtype(typed.prng_key.dtype, jax.dtypes.prng_key)
