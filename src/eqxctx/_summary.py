@@ -264,32 +264,14 @@ class AudioSummary(_KeepFirst):
             )
 
 
-class HistogramSummary(_KeepFirst):
-    """Values to be shown as a histogram (e.g. weights or activations).
-
-    Accumulated (merged scan or vmap summaries, `SummaryAccumulator`), the first
-    value is kept and later ones are dropped (media are not averaged): under
-    `merge_summaries` that is the first iteration in execution order (the last index
-    with `reverse=True`). For every iteration's value, keep per-iteration summaries.
-
-    Attributes:
-        value_: the values, any shape (flattened by writers), real dtype (traced).
-            Construct as `HistogramSummary(value)`.
-    """
-
-    value_: Array = eqx.field(converter=_as_array)
-
-    def value(self) -> Array:
-        """Return the values."""
-        return self.value_
-
-
 class CallbackSummary(_KeepFirst):
     """A summary whose value is computed on the host by `fn(*args, **kwargs)`.
 
     AXLearn's `CallbackSummary`: `args` and `kwargs` are traced PyTrees; `fn` is static
     and runs when the value is read (by a writer), outside `jax.jit`.
-    Accumulated, the first value is kept (see `HistogramSummary`).
+    Accumulated, the first value is kept (see `ImageSummary`). A writer fetches
+    `args` and `kwargs` to the host first: `fn` receives NumPy arrays there, as in
+    AXLearn.
 
     Attributes:
         fn: the callable, static (hashed by identity: pass the same function object

@@ -7,7 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from eqxctx._summary import AudioSummary, HistogramSummary, ImageSummary
+from eqxctx._statistics import HistogramSummary
+from eqxctx._summary import AudioSummary, ImageSummary
 
 from ._base import (
     AbstractWriter,
