@@ -209,7 +209,8 @@ class ImageSummary(_KeepFirst):
         """Check the rank and the channel count.
 
         Raises:
-            ValueError: for a rank other than 3 or 4, or a channel count not in 1/3/4.
+            ValueError: for a rank other than 3 or 4, a channel count not in 1/3/4,
+                or an empty batch or image (a zero in the shape).
         """
         shape = self.value_.shape
         if len(shape) not in (3, 4):
@@ -222,6 +223,11 @@ class ImageSummary(_KeepFirst):
             raise ValueError(
                 f"`ImageSummary`: expected 1, 3 or 4 channels, got shape {shape} "
                 f"with {shape[-1]} channels."
+            )
+        if 0 in shape:
+            raise ValueError(
+                f"`ImageSummary`: got shape {shape}, with no image or no pixel; "
+                "summarize at least one image of at least one pixel."
             )
 
 
@@ -250,13 +256,19 @@ class AudioSummary(_KeepFirst):
         """Check the rank and the sample rate.
 
         Raises:
-            ValueError: for a rank other than 1 or 2, or a non-positive sample rate.
+            ValueError: for a rank other than 1 or 2, no channel (`[time, 0]`) or a
+                non-positive sample rate.
         """
         shape = self.value_.shape
         if len(shape) not in (1, 2):
             raise ValueError(
                 f"`AudioSummary`: expected shape [time] or [time, channels], got "
                 f"{shape} (rank {len(shape)})."
+            )
+        if len(shape) == 2 and shape[1] == 0:
+            raise ValueError(
+                f"`AudioSummary`: got shape {shape}, with no channel; pass "
+                "[time] or [time, channels] with at least one channel."
             )
         if self.sample_rate <= 0:
             raise ValueError(

@@ -1,7 +1,7 @@
 """Training (optax Adam under `eqx.filter_jit`) and evaluation (a `MethodRunner`)."""
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -14,8 +14,7 @@ from jaxtyping import Array, PRNGKeyArray
 import eqxctx
 from eqxctx.demo._data import Batch, Split, eval_batches, train_batches
 from eqxctx.demo._model import Classifier, weighted_mean
-from eqxctx.writers import AbstractWriter
-from eqxctx.writers._base import flatten_summaries, host_values
+from eqxctx.writers import AbstractWriter, HostValue, fetch_summaries
 
 
 TrainStep = Callable[
@@ -62,12 +61,20 @@ class History:
         default_factory=dict[str, list[float]]
     )
 
-    def add(self, step: int, values: dict[str, np.ndarray]) -> None:
-        """Record the scalar (shape `()`) values of one step."""
+    def add(self, step: int, values: Mapping[str, float]) -> None:
+        """Record the scalar values of one step."""
         self.steps.append(step)
         for path, value in values.items():
-            if value.ndim == 0:
-                self.scalars.setdefault(path, []).append(float(value))
+            self.scalars.setdefault(path, []).append(value)
+
+
+def scalar_values(values: Mapping[str, HostValue]) -> dict[str, float]:
+    """Return the scalars (NumPy arrays of shape `()`) of fetched values as floats."""
+    return {
+        path: float(v)
+        for path, v in values.items()
+        if isinstance(v, np.ndarray) and v.ndim == 0
+    }
 
 
 def train(
@@ -102,9 +109,9 @@ def train(
         logged = {"train": jax.device_get(summaries)}
         for writer in writers:
             writer.write(step, logged)
-        values = host_values(flatten_summaries(logged, where="train"), where="train")
+        values = scalar_values(fetch_summaries(logged, where="train"))
         history.add(step, values)
-        progress(step, float(values["train/loss"]), float(values["train/accuracy"]))
+        progress(step, values["train/loss"], values["train/accuracy"])
     return model, history
 
 
@@ -164,9 +171,9 @@ def evaluate(
             hidden.setdefault(path, []).append(value)
     n = len(data.labels)
     raw = accumulator.summaries()
-    values = host_values(flatten_summaries(raw, where="evaluate"), where="evaluate")
+    values = fetch_summaries(raw, where="evaluate")
     return Evaluation(
-        summaries={k: float(v) for k, v in values.items() if v.ndim == 0},
+        summaries=scalar_values(values),
         predictions=np.concatenate(predictions)[:n],
         # [layers, batch, width] per batch -> [layers, n, width].
         hidden={k: np.concatenate(v, axis=1)[:, :n] for k, v in hidden.items()},

@@ -1,6 +1,7 @@
-"""The writer interface and the shared step: flatten summaries, fetch their values."""
+"""The writer interface and the shared step: flatten, validate and fetch summaries."""
 
 import abc
+import dataclasses
 import operator
 from collections.abc import Iterator, Mapping
 from types import TracebackType
@@ -10,7 +11,15 @@ import jax
 import numpy as np
 
 from eqxctx._collection import IterationSummaries, OutputCollection
-from eqxctx._summary import leaf_value
+from eqxctx._statistics import HistogramSummary
+from eqxctx._summary import (
+    AudioSummary,
+    CallbackSummary,
+    ImageSummary,
+    Summary,
+    leaf_value,
+)
+from eqxctx._transfer import to_host
 
 
 #: What `write` accepts: an `OutputCollection` (its summaries are written) or a
@@ -100,12 +109,23 @@ def flatten_summaries(summaries: object, *, where: str) -> dict[str, Any]:
     return out
 
 
+#: The largest step: TensorBoard (and W&B) store steps as int64.
+MAX_STEP = 2**63 - 1
+
+#: A value ready to write: a NumPy array, or (kept whole, with NumPy fields) an
+#: `ImageSummary`, `AudioSummary` or `HistogramSummary`.
+HostValue: TypeAlias = np.ndarray | ImageSummary | AudioSummary | HistogramSummary
+
+_MEDIA = (ImageSummary, AudioSummary, HistogramSummary)
+
+
 def check_step(step: object, *, where: str) -> int:
     """Return `step` as an `int`, or raise naming `where`.
 
     Raises:
         TypeError: if `step` is not an integer (a `bool` is not one).
-        ValueError: if `step` is negative.
+        ValueError: if `step` is negative or above `2**63 - 1` (int64, as
+            TensorBoard's event files store it).
     """
     if isinstance(step, bool):
         raise TypeError(f"`{where}`: step must be an int, got a bool ({step}).")
@@ -118,6 +138,10 @@ def check_step(step: object, *, where: str) -> int:
         ) from None
     if value < 0:
         raise ValueError(f"`{where}`: step must be >= 0, got {value}.")
+    if value > MAX_STEP:
+        raise ValueError(
+            f"`{where}`: step must be at most 2**63 - 1 (an int64), got {value}."
+        )
     return value
 
 
@@ -131,48 +155,100 @@ def _expand(path: str, value: Any, *, where: str) -> Iterator[tuple[str, Any]]:
         yield path, value
 
 
-def host_values(flat: Mapping[str, Any], *, where: str) -> dict[str, np.ndarray]:
-    """Return `{path: numpy array}` of each leaf's `leaf_value`, fetched at once.
+def _numeric(path: str, value: Any, *, where: str) -> np.ndarray:
+    arr = np.asarray(value)
+    if not (arr.dtype == np.bool_ or jax.numpy.issubdtype(arr.dtype, np.number)):
+        raise TypeError(
+            f"`{where}`: the summary at {path!r} has dtype {arr.dtype}; writers "
+            "accept bool, integer and floating values."
+        )
+    if jax.numpy.issubdtype(arr.dtype, np.complexfloating):
+        raise TypeError(
+            f"`{where}`: the summary at {path!r} is complex ({arr.dtype}); write "
+            "its real and imaginary parts (or its absolute value) instead."
+        )
+    return arr
 
-    `CallbackSummary` functions run here, on the host. A value that is a mapping is
-    expanded into `path/key` entries.
+
+def fetch_summaries(summaries: object, *, where: str) -> dict[str, HostValue]:
+    """Flatten, validate and fetch summaries to the host: `{path: HostValue}`.
+
+    Every process of a multi-process run must call this with the same summaries: it
+    fetches with `eqxctx.to_host`, which all-gathers arrays split over processes (a
+    collective). Each `Summary` is `validate()`d first (also in a plain mapping).
+    Then each leaf becomes what writers write, under its "/"-joined path:
+    `ImageSummary`, `AudioSummary` and `HistogramSummary` stay whole (with NumPy
+    fields); other summaries become their `value()` as NumPy arrays, a mapping value
+    (a `MomentsSummary`, a `CallbackSummary` returning a dict) expanded into
+    `path/key` entries. A `CallbackSummary`'s function runs here, on NumPy copies
+    of its arguments (as AXLearn's writer does).
+
+    Args:
+        summaries: an `OutputCollection` (its summaries) or a nested mapping of
+            summary leaves and `OutputCollection`s.
+        where: the caller, for error messages (e.g. `"JsonlWriter.write"`).
+
+    Returns:
+        `{path: value}` in the summaries' order.
 
     Raises:
-        TypeError: if a value is not numeric (bool, integer or floating); the message
+        TypeError: for a leaf that is not a summary leaf or a non-numeric or complex
+            value (the message names the path).
+        ValueError: for an invalid name, two values with the same path, or a
+            summary that fails `validate()` (e.g. an empty image batch); the message
             names the path.
-        ValueError: if an expanded `path/key` is the path of another summary, or a
-            key is not a valid name (the message names the path).
-        RuntimeError: if a value is a JAX array that this process cannot read (a
-            multi-host array); fetch it with `eqxctx.to_host` first.
     """
-    values: dict[str, Any] = {}
+    flat = flatten_summaries(summaries, where=where)
     for path, leaf in flat.items():
-        for sub, value in _expand(path, leaf_value(leaf), where=where):
-            if sub in values:
+        if isinstance(leaf, Summary):
+            try:
+                leaf.validate()
+            except ValueError as e:
+                raise ValueError(f"`{where}`: the summary at {path!r}: {e}") from e
+    # Values computed on the device (a MomentsSummary's variance), then one fetch of
+    # everything; media and callbacks travel whole (a callback runs on the host).
+    device = {
+        path: leaf if isinstance(leaf, (*_MEDIA, CallbackSummary)) else leaf_value(leaf)
+        for path, leaf in flat.items()
+    }
+    host = to_host(device)
+    out: dict[str, HostValue] = {}
+    for path in flat:  # `to_host` sorts the keys; keep the summaries' order.
+        leaf = host[path]
+        if isinstance(leaf, _MEDIA):
+            field = leaf.counts if isinstance(leaf, HistogramSummary) else leaf.value_
+            _numeric(path, field, where=where)
+            items: Iterator[tuple[str, Any]] = iter([(path, leaf)])
+        else:
+            value = leaf.value() if isinstance(leaf, CallbackSummary) else leaf
+            items = _expand(path, value, where=where)
+        for sub, value in items:
+            if sub in out:
                 raise _collision(sub, where=where)
-            values[sub] = value
-    try:
-        fetched = jax.device_get(values)
-    except RuntimeError as e:
-        raise RuntimeError(
-            f"`{where}`: could not fetch the summaries to this host ({e}). For arrays "
-            "sharded across processes, write `eqxctx.to_host(summaries)` instead."
-        ) from e
-    out: dict[str, np.ndarray] = {}
-    for path in values:  # `device_get` sorts the keys; keep the summaries' order.
-        arr = np.asarray(fetched[path])
-        if not (arr.dtype == np.bool_ or jax.numpy.issubdtype(arr.dtype, np.number)):
-            raise TypeError(
-                f"`{where}`: the summary at {path!r} has dtype {arr.dtype}; writers "
-                "accept bool, integer and floating values."
-            )
-        if jax.numpy.issubdtype(arr.dtype, np.complexfloating):
-            raise TypeError(
-                f"`{where}`: the summary at {path!r} is complex ({arr.dtype}); write "
-                "its real and imaginary parts (or its absolute value) instead."
-            )
-        out[path] = arr
+            if not isinstance(value, _MEDIA):
+                value = _numeric(sub, value, where=where)
+            out[sub] = value
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSummaries:
+    """One step's summaries on the host, ready to write (`AbstractWriter.fetch`).
+
+    Attributes:
+        step: the step, an int in `[0, 2**63)`.
+        values: `{path: value}` from `fetch_summaries`: NumPy arrays, and
+            `ImageSummary` / `AudioSummary` / `HistogramSummary` objects with NumPy
+            fields.
+    """
+
+    step: int
+    values: Mapping[str, HostValue]
+
+
+def is_writing_process() -> bool:
+    """Return whether this process writes files: process 0 (`jax.process_index()`)."""
+    return jax.process_index() == 0
 
 
 _W = TypeVar("_W", bound="AbstractWriter")
@@ -186,11 +262,61 @@ class AbstractWriter(abc.ABC):
     `eqxctx.functional`, a `MethodRunner` output or a `SummaryAccumulator`) after
     each step. They read each leaf's `Summary.value()` (raw arrays as they are) on
     the host.
+
+    A write has two halves. `fetch` (on every process: it may be a collective)
+    checks the step, validates the summaries, fetches them with `eqxctx.to_host` and
+    runs the writer's own `check`; `write_host` (only on process 0) writes the files.
+    `write` runs both; `AsyncWriter` runs `write_host` on a background thread. A new
+    writer implements `write_host`, `flush` and `close` (and `check`, to refuse
+    what it cannot write before anything is written).
     """
 
-    @abc.abstractmethod
     def write(self, step: Step, summaries: Summaries) -> None:
-        """Write the summaries of one step."""
+        """Write the summaries of one step (files only on process 0).
+
+        Every process of a multi-process run must call `write` with the same
+        summaries (see `fetch`); only process 0 writes.
+
+        Args:
+            step: the step number, an int in `[0, 2**63)`.
+            summaries: an `OutputCollection` (its `summaries` are written) or a nested
+                mapping of summary leaves and `OutputCollection`s (`{"train": coll}`
+                writes `train/...`).
+
+        Raises:
+            TypeError: for a non-integer step, a leaf that is not a summary leaf, or
+                a non-numeric value (the message names its path).
+            ValueError: for a step out of range, an invalid summary (naming its
+                path), a value this writer cannot write (see `check`) or a write
+                after `close()`.
+            eqxctx.OutputConflictError: for two paths that this writer would write
+                under one name (TensorBoard's tag sanitizing).
+        """
+        host = self.fetch(step, summaries)
+        if is_writing_process():
+            self.write_host(host)
+
+    def fetch(self, step: Step, summaries: Summaries) -> HostSummaries:
+        """Check, validate and fetch one step's summaries to the host; write nothing.
+
+        Runs on every process (`eqxctx.to_host` all-gathers arrays split over
+        processes). Raises as `write` does.
+        """
+        where = f"{type(self).__name__}.write"
+        checked = check_step(step, where=where)
+        host = HostSummaries(checked, fetch_summaries(summaries, where=where))
+        self.check(host)
+        return host
+
+    def check(self, host: HostSummaries) -> None:  # noqa: B027 - optional hook
+        """Raise if `host` cannot be written (e.g. the writer is closed).
+
+        Called by `fetch` on every process, before anything is written.
+        """
+
+    @abc.abstractmethod
+    def write_host(self, host: HostSummaries) -> None:
+        """Write one fetched step (called on process 0 only)."""
 
     @abc.abstractmethod
     def flush(self) -> None:
