@@ -59,6 +59,10 @@ def test_demo_prints_the_table(demo_run: tuple[Any, Path]) -> None:
     assert "evaluated on:  2 cpu devices" in out  # --devices overrode XLA_FLAGS
     assert re.search(r"^\s+0\s+\d+\.\d{3}\s+\d+\.\d{3}$", out, re.MULTILINE)
     assert re.search(r"^\s+1\s+\d+\.\d{3}\s+\d+\.\d{3}$", out, re.MULTILINE)
+    # The on-device moments of the blocks' outputs (last training batch).
+    assert "layer   activations:  mean     std      min      max" in out
+    number = r"\s+-?\d+\.\d{3}"
+    assert re.search(rf"^\s+1{number * 4}$", out, re.MULTILINE)
     assert f"logs: {Path('logs') / run_dir.name}" in out
 
 

@@ -1,6 +1,8 @@
 """AsyncWriter and MultiWriter: order, errors, bounded queue, deferred fetch."""
 
 import json
+import re
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -194,3 +196,16 @@ def test_multi_writer_closes_all_and_raises_the_first_error() -> None:
         MultiWriter(a, b).close()
     assert a.closed
     assert b.closed
+
+
+def test_writers_doc_examples_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    doc = Path(__file__).parent.parent / "docs" / "api" / "writers.md"
+    blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), re.DOTALL)
+    assert len(blocks) == 2
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda: str(tmp_path))
+    exec(compile("\n".join(blocks), str(doc), "exec"), {})
+    assert [line["step"] for line in read_jsonl(tmp_path / "async.jsonl")] == [0, 1, 2]
+    assert len(read_jsonl(tmp_path / "summaries.jsonl")) == 3
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 2

@@ -1,6 +1,7 @@
 """One run of the demo: data, model, training, evaluation, logs, plot and report."""
 
 import argparse
+import math
 import os
 import sys
 from typing import Any
@@ -64,6 +65,20 @@ def report(
         rms = s[f"layers/iter{layer}/activation_rms"]
         ratio = s[f"layers/iter{layer}/update_ratio"]
         lines.append(f"{layer:>5}   {rms:>14.3f}   {ratio:>21.3f}")
+    lines += [
+        "",
+        "layer   activations:  mean     std      min      max   (last training batch)",
+    ]
+    for layer in range(args.layers):
+        prefix = f"train/layers/iter{layer}/activations/"
+        m = {
+            k: history.scalars[prefix + k][-1]
+            for k in ("mean", "variance", "min", "max")
+        }
+        lines.append(
+            f"{layer:>5}   {m['mean']:>17.3f} {math.sqrt(m['variance']):>7.3f} "
+            f"{m['min']:>8.3f} {m['max']:>8.3f}"
+        )
     lines += ["", f"logs: {run_dir}"]
     lines += [f"  {f}" for f in files]
     return "\n".join(lines)

@@ -11,12 +11,15 @@ import jax
 import numpy as np
 
 from eqxctx._collection import IterationSummaries, OutputCollection
-from eqxctx._statistics import HistogramSummary
+from eqxctx._statistics import HistogramSummary, MomentsSummary
 from eqxctx._summary import (
     AudioSummary,
-    CallbackSummary,
     ImageSummary,
+    MaxSummary,
+    MinSummary,
     Summary,
+    SumSummary,
+    WeightedSummary,
     leaf_value,
 )
 from eqxctx._transfer import to_host
@@ -198,30 +201,23 @@ def fetch_summaries(summaries: object, *, where: str) -> dict[str, HostValue]:
             summary that fails `validate()` (e.g. an empty image batch); the message
             names the path.
     """
-    flat = flatten_summaries(summaries, where=where)
+    # One fetch of the summary trees first (module outputs and state updates stay on
+    # the device), so that per-iteration views index NumPy arrays on the host.
+    trees = _summary_trees(summaries)
+    flat = flatten_summaries(_in_order(to_host(trees), trees), where=where)
+    out: dict[str, HostValue] = {}
     for path, leaf in flat.items():
         if isinstance(leaf, Summary):
             try:
                 leaf.validate()
             except ValueError as e:
                 raise ValueError(f"`{where}`: the summary at {path!r}: {e}") from e
-    # Values computed on the device (a MomentsSummary's variance), then one fetch of
-    # everything; media and callbacks travel whole (a callback runs on the host).
-    device = {
-        path: leaf if isinstance(leaf, (*_MEDIA, CallbackSummary)) else leaf_value(leaf)
-        for path, leaf in flat.items()
-    }
-    host = to_host(device)
-    out: dict[str, HostValue] = {}
-    for path in flat:  # `to_host` sorts the keys; keep the summaries' order.
-        leaf = host[path]
         if isinstance(leaf, _MEDIA):
             field = leaf.counts if isinstance(leaf, HistogramSummary) else leaf.value_
             _numeric(path, field, where=where)
             items: Iterator[tuple[str, Any]] = iter([(path, leaf)])
         else:
-            value = leaf.value() if isinstance(leaf, CallbackSummary) else leaf
-            items = _expand(path, value, where=where)
+            items = _expand(path, _host_value(leaf), where=where)
         for sub, value in items:
             if sub in out:
                 raise _collision(sub, where=where)
@@ -229,6 +225,46 @@ def fetch_summaries(summaries: object, *, where: str) -> dict[str, HostValue]:
                 value = _numeric(sub, value, where=where)
             out[sub] = value
     return out
+
+
+def _summary_trees(summaries: object) -> object:
+    """`summaries` with each `OutputCollection` replaced by its summaries mapping."""
+    if isinstance(summaries, OutputCollection):
+        return summaries.summaries
+    if isinstance(summaries, Mapping):
+        return {k: _summary_trees(v) for k, v in summaries.items()}
+    return summaries
+
+
+def _in_order(host: Any, like: Any) -> Any:
+    """`host` with its mappings in the key order of `like` (`to_host` sorts keys)."""
+    if isinstance(like, Mapping) and isinstance(host, Mapping):
+        return {k: _in_order(host[k], v) for k, v in like.items()}
+    return host
+
+
+def _host_value(leaf: Any) -> Any:
+    """What a writer writes for a fetched leaf (NumPy fields): its `value()`.
+
+    The built-in kinds are read on the host (NumPy), without a device round trip; a
+    `CallbackSummary` runs its function on the NumPy arguments.
+    """
+    if isinstance(leaf, WeightedSummary):
+        return leaf.mean
+    if isinstance(leaf, (MinSummary, MaxSummary, SumSummary)):
+        return leaf.value_
+    if isinstance(leaf, MomentsSummary):
+        count = np.asarray(leaf.count)
+        m2 = np.asarray(leaf.m2)
+        return {
+            "count": count,
+            "mean": np.asarray(leaf.mean),
+            "variance": m2 / np.maximum(count, 1).astype(m2.dtype),
+            "min": np.asarray(leaf.min_),
+            "max": np.asarray(leaf.max_),
+            "nonfinite": np.asarray(leaf.nonfinite),
+        }
+    return leaf_value(leaf)
 
 
 @dataclasses.dataclass(frozen=True)
