@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, ArrayLike, Float, Int, Shaped
 
 from ._summary import Summary
+from ._typing import ArrayValue
 
 
 #: The number of buckets of `HistogramSummary(value, range=...)` without `bins=`.
@@ -209,7 +210,7 @@ class HistogramSummary(Summary):
         """The number of buckets, `len(edges) - 1`."""
         return len(self.edges) - 1
 
-    def value(self) -> Int[Array, "*batch bins"]:
+    def value(self) -> ArrayValue:
         """Return the counts (the edges are the static field `edges`)."""
         return self.counts
 
@@ -315,7 +316,7 @@ class MomentsSummary(Summary):
         self.max_ = jnp.max(x, initial=bottom).astype(x.dtype)
         self.nonfinite = jnp.sum(~jnp.isfinite(xf), dtype=jnp.int32)
 
-    def value(self) -> dict[str, Array]:
+    def value(self) -> dict[str, ArrayValue]:
         """Return `{"count", "mean", "variance", "min", "max", "nonfinite"}`."""
         safe = jnp.maximum(self.count, 1).astype(self.m2.dtype)
         return {

@@ -24,7 +24,7 @@ from eqxctx.writers import (
 
 TrainStep = Callable[
     [Classifier, optax.OptState, Batch, PRNGKeyArray],
-    tuple[Classifier, optax.OptState, dict[str, Any]],
+    tuple[Classifier, optax.OptState, Mapping[str, Any]],
 ]
 
 
@@ -40,8 +40,8 @@ def make_train_step(optimizer: optax.GradientTransformation) -> TrainStep:
     @eqx.filter_jit
     def step(
         model: Classifier, opt_state: optax.OptState, batch: Batch, key: PRNGKeyArray
-    ) -> tuple[Classifier, optax.OptState, dict[str, Any]]:
-        def loss_fn(model: Classifier) -> tuple[Array, dict[str, Any]]:
+    ) -> tuple[Classifier, optax.OptState, Mapping[str, Any]]:
+        def loss_fn(model: Classifier) -> tuple[Array, Mapping[str, Any]]:
             outputs, collection = eqxctx.functional(
                 model.evaluate, prng_key=key, is_training=True, args=(batch,)
             )
@@ -151,7 +151,7 @@ class Evaluation:
     predictions: np.ndarray
     hidden: dict[str, np.ndarray]
     num_devices: int
-    raw: dict[str, Any]
+    raw: Mapping[str, Any]
 
 
 def evaluate(

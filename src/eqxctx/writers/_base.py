@@ -2,6 +2,7 @@
 
 import abc
 import dataclasses
+import functools
 import operator
 from collections.abc import Iterator, Mapping
 from types import TracebackType
@@ -10,7 +11,9 @@ from typing import Any, SupportsIndex, TypeAlias, TypeVar
 import jax
 import numpy as np
 
-from eqxctx._collection import IterationSummaries, OutputCollection
+from eqxctx._collection import OutputCollection, check_summary_name, summary_tree
+from eqxctx._iterations import flatten_into
+from eqxctx._mapping import FrozenMapping
 from eqxctx._statistics import HistogramSummary, MomentsSummary
 from eqxctx._summary import (
     AudioSummary,
@@ -33,31 +36,6 @@ Summaries: TypeAlias = OutputCollection | Mapping[str, Any]
 Step: TypeAlias = SupportsIndex
 
 
-def _check_name(key: object, prefix: str, *, where: str) -> str:
-    if not isinstance(key, str) or not key or "/" in key:
-        at = f"under {prefix.rstrip('/')!r}" if prefix else "at the top level"
-        raise ValueError(
-            f"`{where}`: invalid summary name {key!r} {at}. Names are non-empty "
-            "strings without '/'; nest mappings instead (`{'a': {'b': x}}` is "
-            "written as 'a/b')."
-        )
-    return key
-
-
-def _walk(
-    tree: Mapping[Any, Any], prefix: str, *, where: str
-) -> Iterator[tuple[str, Any]]:
-    for key, value in tree.items():
-        path = prefix + _check_name(key, prefix, where=where)
-        if isinstance(value, IterationSummaries):
-            for i in range(value.length):
-                yield from _walk(value.iteration(i), f"{path}{i}/", where=where)
-        elif isinstance(value, Mapping):
-            yield from _walk(value, f"{path}/", where=where)
-        else:
-            yield path, value
-
-
 def _collision(path: str, *, where: str) -> ValueError:
     return ValueError(
         f"`{where}`: two summaries have the path {path!r} (per-iteration children "
@@ -66,24 +44,10 @@ def _collision(path: str, *, where: str) -> ValueError:
     )
 
 
-def _summaries_of(tree: Mapping[str, Any]) -> dict[str, Any]:
-    """`tree` with each `OutputCollection` in it replaced by its summaries.
-
-    So `write(step, {"train": train_coll, "eval": eval_coll})` writes
-    `train/...` and `eval/...`.
-    """
-    return {
-        key: value.summaries
-        if isinstance(value, OutputCollection)
-        else _summaries_of(value)
-        if isinstance(value, Mapping)
-        else value
-        for key, value in tree.items()
-    }
-
-
 def flatten_summaries(summaries: object, *, where: str) -> dict[str, Any]:
     """Return `{path: leaf}` with "/"-joined paths; per-iteration children expanded.
+
+    Each stacked array is fetched to the host once and indexed there.
 
     Raises:
         TypeError: if `summaries` is neither an `OutputCollection` nor a mapping (of
@@ -94,21 +58,15 @@ def flatten_summaries(summaries: object, *, where: str) -> dict[str, Any]:
             a per-iteration child `iter0` next to a scan's `iter`); the message
             names the path. No value is ever dropped silently.
     """
-    if isinstance(summaries, OutputCollection):
-        tree = summaries.summaries
-    elif isinstance(summaries, Mapping):
-        # Validates the leaves (TypeError naming the path).
-        tree = OutputCollection(_summaries_of(summaries), {}, {}).summaries
-    else:
-        raise TypeError(
-            f"`{where}`: summaries must be an `OutputCollection` or a nested mapping "
-            f"of summaries, got {type(summaries).__name__}."
-        )
+    tree = summary_tree(summaries, where=where)
     out: dict[str, Any] = {}
-    for path, leaf in _walk(tree, "", where=where):
+
+    def put(path: str, leaf: Any) -> None:
         if path in out:
             raise _collision(path, where=where)
         out[path] = leaf
+
+    flatten_into(put, tree, "", "/")
     return out
 
 
@@ -152,25 +110,31 @@ def _expand(path: str, value: Any, *, where: str) -> Iterator[tuple[str, Any]]:
     """Yield `(path, value)`; a mapping (a `CallbackSummary` result) is expanded."""
     if isinstance(value, Mapping):
         for key, sub in value.items():
-            name = _check_name(key, f"{path}/", where=where)
+            name = check_summary_name(key, f"{path}/", where=where)
             yield from _expand(f"{path}/{name}", sub, where=where)
     else:
         yield path, value
 
 
 def _numeric(path: str, value: Any, *, where: str) -> np.ndarray:
-    arr = np.asarray(value)
-    if not (arr.dtype == np.bool_ or jax.numpy.issubdtype(arr.dtype, np.number)):
-        raise TypeError(
-            f"`{where}`: the summary at {path!r} has dtype {arr.dtype}; writers "
-            "accept bool, integer and floating values."
-        )
-    if jax.numpy.issubdtype(arr.dtype, np.complexfloating):
-        raise TypeError(
-            f"`{where}`: the summary at {path!r} is complex ({arr.dtype}); write "
-            "its real and imaginary parts (or its absolute value) instead."
-        )
+    arr = value if type(value) is np.ndarray else np.asarray(value)
+    problem = _dtype_problem(arr.dtype)
+    if problem is not None:
+        raise TypeError(f"`{where}`: the summary at {path!r} {problem}")
     return arr
+
+
+@functools.cache
+def _dtype_problem(dtype: np.dtype[Any]) -> str | None:
+    """Why writers refuse values of `dtype`, or None (cached: one check per dtype)."""
+    if not (dtype == np.bool_ or jax.numpy.issubdtype(dtype, np.number)):
+        return f"has dtype {dtype}; writers accept bool, integer and floating values."
+    if jax.numpy.issubdtype(dtype, np.complexfloating):
+        return (
+            f"is complex ({dtype}); write its real and imaginary parts (or its "
+            "absolute value) instead."
+        )
+    return None
 
 
 def fetch_summaries(summaries: object, *, where: str) -> dict[str, HostValue]:
@@ -178,13 +142,14 @@ def fetch_summaries(summaries: object, *, where: str) -> dict[str, HostValue]:
 
     Every process of a multi-process run must call this with the same summaries: it
     fetches with `eqxctx.to_host`, which all-gathers arrays split over processes (a
-    collective). Each `Summary` is `validate()`d first (also in a plain mapping).
-    Then each leaf becomes what writers write, under its "/"-joined path:
-    `ImageSummary`, `AudioSummary` and `HistogramSummary` stay whole (with NumPy
-    fields); other summaries become their `value()` as NumPy arrays, a mapping value
-    (a `MomentsSummary`, a `CallbackSummary` returning a dict) expanded into
-    `path/key` entries. A `CallbackSummary`'s function runs here, on NumPy copies
-    of its arguments (as AXLearn's writer does).
+    collective); with one process, with one `jax.device_get`. Each `Summary` is
+    `validate()`d (also in a plain mapping). Then each leaf becomes what writers
+    write, under its "/"-joined path: `ImageSummary`, `AudioSummary` and
+    `HistogramSummary` stay whole (with NumPy fields); other summaries become their
+    `value()` as NumPy arrays, a mapping value (a `MomentsSummary`, a
+    `CallbackSummary` returning a dict) expanded into `path/key` entries. A
+    `CallbackSummary`'s function runs here, on NumPy copies of its arguments (as
+    AXLearn's writer does).
 
     Args:
         summaries: an `OutputCollection` (its summaries) or a nested mapping of
@@ -204,7 +169,10 @@ def fetch_summaries(summaries: object, *, where: str) -> dict[str, HostValue]:
     # One fetch of the summary trees first (module outputs and state updates stay on
     # the device), so that per-iteration views index NumPy arrays on the host.
     trees = _summary_trees(summaries)
-    flat = flatten_summaries(_in_order(to_host(trees), trees), where=where)
+    # One process: one batched transfer. Several: `to_host` reads replicated arrays
+    # from a local shard and all-gathers arrays split over the processes.
+    fetched = jax.device_get(trees) if jax.process_count() == 1 else to_host(trees)
+    flat = flatten_summaries(_in_order(fetched, trees), where=where)
     out: dict[str, HostValue] = {}
     for path, leaf in flat.items():
         if isinstance(leaf, Summary):
@@ -237,9 +205,13 @@ def _summary_trees(summaries: object) -> object:
 
 
 def _in_order(host: Any, like: Any) -> Any:
-    """`host` with its mappings in the key order of `like` (`to_host` sorts keys)."""
+    """`host` with its mappings in the key order of `like` (`to_host` sorts keys).
+
+    A `FrozenMapping` (a collection's level, checked when it was made) stays one.
+    """
     if isinstance(like, Mapping) and isinstance(host, Mapping):
-        return {k: _in_order(host[k], v) for k, v in like.items()}
+        items = [(k, _in_order(host[k], v)) for k, v in like.items()]
+        return FrozenMapping(items) if isinstance(like, FrozenMapping) else dict(items)
     return host
 
 
