@@ -137,7 +137,9 @@ def _dtype_problem(dtype: np.dtype[Any]) -> str | None:
     return None
 
 
-def fetch_summaries(summaries: object, *, where: str) -> dict[str, HostValue]:
+def fetch_summaries(
+    summaries: object, *, where: str = "fetch_summaries"
+) -> dict[str, HostValue]:
     """Flatten, validate and fetch summaries to the host: `{path: HostValue}`.
 
     Every process of a multi-process run must call this with the same summaries: it
