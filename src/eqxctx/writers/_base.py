@@ -23,7 +23,6 @@ from eqxctx._summary import (
     Summary,
     SumSummary,
     WeightedSummary,
-    leaf_value,
 )
 from eqxctx._transfer import to_host
 
@@ -179,7 +178,9 @@ def fetch_summaries(
     for path, leaf in flat.items():
         if isinstance(leaf, Summary):
             try:
-                leaf.validate()
+                # Through the class: `leaf.validate` would build an Equinox bound
+                # method (a Module) per call, ~30 µs.
+                type(leaf).validate(leaf)
             except ValueError as e:
                 raise ValueError(f"`{where}`: the summary at {path!r}: {e}") from e
         if isinstance(leaf, _MEDIA):
@@ -238,7 +239,9 @@ def _host_value(leaf: Any) -> Any:
             "max": np.asarray(leaf.max_),
             "nonfinite": np.asarray(leaf.nonfinite),
         }
-    return leaf_value(leaf)
+    if isinstance(leaf, Summary):
+        return type(leaf).value(leaf)
+    return leaf
 
 
 @dataclasses.dataclass(frozen=True)

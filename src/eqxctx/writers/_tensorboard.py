@@ -1,5 +1,6 @@
 """TensorBoardWriter: summaries as TensorBoard event files (tensorboardX's protos)."""
 
+import functools
 import io
 import itertools
 import os
@@ -34,6 +35,7 @@ _DT_STRING = 7  # tensorflow/core/framework/types.proto
 _DBL_MAX = float(np.finfo(np.float64).max)
 
 
+@functools.lru_cache(maxsize=65536)  # the same paths every step
 def tag_of(path: str) -> str:
     """Return the TensorBoard tag of a summary path (tensorboardX's `_clean_tag`)."""
     return _INVALID_TAG_CHARACTERS.sub("_", path).lstrip("/")
