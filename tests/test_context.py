@@ -278,3 +278,25 @@ def test_threads_get_their_own_summaries() -> None:
             args=(jnp.full((2,), float(i)),),
         )
         np.testing.assert_allclose(flat["loss"], want.flatten("summaries")["loss"])
+
+
+def test_a_function_must_return_the_context_it_was_handed() -> None:
+    from eqxctx import functional, scan_in_context, vmap_in_context
+
+    root = Context.root().add_summary("outer", 1.0)
+    # Returning the parent's context would duplicate its outputs under the child.
+    with pytest.raises(ValueError, match=r"returned the context at 'root'.*'root/enc'"):
+        root.call("enc", lambda c: (None, root))
+    with pytest.raises(ValueError, match=r"'root/enc/x'.*handed.*'root/enc'"):
+        root.call("enc", lambda c: (None, c.child("x")))
+    with pytest.raises(ValueError, match=r"`functional\(fn\)`.*'root/a'"):
+        functional(lambda c: (None, c.child("a")), prng_key=None, is_training=False)
+    with pytest.raises(ValueError, match=r"`scan_in_context`.*'root'.*'root/iter'"):
+        scan_in_context(
+            lambda c, x, ctx: (c, x, root), context=root, carry=0.0, xs=jnp.ones(2)
+        )
+    with pytest.raises(ValueError, match=r"`vmap_in_context`.*'root'.*'root/iter'"):
+        vmap_in_context(lambda x, ctx: (x, root), context=root, xs=jnp.ones(2))
+    # The context handed in, with outputs added, is accepted.
+    out = root.call("enc", lambda c: (None, c.add_summary("y", 2.0)))[1]
+    assert out.collection.flatten("summaries") == {"outer": 1.0, "enc/y": 2.0}

@@ -276,6 +276,8 @@ class Context:
         ):
             check_returns_context(result, f"`Context.call({name!r}, fn)`: fn")
         out, child_out = result
+        if child_out.path is not child.path:
+            check_path(child_out, child, f"`Context.call({name!r}, fn)`: fn")
         return out, _with(self, with_child(coll, name, child_out.collection))
 
 
@@ -390,6 +392,21 @@ def _unflatten(aux: Any, children: Any) -> Context:
 jax.tree_util.register_pytree_with_keys(
     Context, _flatten_with_keys, _unflatten, _flatten
 )
+
+
+def check_path(returned: Context, given: Context, what: str) -> None:
+    """Raise `ValueError` unless `returned` has the path of the context `given`.
+
+    A function handed a context must return that context (with outputs added), not
+    its parent's or a child's: the outputs would land at the wrong path.
+    """
+    if returned.path is not given.path and returned.path != given.path:
+        raise ValueError(
+            f"{what} returned the context at {'/'.join(returned.path)!r}, but was "
+            f"handed the context at {'/'.join(given.path)!r}. Return the context you "
+            "were given (after adding outputs to it); merge a child's outputs with "
+            "`ctx.call` or `ctx.merge`."
+        )
 
 
 def check_returns_context(result: object, what: str) -> tuple[Any, Context]:

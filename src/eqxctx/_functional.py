@@ -6,7 +6,7 @@ from typing import TypeVar
 from jaxtyping import PyTree
 
 from ._collection import KINDS, OutputCollection
-from ._context import Context, check_returns_context
+from ._context import Context, check_path, check_returns_context
 from ._typing import PRNGKey
 
 
@@ -68,6 +68,7 @@ def functional(
     ctx = Context.root(prng_key=prng_key, is_training=is_training)
     result = fn(*args, ctx, **(kwargs or {}))
     outputs, out_ctx = check_returns_context(result, "`functional(fn)`: fn")
+    check_path(out_ctx, ctx, "`functional(fn)`: fn")
     coll = out_ctx.collection
     fields = {kind: {} if kind in drop else getattr(coll, kind) for kind in KINDS}
     return outputs, OutputCollection(**fields)
