@@ -1,6 +1,7 @@
 """Host-side cost, by exact counts: leaf checks, Python calls, traces, HLO, fetches."""
 
 import copy
+import gc
 import pickle
 import re
 import sys
@@ -51,11 +52,15 @@ def count_calls(fn: Callable[[], Any]) -> int:
         if event == "call" and frame.f_code.co_filename.startswith(_SRC):
             calls += 1
 
+    # Garbage collection (and JAX's callbacks on it) depends on what ran before.
+    gc.collect()
+    gc.disable()
     sys.setprofile(profile)
     try:
         fn()
     finally:
         sys.setprofile(None)
+        gc.enable()
     return calls
 
 
