@@ -33,7 +33,7 @@ from ._leaves import (
     validate_child_name,
     validate_leaf_name,
 )
-from ._mapping import EMPTY, FrozenMapping, from_dicts, to_dicts
+from ._mapping import EMPTY, FrozenMapping
 from ._typing import Leaf, PathPredicate, Tree
 
 
@@ -187,6 +187,7 @@ class OutputCollection:
             OutputConflictError: if `name` is already a child or a leaf of any kind.
         """
         validate_child_name(name, where="add_child")
+        _check_levels(child, name)
         if name_in_use(self, name):
             raise OutputConflictError(
                 f"`add_child`: {name!r} is already present in this collection "
@@ -206,6 +207,7 @@ class OutputCollection:
                 (a scan's per-iteration children count as children). The message
                 names the path.
         """
+        _check_levels(other, "")
         _check_merge(self, other)
         return _make(
             *(
@@ -320,6 +322,19 @@ def _make(
     return out
 
 
+def _check_levels(coll: OutputCollection, path: str) -> None:
+    """Check the leaves of a collection made by unflattening, once (else O(1))."""
+    for kind, tree in zip(KINDS, _trees(coll), strict=True):
+        if not tree.checked:
+            freeze(tree, f"{kind}/{path}" if path else kind)
+
+
+def check_collection(coll: OutputCollection) -> OutputCollection:
+    """Return `coll` after checking its leaves if they were not (see `freeze`)."""
+    _check_levels(coll, "")
+    return coll
+
+
 def _trees(
     coll: OutputCollection,
 ) -> tuple[FrozenMapping, FrozenMapping, FrozenMapping]:
@@ -331,20 +346,20 @@ _EMPTY = _make(EMPTY, EMPTY, EMPTY)
 _KEYS = tuple(jax.tree_util.GetAttrKey(kind) for kind in KINDS)
 
 
-# The levels flatten as `dict`s (see `to_dicts`): same leaves, order and `DictKey`
-# paths as the mappings themselves, flattened by JAX in C++.
+# The levels are PyTree nodes themselves (not converted to dicts), so that
+# `eqx.tree_at` can replace a level: it finds nodes by identity.
 
 
 def _flatten_with_keys(coll: OutputCollection) -> tuple[list[Any], None]:
-    return list(zip(_KEYS, map(to_dicts, _trees(coll)), strict=True)), None
+    return list(zip(_KEYS, _trees(coll), strict=True)), None
 
 
 def _flatten(coll: OutputCollection) -> tuple[tuple[Any, ...], None]:
-    return tuple(map(to_dicts, _trees(coll))), None
+    return _trees(coll), None
 
 
 def _unflatten(_: None, children: Any) -> OutputCollection:
-    return _make(*map(from_dicts, children))
+    return _make(*children)
 
 
 jax.tree_util.register_pytree_with_keys(
@@ -500,7 +515,7 @@ def summary_tree(summaries: object, *, where: str) -> FrozenMapping:
         OutputConflictError: if an entry is also a reserved per-iteration child.
     """
     if isinstance(summaries, OutputCollection):
-        tree = summaries.summaries
+        tree = freeze(summaries.summaries, "summaries")
     elif isinstance(summaries, Mapping):
         tree = freeze(_summaries_of(summaries), "summaries")
     else:
