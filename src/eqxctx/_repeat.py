@@ -5,7 +5,7 @@ except that per-iteration summaries stay stacked in one `IterationSummaries` ent
 instead of being sliced into `N` children inside the compiled program.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -317,3 +317,58 @@ def propagate_repeated_output_collections(
     return assemble(
         repeated, prefix=child_name_prefix, length=length, merged_summaries=merged
     )
+
+
+def _merge_entries(tree: SummaryTree) -> SummaryTree:
+    """`tree` with every `IterationSummaries` replaced by its accumulation."""
+    out: dict[str, Leaf] = {}
+    for key, value in tree.items():
+        if isinstance(value, IterationSummaries):
+            outer = _outer_axes(value)  # of the entry as made, before inner merges
+            inner = _merge_entries(value.stacked)
+
+            def fold(t: SummaryTree, n: int = value.length) -> SummaryTree:
+                return fold_stacked(t, n)
+
+            for _ in range(outer):
+                fold = jax.vmap(fold)
+            out[key] = fold(inner) if value.length else EMPTY
+        elif isinstance(value, Mapping):
+            out[key] = _merge_entries(value)
+        else:
+            out[key] = value
+    return out
+
+
+def _has_entry(tree: SummaryTree) -> bool:
+    return any(
+        isinstance(v, IterationSummaries) or (isinstance(v, Mapping) and _has_entry(v))
+        for v in tree.values()
+    )
+
+
+# One program for all the folds of a collection (jitted once per layout).
+_merge_entries_jit = jax.jit(_merge_entries)
+
+
+def merge_iteration_summaries(summaries: SummaryTree) -> SummaryTree:
+    """Return `summaries` with every per-iteration entry accumulated (in one program).
+
+    Each `IterationSummaries` under `prefix` becomes the mapping under `prefix` that
+    `merge_summaries=True` gives: its iterations accumulated in index order (one
+    reduction per leaf, see `fold_stacked`), inner entries first. Leaves outside
+    entries are unchanged; so is `summaries`.
+    """
+    if not _has_entry(summaries):
+        return summaries
+    # Only the mappings that hold entries go through `jax.jit` (so Python numbers
+    # elsewhere stay Python numbers).
+    out: dict[str, Leaf] = {}
+    for key, value in summaries.items():
+        if isinstance(value, IterationSummaries):
+            out[key] = _merge_entries_jit({key: value})[key]
+        elif isinstance(value, Mapping) and _has_entry(value):
+            out[key] = merge_iteration_summaries(value)
+        else:
+            out[key] = value
+    return out
