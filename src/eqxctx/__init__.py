@@ -14,6 +14,12 @@ from ._combinators import (
     vmap_in_context as vmap_in_context,
 )
 from ._context import Context as Context
+from ._control import (
+    cond_in_context as cond_in_context,
+    fori_in_context as fori_in_context,
+    switch_in_context as switch_in_context,
+    while_in_context as while_in_context,
+)
 from ._errors import OutputConflictError as OutputConflictError
 from ._functional import functional as functional
 from ._iterations import IterationSummaries as IterationSummaries
