@@ -128,7 +128,7 @@ def fori_same_program() -> bool:
     h = jnp.zeros((BATCH, WIDTH))
     a = jax.jit(fori).lower(h).compile().as_text()
     b = jax.jit(scan).lower(h).compile().as_text()
-    return _program(a) == _program(b)
+    return _program(a or "") == _program(b or "")
 
 
 def main() -> None:

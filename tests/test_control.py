@@ -523,6 +523,17 @@ def test_fori_traced_bounds_is_a_while(lo: int, hi: int) -> None:
     assert int(v) == total
     assert int(flat["iter/i"].value()) == total
     assert int(flat["iter/n"]) == max(hi - lo, 0)
+    dropped = jax.jit(
+        lambda hi: fori_in_context(
+            0,
+            hi,
+            body,
+            jnp.int32(0),
+            context=Context.root(),
+            drop_output=lambda p: p == "summaries/n",
+        )
+    )(jnp.int32(hi))[1]
+    assert sorted(dropped.flatten("summaries")) == ["iter/i"]
     with pytest.raises(ValueError, match="unroll"):
         jax.jit(
             lambda hi: fori_in_context(0, hi, body, 0, context=Context.root(), unroll=2)

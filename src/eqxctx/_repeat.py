@@ -5,7 +5,8 @@ except that per-iteration summaries stay stacked in one `IterationSummaries` ent
 instead of being sliced into `N` children inside the compiled program.
 """
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -340,15 +341,32 @@ def _merge_entries(tree: SummaryTree) -> SummaryTree:
     return out
 
 
-def _has_entry(tree: SummaryTree) -> bool:
-    return any(
-        isinstance(v, IterationSummaries) or (isinstance(v, Mapping) and _has_entry(v))
-        for v in tree.values()
-    )
+def _fold_all(entries: list[Any]) -> list[Any]:
+    return [_merge_entries({"_": e})["_"] for e in entries]
 
 
 # One program for all the folds of a collection (jitted once per layout).
-_merge_entries_jit = jax.jit(_merge_entries)
+_fold_all_jit = jax.jit(_fold_all)
+
+
+def _collect(tree: SummaryTree, found: list[Any]) -> None:
+    for value in tree.values():
+        if isinstance(value, IterationSummaries):
+            found.append(value)
+        elif isinstance(value, Mapping):
+            _collect(value, found)
+
+
+def _replace(tree: SummaryTree, merged: Iterator[Any]) -> SummaryTree:
+    out: dict[str, Leaf] = {}
+    for key, value in tree.items():
+        if isinstance(value, IterationSummaries):
+            out[key] = next(merged)
+        elif isinstance(value, Mapping):
+            out[key] = _replace(value, merged)
+        else:
+            out[key] = value
+    return out
 
 
 def merge_iteration_summaries(summaries: SummaryTree) -> SummaryTree:
@@ -356,19 +374,13 @@ def merge_iteration_summaries(summaries: SummaryTree) -> SummaryTree:
 
     Each `IterationSummaries` under `prefix` becomes the mapping under `prefix` that
     `merge_summaries=True` gives: its iterations accumulated in index order (one
-    reduction per leaf, see `fold_stacked`), inner entries first. Leaves outside
-    entries are unchanged; so is `summaries`.
+    reduction per leaf, see `fold_stacked`), inner entries first. Only the entries go
+    through `jax.jit` (one call for all), so leaves outside them are unchanged (Python
+    numbers stay Python numbers); so is `summaries`. Returns `summaries` itself when
+    it holds no entry.
     """
-    if not _has_entry(summaries):
+    entries: list[Any] = []
+    _collect(summaries, entries)
+    if not entries:
         return summaries
-    # Only the mappings that hold entries go through `jax.jit` (so Python numbers
-    # elsewhere stay Python numbers).
-    out: dict[str, Leaf] = {}
-    for key, value in summaries.items():
-        if isinstance(value, IterationSummaries):
-            out[key] = _merge_entries_jit({key: value})[key]
-        elif isinstance(value, Mapping) and _has_entry(value):
-            out[key] = merge_iteration_summaries(value)
-        else:
-            out[key] = value
-    return out
+    return _replace(summaries, iter(_fold_all_jit(entries)))
