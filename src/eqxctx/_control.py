@@ -20,7 +20,7 @@ from ._context import Context, fold_in_name, is_shape_only, iteration_context
 from ._reconcile import fill_collection, identity_of, union_collections
 from ._repeat import accumulate_trees, accumulator_shape, cast_like
 from ._summary import Summary
-from ._typing import Carry, PRNGKeys
+from ._typing import Carry, PRNGKeys, R
 
 
 def _check_result(result: object, ctx: Context, what: str, arity: int) -> Any:
@@ -94,12 +94,12 @@ def _run_branches(
 
 def cond_in_context(
     pred: ArrayLike,
-    true_fn: Callable[..., tuple[Any, Context]],
-    false_fn: Callable[..., tuple[Any, Context]],
+    true_fn: Callable[..., tuple[R, Context]],
+    false_fn: Callable[..., tuple[R, Context]],
     *operands: PyTree,
     context: Context,
     child_name: str = "cond",
-) -> tuple[Any, OutputCollection]:
+) -> tuple[R, OutputCollection]:
     """Run `true_fn` or `false_fn` with `jax.lax.cond`, collecting their outputs.
 
     The branch taken runs as `fn(*operands, ctx) -> (out, ctx)` in a child context
@@ -163,11 +163,11 @@ def cond_in_context(
 
 def switch_in_context(
     index: ArrayLike,
-    branches: Sequence[Callable[..., tuple[Any, Context]]],
+    branches: Sequence[Callable[..., tuple[R, Context]]],
     *operands: PyTree,
     context: Context,
     child_name: str = "switch",
-) -> tuple[Any, OutputCollection]:
+) -> tuple[R, OutputCollection]:
     """Run `branches[index]` with `jax.lax.switch`, collecting the outputs.
 
     As `cond_in_context` (child context, union of the branches' outputs, identities
@@ -377,6 +377,8 @@ def fori_in_context(
         upper: the end (exclusive), likewise.
         body_fn: the body, `body_fn(i, val, ctx) -> (val, ctx)`; `i` is an int32
             scalar (static bounds) or has the bounds' dtype (traced bounds).
+            Concrete integers (Python ints, NumPy or concrete JAX integer scalars)
+            count as static bounds.
         init_val: the initial value, any PyTree (traced).
         context: the calling context.
         child_name: the child (prefix) name, matching `^[a-z][a-z0-9_]*$`.
