@@ -376,7 +376,9 @@ def test_switch_errors() -> None:
 def test_branch_must_return_its_context() -> None:
     with pytest.raises(TypeError, match=r"true_fn must return"):
         cond_in_context(True, lambda x, ctx: x, _adds(), 1.0, context=Context.root())
-    with pytest.raises(ValueError, match=r"path 'other'.*'root/cond'"):
+    with pytest.raises(
+        ValueError, match=r"true_fn returned the context at 'other'.*'root/cond'"
+    ):
         cond_in_context(
             True,
             lambda x, ctx: (x, Context.root(name="other")),

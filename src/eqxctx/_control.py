@@ -16,33 +16,25 @@ from jaxtyping import ArrayLike, PyTree
 
 from ._collection import OutputCollection, validate_child_name
 from ._combinators import scan_in_context
-from ._context import Context, fold_in_name, is_shape_only, iteration_context
+from ._context import (
+    Context,
+    check_path,
+    check_returns_context,
+    fold_in_name,
+    is_shape_only,
+    iteration_context,
+)
 from ._reconcile import fill_collection, identity_of, union_collections
 from ._repeat import accumulate_trees, accumulator_shape, cast_like
 from ._summary import Summary
 from ._typing import Carry, PRNGKeys, R
 
 
-def _check_result(result: object, ctx: Context, what: str, arity: int) -> Any:
-    shape = "(out, ctx)" if arity == 2 else "(val, ctx)"
-    if (
-        not isinstance(result, tuple)
-        or len(result) != 2
-        or not isinstance(result[1], Context)
-    ):
-        raise TypeError(
-            f"{what} must return `{shape}` with the context last, got "
-            f"{type(result).__name__}. Return the context you were given, after "
-            "adding outputs to it."
-        )
-    got: Context = result[1]
-    if got.path != ctx.path:
-        raise ValueError(
-            f"{what} returned a context with path {'/'.join(got.path)!r}, but was "
-            f"given {'/'.join(ctx.path)!r}. Return the context you were given (or "
-            "one derived from it with `add_*`, `call` or `merge`)."
-        )
-    return result
+def _check_result(result: object, ctx: Context, what: str) -> tuple[Any, Context]:
+    """Return `(out, ctx')`, checking it is a pair whose context has `ctx`'s path."""
+    out, got = check_returns_context(result, what)
+    check_path(got, ctx, what)
+    return out, got
 
 
 def _branch_context(context: Context, name: str, shape_only: bool) -> Context:
@@ -62,7 +54,7 @@ def _run_branches(
     def run(j: int, ops: tuple[Any, ...], shape_only: bool) -> tuple[Any, Any]:
         ctx = _branch_context(context, child_name, shape_only)
         result = branches[j](*ops, ctx)
-        out, ctx = _check_result(result, ctx, f"{where}: {names[j]}", 2)
+        out, ctx = _check_result(result, ctx, f"{where}: {names[j]}")
         return out, ctx.collection
 
     if is_shape_only(context):
@@ -294,7 +286,7 @@ def while_in_context(
         key = None if child_key is None else jax.random.fold_in(child_key, i)
         ctx = iteration_context(context, name, key, shape_only=shape_only)
         result = body_fn(val, ctx)
-        val, ctx = _check_result(result, ctx, f"{where}: body_fn", 3)
+        val, ctx = _check_result(result, ctx, f"{where}: body_fn")
         return val, ctx.collection
 
     i0 = jnp.zeros((), jnp.uint32)
@@ -404,7 +396,7 @@ def fori_in_context(
 
         def scan_body(val: Any, i: Any, ctx: Context) -> tuple[Any, None, Context]:
             result = body_fn(i, val, ctx)
-            new, ctx = _check_result(result, ctx, "`fori_in_context`: body_fn", 3)
+            new, ctx = _check_result(result, ctx, "`fori_in_context`: body_fn")
             return new, None, ctx
 
         val, _, coll = scan_in_context(
@@ -431,7 +423,7 @@ def fori_in_context(
     def body(state: tuple[Any, Any], ctx: Context) -> tuple[Any, Context]:
         i, val = state
         result = body_fn(i, val, ctx)
-        new, ctx_out = _check_result(result, ctx, "`fori_in_context`: body_fn", 3)
+        new, ctx_out = _check_result(result, ctx, "`fori_in_context`: body_fn")
         if drop_output is not None:
             ctx_out = ctx_out.replace_collection(ctx_out.collection.prune(drop_output))
         return (i + jnp.ones((), dtype), new), ctx_out

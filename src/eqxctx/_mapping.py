@@ -217,9 +217,17 @@ class FrozenMapping(Mapping[str, Any]):
         """
         log, n = self._log, self._n
         with _LOCK:
-            if len(log.keys) == n:
-                log.append(key, value, _span_of(value))
-                return _version(log, n + 1)
+            if len(log.keys) == n:  # the newest version: append in place
+                log.keys.append(key)
+                log.values.append(value)
+                log.index[key] = n
+                if type(value) not in _no_span and (span := _span_of(value)):
+                    log.spans[key] = (n, span)
+                out = object.__new__(FrozenMapping)
+                out._log = log
+                out._n = n + 1
+                out._sorted = None
+                return out
         # A branch: another version already extends this one; copy, then append.
         new = _Log()
         for k, v in zip(log.keys[:n], log.values[:n], strict=True):
@@ -244,7 +252,18 @@ def _version(log: _Log, n: int) -> FrozenMapping:
     return out
 
 
-EMPTY = FrozenMapping()
+def _sealed_empty() -> FrozenMapping:
+    # The shared empty mapping must never be extended in place (its log would keep
+    # the first value ever added to it alive): a log one entry longer than the
+    # version makes every insertion take the branch path, which starts a new log.
+    log = _Log()
+    log.keys.append("")
+    log.values.append(None)
+    return _version(log, 0)
+
+
+#: The empty mapping, shared (adding to it starts a new log every time).
+EMPTY = _sealed_empty()
 
 
 # Flattening and unflattening run at every transformation boundary, for every level
