@@ -669,3 +669,23 @@ def test_branches_and_loops_page_runs() -> None:
     namespace: dict[str, Any] = {"__name__": "branches_and_loops"}
     exec(compile("\n".join(blocks), str(page), "exec"), namespace)  # its asserts
     np.testing.assert_allclose(namespace["y"], [0.3, 0.4])
+
+
+def test_while_under_vmap_equals_per_example() -> None:
+    def run(start: Any) -> Any:
+        return while_in_context(
+            lambda x: x[0] < 10.0,
+            _while_body,
+            (start, jnp.int32(0)),
+            context=Context.root(),
+        )
+
+    starts = jnp.array([0.5, 4.0, 12.0])
+    (vs, ns), coll = jax.vmap(run)(starts)
+    flat = coll.flatten("summaries")
+    for b, start in enumerate(starts):
+        (v, n), one = run(start)
+        assert int(ns[b]) == int(n)
+        np.testing.assert_allclose(vs[b], v, rtol=1e-6)
+        got = {k: jax.tree_util.tree_map(lambda a: a[b], s) for k, s in flat.items()}  # noqa: B023
+        assert_flat_close(got, one.flatten("summaries"), f"example {b}")
