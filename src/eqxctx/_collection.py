@@ -288,6 +288,26 @@ class OutputCollection:
         kinds = prune_kinds(dict(zip(KINDS, _trees(self), strict=True)), drop)
         return _make(*(kinds.get(kind, EMPTY) for kind in KINDS))
 
+    def merge_iterations(self) -> "OutputCollection":
+        """Return a collection with every per-iteration summaries entry accumulated.
+
+        Each scan's or vmap's per-iteration summaries (`{prefix}0` … `{prefix}{N-1}`)
+        become the merged child `{prefix}` that `merge_summaries=True` would have
+        given: accumulated in index order (`Summary.accumulate`, `+` for raw
+        arrays), on the device, in one compiled program; nested scans are merged
+        from the inside out. So one scan gives both the per-layer view (`self`) and
+        the whole-stack view (the result). `self` is unchanged.
+        """
+        # `_repeat` sits above the collection (it builds collections).
+        from ._repeat import merge_iteration_summaries
+
+        summaries = merge_iteration_summaries(self.summaries)
+        if summaries is self.summaries:
+            return self
+        return _make(
+            freeze(summaries, "summaries"), self.state_updates, self.module_outputs
+        )
+
     def is_empty(self) -> bool:
         """Return whether no kind has any leaf (empty children do not count)."""
         return not any(has_leaf(t) for t in _trees(self))
