@@ -176,6 +176,11 @@ def fetch_summaries(
     flat = flatten_summaries(_in_order(fetched, trees), where=where)
     out: dict[str, HostValue] = {}
     for path, leaf in flat.items():
+        if _is_plain(type(leaf)):  # NumPy values and numbers (per-iteration views)
+            if path in out:
+                raise _collision(path, where=where)
+            out[path] = _numeric(path, leaf, where=where)
+            continue
         if isinstance(leaf, Summary):
             try:
                 # Through the class: `leaf.validate` would build an Equinox bound
@@ -196,6 +201,12 @@ def fetch_summaries(
                 value = _numeric(sub, value, where=where)
             out[sub] = value
     return out
+
+
+@functools.cache
+def _is_plain(cls: type) -> bool:
+    """Whether values of `cls` are written as they are (one check per type)."""
+    return issubclass(cls, (np.ndarray, np.generic, bool, int, float))
 
 
 def _summary_trees(summaries: object) -> object:
