@@ -74,12 +74,10 @@ def test_identity_values() -> None:
     assert int(MinSummary(jnp.int32(2)).identity().value_) == 2**31 - 1
     assert int(MaxSummary(jnp.int32(2)).identity().value_) == -(2**31)
     assert float(SumSummary(2.0).identity().value_) == 0.0
-    for media in (
-        ImageSummary(jnp.zeros((1, 2, 2))),
-        AudioSummary(jnp.zeros(4)),
-        HistogramSummary(jnp.zeros(3)),
-    ):
+    for media in (ImageSummary(jnp.zeros((1, 2, 2))), AudioSummary(jnp.zeros(4))):
         assert media.identity() is None
+    hist = HistogramSummary(jnp.zeros(3), bins=2, range=(-1.0, 1.0))
+    np.testing.assert_array_equal(hist.identity().counts, np.zeros(2))
 
 
 # -- cond / switch against a Python reference ----------------------------------------

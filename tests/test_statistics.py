@@ -319,3 +319,19 @@ def test_statistics_from_the_runner_and_accumulated_over_batches() -> None:
         flat["hist"].counts, np_histogram(y, flat["hist"].edges)
     )
     check_moments(flat["moments"], y)
+
+
+def test_histogram_and_moments_identities_change_nothing() -> None:
+    import numpy as np
+
+    from eqxctx import HistogramSummary, MomentsSummary
+
+    x = jnp.asarray([0.5, -2.0, 3.0, 7.0])
+    h = HistogramSummary(x, bins=4, range=(-4.0, 8.0))
+    np.testing.assert_array_equal(h.identity().counts, np.zeros(4))
+    np.testing.assert_array_equal(h.identity().accumulate(h).counts, h.counts)
+    m = MomentsSummary(x)
+    both = m.identity().accumulate(m)
+    for field in ("count", "mean", "m2", "min_", "max_", "nonfinite"):
+        np.testing.assert_allclose(getattr(both, field), getattr(m, field))
+    assert float(m.identity().min_) == np.inf

@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, ArrayLike, Float, Int, Shaped
 
-from ._summary import Summary
+from ._summary import Summary, _extreme  # pyright: ignore[reportPrivateUsage]
 from ._typing import ArrayValue
 
 
@@ -259,6 +259,10 @@ class HistogramSummary(Summary):
             )
         return eqx.tree_at(lambda h: h.counts, self, self.counts + other.counts)
 
+    def identity(self) -> "HistogramSummary":
+        """Return the same edges with zero counts: adding it changes no count."""
+        return eqx.tree_at(lambda h: h.counts, self, jnp.zeros_like(self.counts))
+
 
 def _describe(edges: tuple[float, ...]) -> str:
     return f"{len(edges) - 1} buckets from {edges[0]} to {edges[-1]}"
@@ -381,6 +385,24 @@ class MomentsSummary(Summary):
                 jnp.minimum(self.min_, other.min_),
                 jnp.maximum(self.max_, other.max_),
                 self.nonfinite + other.nonfinite,
+            )
+        return eqx.tree_at(
+            lambda m: (m.count, m.mean, m.m2, m.min_, m.max_, m.nonfinite), self, new
+        )
+
+    def identity(self) -> "MomentsSummary":
+        """Return the moments of no values: count 0, min +inf (dtype max), max -inf.
+
+        Accumulating it with any moments gives those moments.
+        """
+        with jax.numpy_dtype_promotion("standard"):
+            new = (
+                jnp.zeros_like(self.count),
+                jnp.zeros_like(self.mean),
+                jnp.zeros_like(self.m2),
+                jnp.full_like(self.min_, _extreme(self.min_, True)),
+                jnp.full_like(self.max_, _extreme(self.max_, False)),
+                jnp.zeros_like(self.nonfinite),
             )
         return eqx.tree_at(
             lambda m: (m.count, m.mean, m.m2, m.min_, m.max_, m.nonfinite), self, new
