@@ -6,14 +6,80 @@ Follows AXLearn's `host_to_global_device_array` (`axlearn/common/utils.py`), on 
 """
 
 import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
+from jax.core import Tracer
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
 from ._partition import check_divisible, mesh_axes_size, path_str
+
+
+def passes(x: Any, sharding: NamedSharding) -> bool:
+    """Return whether `x` is a global array already placed as `sharding` says.
+
+    A sharding equivalent to `sharding` for `x`'s rank passes too
+    (`Sharding.is_equivalent_to`): `P("data")` and `P("data", None)` lay a rank-2
+    array out the same way, so it is never copied.
+    """
+    if not isinstance(x, jax.Array) or isinstance(x, Tracer):
+        return False
+    s = x.sharding
+    return s == sharding or s.is_equivalent_to(sharding, x.ndim)
+
+
+def place(
+    leaves: Sequence[Any],
+    shardings: Sequence[NamedSharding],
+    *,
+    paths: Callable[[], list[str]],
+    process_local: bool,
+) -> list[Any]:
+    """Return each leaf as a global array with its sharding: the one placement rule.
+
+    Used for batches (`MethodRunner.__call__`, `CompiledRunner`) and parameters
+    (`MethodRunner.create`). A leaf that `passes` is returned as it is (the same
+    buffers); tracers are returned as they are (the step constrains them). Other
+    leaves are placed: with `process_local`, by `to_global` (each process passes its
+    own slice, `jax.make_array_from_process_local_data`); without (parameters, the
+    same global value on every process), by `jax.device_put`.
+
+    Args:
+        leaves: the leaves (arrays, NumPy arrays, Python scalars, tracers).
+        shardings: one sharding per leaf.
+        paths: returns the leaves' paths (`"a/b/0"`), called only for a leaf that
+            has to be placed (computing paths costs Python work per leaf).
+        process_local: whether host-local leaves are process-local slices.
+
+    Raises:
+        TypeError, ValueError: see `to_global`, naming the leaf.
+    """
+    out: list[Any] = []
+    names: list[str] | None = None
+    for i, (x, s) in enumerate(zip(leaves, shardings, strict=True)):
+        if isinstance(x, Tracer) or passes(x, s):
+            out.append(x)
+            continue
+        if names is None:
+            names = paths()
+        if process_local:
+            out.append(to_global(x, s, path=names[i]))
+        else:
+            out.append(jax.device_put(x, s))
+    return out
+
+
+def constrain_leaves(
+    leaves: Sequence[Any], shardings: Sequence[NamedSharding], *, explicit: bool
+) -> list[Any]:
+    """Constrain each traced array to its sharding (see `constrain`)."""
+    return [
+        constrain(x, s, explicit=explicit)
+        for x, s in zip(leaves, shardings, strict=True)
+    ]
 
 
 def to_global(x: Any, sharding: NamedSharding, *, path: str) -> jax.Array:
