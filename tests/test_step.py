@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from eqxctx import Context, MethodRunner
+import eqxctx
+from eqxctx import Context, DataPartition, MethodRunner
 
 
 pytestmark = pytest.mark.skipif(
@@ -162,3 +163,182 @@ def test_compiled_runner_cost_and_memory_analysis() -> None:
     assert memory is not None
     assert memory.argument_size_in_bytes > 0
     assert memory.output_size_in_bytes > 0
+
+
+# -- padding and the mask ----------------------------------------------------------
+
+
+class Regressor(eqx.Module):
+    w: jax.Array
+    b: jax.Array
+
+    def evaluate(
+        self, batch: dict[str, jax.Array], ctx: Context, *, mask: jax.Array
+    ) -> tuple[dict[str, jax.Array], Context]:
+        y = batch["x"] @ self.w + self.b[None, :]
+        err = jnp.sum((y - batch["t"]) ** 2, axis=-1)
+        weight = mask.astype(jnp.float32)
+        n = jnp.sum(weight)
+        mean = jnp.sum(err * weight) / jnp.maximum(n, 1.0)
+        ctx = ctx.add_summary("mse", eqxctx.WeightedSummary(mean, n))
+        ctx = ctx.add_summary("rows", eqxctx.SumSummary(n))
+        worst = jnp.max(jnp.where(mask, err, -jnp.inf))
+        ctx = ctx.add_summary("worst", eqxctx.MaxSummary(worst))
+        return {"y": y, "err": err, "mask": mask}, ctx
+
+
+def regressor() -> Regressor:
+    k1, k2 = jax.random.split(jax.random.PRNGKey(1))
+    return Regressor(jax.random.normal(k1, (4, 3)), jax.random.normal(k2, (3,)))
+
+
+def eval_set(n: int = 37) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {
+        "x": rng.normal(size=(n, 4)).astype(np.float32),
+        "t": rng.normal(size=(n, 3)).astype(np.float32),
+    }
+
+
+def numpy_reference(model: Regressor, data: dict[str, np.ndarray]) -> Any:
+    y = data["x"] @ np.asarray(model.w) + np.asarray(model.b)
+    err = ((y - data["t"]) ** 2).sum(-1)
+    return y, err
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+@pytest.mark.parametrize("batch_sizes", [None, (8, 32)])
+def test_padded_ragged_evaluation_equals_numpy(
+    axis_type: AxisType, batch_sizes: tuple[int, ...] | None
+) -> None:
+    model, data = regressor(), eval_set()
+    total = len(data["x"])
+    ref_y, ref_err = numpy_reference(model, data)
+    runner = MethodRunner.create(
+        model,
+        "evaluate",
+        mesh=mesh_1d(axis_type),
+        prng_key=jax.random.PRNGKey(0),
+        pad_batches=True,
+        batch_sizes=batch_sizes,
+        mask_kwarg="mask",
+    )
+    before = runner.trace_count
+    for size in range(1, 3 * 8 + 2):  # 1 .. 3 x devices + 1
+        batches = [
+            {k: v[i : i + size] for k, v in data.items()} for i in range(0, total, size)
+        ]
+        acc = eqxctx.SummaryAccumulator()
+        ys, errs = [], []
+        for batch, out in zip(
+            batches, eqxctx.run_batches(runner, batches), strict=True
+        ):
+            rows = len(batch["x"])
+            assert out.output_batch["y"].shape == (rows, 3), size
+            assert out.input_batch["x"].shape == (rows, 4)
+            np.testing.assert_array_equal(np.asarray(out.input_batch["x"]), batch["x"])
+            assert bool(np.asarray(out.output_batch["mask"]).all())
+            ys.append(np.asarray(out.output_batch["y"]))
+            errs.append(np.asarray(out.output_batch["err"]))
+            acc = acc.update(out.summaries)
+        np.testing.assert_allclose(np.concatenate(ys), ref_y, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.concatenate(errs), ref_err, rtol=1e-5)
+        summaries = acc.summaries()
+        np.testing.assert_allclose(
+            float(summaries["mse"].value()), ref_err.mean(), rtol=1e-5
+        )
+        assert float(summaries["rows"].value()) == total
+        np.testing.assert_allclose(
+            float(summaries["worst"].value()), ref_err.max(), rtol=1e-5
+        )
+    # One trace per distinct padded size: multiples of 8 up to 32, or the buckets.
+    assert runner.trace_count - before <= (4 if batch_sizes is None else 2)
+
+
+def test_padding_leaves_batches_that_need_none_unchanged() -> None:
+    mesh = mesh_1d(AxisType.Explicit)
+    model, data = regressor(), eval_set(16)
+    kw: dict[str, Any] = {"mesh": mesh, "prng_key": jax.random.PRNGKey(0)}
+
+    def evaluate(m: Regressor, b: Any, ctx: Context) -> tuple[Any, Context]:
+        return m.evaluate(b, ctx, mask=jnp.ones(b["x"].shape[0], bool))
+
+    plain = MethodRunner.create(model, evaluate, **kw)
+    padded = MethodRunner.create(
+        model, "evaluate", pad_batches=True, mask_kwarg="mask", **kw
+    )
+    placed = plain(data)[1].input_batch
+    _, want = plain(placed)
+    for batch in (data, placed):
+        _, got = padded(batch)
+        for name in ("y", "err"):
+            assert got.output_batch[name].sharding == want.output_batch[name].sharding
+            np.testing.assert_array_equal(
+                np.asarray(got.output_batch[name]), np.asarray(want.output_batch[name])
+            )
+    _, got = padded(placed)
+    assert got.input_batch["x"] is placed["x"]
+    # The mask alone (no padding) is all True.
+    masked = MethodRunner.create(model, "evaluate", mask_kwarg="mask", **kw)
+    _, out = masked(data)
+    assert bool(np.asarray(out.output_batch["mask"]).all())
+
+
+def test_padding_errors_name_the_sizes() -> None:
+    mesh = mesh_1d(AxisType.Auto)
+    kw: dict[str, Any] = {"mesh": mesh, "prng_key": jax.random.PRNGKey(0)}
+    model, data = regressor(), eval_set(40)
+    bucketed = MethodRunner.create(
+        model,
+        "evaluate",
+        pad_batches=True,
+        batch_sizes=(16, 8),
+        mask_kwarg="mask",
+        **kw,
+    )
+    assert bucketed.settings.batch_sizes == (8, 16)
+    with pytest.raises(ValueError, match=r"17 rows is larger than the largest.*16"):
+        bucketed({k: v[:17] for k, v in data.items()})
+    with pytest.raises(ValueError, match=r"different leading.*'t': 5, 'x': 6"):
+        bucketed({"x": data["x"][:6], "t": data["t"][:5]})
+    odd = MethodRunner.create(
+        model, "evaluate", pad_batches=True, batch_sizes=(12,), mask_kwarg="mask", **kw
+    )
+    with pytest.raises(ValueError, match=r"size 12 does not divide over the 8"):
+        odd({k: v[:5] for k, v in data.items()})
+    with pytest.raises(ValueError, match=r"pass `pad_batches=True` too"):
+        MethodRunner.create(model, "evaluate", batch_sizes=(8,), **kw)
+    with pytest.raises(ValueError, match=r"positive integers"):
+        MethodRunner.create(model, "evaluate", pad_batches=True, batch_sizes=(0,), **kw)
+    with pytest.raises(ValueError, match=r"mask_kwarg='a b'.*identifier"):
+        MethodRunner.create(model, "evaluate", mask_kwarg="a b", **kw)
+    with pytest.raises(ValueError, match=r"passes `mask` to the method itself"):
+        bucketed({k: v[:8] for k, v in data.items()}, mask=jnp.ones(8, bool))
+
+
+def test_padding_on_a_2d_mesh_pads_to_the_data_axis_and_compiles_ahead() -> None:
+    mesh = mesh_2d(AxisType.Auto)
+    model, data = regressor(), eval_set(10)
+    runner = MethodRunner.create(
+        model,
+        "evaluate",
+        mesh=mesh,
+        prng_key=jax.random.PRNGKey(0),
+        input_partition=DataPartition.BATCH,
+        pad_batches=True,
+        mask_kwarg="mask",
+    )
+    _, out = runner({k: v[:5] for k, v in data.items()})  # padded to 8 (4 shards)
+    ref_y, _ = numpy_reference(model, {k: v[:5] for k, v in data.items()})
+    np.testing.assert_allclose(np.asarray(out.output_batch["y"]), ref_y, rtol=1e-5)
+    # A compiled runner pads smaller batches to the size it was lowered for.
+    spec = {k: jax.ShapeDtypeStruct((8, v.shape[1]), v.dtype) for k, v in data.items()}
+    compiled = runner.lower(spec).compile()
+    for rows in (3, 8):
+        part = {k: v[:rows] for k, v in data.items()}
+        _, out = compiled(part)
+        ref_y, _ = numpy_reference(model, part)
+        np.testing.assert_allclose(np.asarray(out.output_batch["y"]), ref_y, rtol=1e-5)
+        assert out.output_batch["y"].shape == (rows, 3)
+    with pytest.raises(ValueError, match=r"9 rows is larger than the batch size it"):
+        compiled({k: v[:9] for k, v in data.items()})
