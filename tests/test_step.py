@@ -342,3 +342,44 @@ def test_padding_on_a_2d_mesh_pads_to_the_data_axis_and_compiles_ahead() -> None
         assert out.output_batch["y"].shape == (rows, 3)
     with pytest.raises(ValueError, match=r"9 rows is larger than the batch size it"):
         compiled({k: v[:9] for k, v in data.items()})
+
+
+# -- donation ----------------------------------------------------------------------
+
+
+def doubled(model: Any, batch: Any, ctx: Context, **kwargs: Any) -> tuple[Any, Context]:
+    # The output has the batch's shape and dtype: XLA can reuse a donated buffer.
+    return {"y": batch["x"] * 2 + kwargs.get("shift", 0.0)}, ctx
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_donated_batches_are_deleted_and_results_unchanged(
+    axis_type: AxisType,
+) -> None:
+    mesh = mesh_1d(axis_type)
+    kw: dict[str, Any] = {"mesh": mesh, "prng_key": jax.random.PRNGKey(0)}
+    keep = MethodRunner.create({}, doubled, **kw)
+    donate = MethodRunner.create({}, doubled, donate_batch=True, **kw)
+    host = {"x": np.arange(64, dtype=np.float32).reshape(16, 4)}
+    _, want = keep(host)
+    placed = keep(host)[1].input_batch
+    shift = {"shift": jnp.float32(0.0)}
+    for call in (
+        lambda b: donate(b),
+        lambda b: donate(b, **shift),  # the path with keyword arguments
+        lambda b: donate.lower(b).compile()(b),
+    ):
+        batch = {"x": jax.device_put(host["x"], placed["x"].sharding)}
+        _, out = call(batch)
+        assert out.input_batch is None
+        assert batch["x"].is_deleted()
+        np.testing.assert_array_equal(
+            np.asarray(out.output_batch["y"]), np.asarray(want.output_batch["y"])
+        )
+    # A host batch: the placed copy is donated, the NumPy array is untouched.
+    _, out = donate(host)
+    np.testing.assert_array_equal(host["x"], np.arange(64).reshape(16, 4))
+    np.testing.assert_array_equal(
+        np.asarray(out.output_batch["y"]), np.asarray(want.output_batch["y"])
+    )
+    assert not placed["x"].is_deleted()  # the non-donating runner kept its input

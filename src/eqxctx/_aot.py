@@ -26,6 +26,12 @@ def _signature(runner: "MethodRunner") -> list[tuple[Any, Any, Any]]:
     return [(np.shape(x), jax.typeof(x).dtype, x.sharding) for x in leaves]
 
 
+def _dtype(x: Any) -> Any:
+    """The dtype of an array, `ShapeDtypeStruct` or Python scalar."""
+    dtype = getattr(x, "dtype", None)
+    return np.result_type(x) if dtype is None else dtype
+
+
 def lower_runner(
     runner: "MethodRunner", batch_spec: Any, **kwargs: Any
 ) -> "LoweredRunner":
@@ -49,7 +55,7 @@ def lower_runner(
     for i, s in zip(todo, computed, strict=True):
         shardings[i] = s
     structs = [
-        jax.ShapeDtypeStruct(tuple(np.shape(x)), np.result_type(x), sharding=s)
+        jax.ShapeDtypeStruct(tuple(np.shape(x)), _dtype(x), sharding=s)
         for x, s in zip(leaves, shardings, strict=True)
     ]
     plan = step.plan_from(leaves, treedef, specs, shardings, with_path)
