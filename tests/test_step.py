@@ -1,6 +1,8 @@
 """The runner's one path (`_step.Step`): placement, equivalent shardings, trace counts,
 padding with a mask, donation; on 8 simulated CPU devices."""
 
+import re
+from pathlib import Path
 from typing import Any
 
 import equinox as eqx
@@ -383,3 +385,28 @@ def test_donated_batches_are_deleted_and_results_unchanged(
         np.asarray(out.output_batch["y"]), np.asarray(want.output_batch["y"])
     )
     assert not placed["x"].is_deleted()  # the non-donating runner kept its input
+
+
+RAGGED_PAGE = (
+    Path(__file__).parent.parent / "docs" / "examples" / "ragged_evaluation.md"
+)
+
+
+def test_ragged_evaluation_page(capsys: pytest.CaptureFixture[str]) -> None:
+    """Runs docs/examples/ragged_evaluation.md and checks it against NumPy."""
+    blocks = re.findall(r"```python\n(.*?)```", RAGGED_PAGE.read_text(), re.DOTALL)
+    assert len(blocks) == 2
+    ns: dict[str, Any] = {"__name__": "ragged_evaluation"}
+    exec(compile("\n".join(blocks), str(RAGGED_PAGE), "exec"), ns)
+    data, model = ns["data"], ns["model"]
+    logits = data["x"] @ np.asarray(model.w)
+    accuracy = float((logits.argmax(-1) == data["label"]).mean())
+    np.testing.assert_allclose(ns["accuracy"], accuracy, rtol=1e-6)
+    np.testing.assert_allclose(
+        np.concatenate(ns["logits"]), logits, rtol=1e-4, atol=1e-5
+    )
+    assert capsys.readouterr().out.splitlines() == [
+        f"accuracy over 1000 rows: {accuracy:.4f}",
+        "compilations: 1",
+        "last batch: (40, 4)",
+    ]
