@@ -410,3 +410,29 @@ def test_ragged_evaluation_page(capsys: pytest.CaptureFixture[str]) -> None:
         "compilations: 1",
         "last batch: (40, 4)",
     ]
+
+
+DECODING_PAGE = (
+    Path(__file__).parent.parent / "docs" / "examples" / "greedy_decoding.md"
+)
+
+
+def test_greedy_decoding_page(capsys: pytest.CaptureFixture[str]) -> None:
+    """Runs docs/examples/greedy_decoding.md: the runner's tokens equal the loop's."""
+    blocks = re.findall(r"```python\n(.*?)```", DECODING_PAGE.read_text(), re.DOTALL)
+    assert len(blocks) == 3
+    ns: dict[str, Any] = {"__name__": "greedy_decoding"}
+    exec(compile("\n".join(blocks), str(DECODING_PAGE), "exec"), ns)
+    tokens, expected, prompts = ns["tokens"], ns["expected"], ns["prompts"]
+    assert tokens.shape == (8, 12)
+    np.testing.assert_array_equal(tokens, expected)
+    np.testing.assert_array_equal(tokens[:, :4], prompts)
+    # Greedy steps do not all repeat one token: the check has something to compare.
+    assert len(np.unique(tokens[:, 4:])) > 1
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("(8, 12) P(")
+    assert printed[-1] == "same tokens: True"
+    # The weights were split over `model`, the prompts over `data`.
+    runner = ns["runner"]
+    assert runner.params.wq.sharding.spec == P(None, "model")
+    assert ns["out"].input_batch["prompt"].sharding.spec == P(("data",))
