@@ -228,4 +228,5 @@ class CompiledRunner(_Staged):
             result = self._program(params, key, batch, mask, dynamic)
         else:
             result = self._program(params, key, batch, mask)
-        return step.finish(runner, params, result, batch, padding)
+        new_key, output = step.finish(result, batch, padding)
+        return step.next_runner(runner, params, new_key), output

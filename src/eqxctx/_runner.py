@@ -270,7 +270,7 @@ class MethodRunner(eqx.Module):
             paths=lambda: ["prng_key"],
             process_local=False,
         )
-        return cls(tuple(placed), key, Step.of(settings))
+        return cls(tuple(placed), key, Step.of(settings, cls.Output))
 
     @property
     def settings(self) -> Settings:
@@ -344,22 +344,21 @@ class MethodRunner(eqx.Module):
                 leaf is not an array (a `jax.ShapeDtypeStruct`: use `lower`; an
                 object that is not a registered PyTree), naming the leaf.
         """
+        # `Step.call`, inlined: each Python frame costs ~0.1 µs of a ~15 µs call.
         step: Step = _field(self, "step")
         params = _field(self, "param_leaves")
         batch, mask, padding = step.prepare(input_batch)
         if kwargs:
-            dynamic, static = step.split_kwargs(kwargs)
-            result = step.jitted_kwargs(
-                static,
-                params,
-                _field(self, "prng_key"),
-                batch,
-                mask,
-                step.place_kwargs(dynamic),
+            result = step.run_with_kwargs(
+                params, _field(self, "prng_key"), batch, mask, kwargs
             )
         else:
             result = step.jitted(params, _field(self, "prng_key"), batch, mask)
-        return step.finish(self, params, result, batch, padding)
+        new_key, output = step.finish(result, batch, padding)
+        rebuild = step.rebuild
+        if rebuild is None:
+            return step.next_runner(self, params, new_key), output
+        return rebuild((params, new_key)), output
 
     def lower(self, batch_spec: Any, **kwargs: Any) -> LoweredRunner:
         """Lower the step for batches like `batch_spec`, ahead of time.

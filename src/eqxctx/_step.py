@@ -168,7 +168,7 @@ class Step:
         "traces",
     )
 
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, output_cls: Any):
         self.settings = settings
         self._hash = hash(settings)
         self.mesh = mesh = settings.mesh
@@ -187,9 +187,9 @@ class Step:
         # `unflatten` of the one-level structure of this step's runners: the next
         # runner is rebuilt from `(param_leaves, prng_key)` through the public PyTree
         # API (~1 µs; `eqx.Module.__init__` walks every leaf, ~10 µs). Set by the
-        # first `finish`, with the runner's `Output` class.
+        # first `next_runner`.
         self.rebuild: Callable[[Any], Any] | None = None
-        self.output_cls: Any = None
+        self.output_cls = output_cls  # `MethodRunner.Output`
         self.donate = donate = settings.donate_batch
         # ~1 µs per call saved over `jax.jit(..., static_argnums=...)` on the
         # settings: the step closes over them.
@@ -204,12 +204,16 @@ class Step:
         )
 
     @staticmethod
-    def of(settings: Settings) -> "Step":
-        """Return the `Step` of `settings`, shared by equal settings (an LRU)."""
+    def of(settings: Settings, output_cls: Any) -> "Step":
+        """Return the `Step` of `settings`, shared by equal settings (an LRU).
+
+        `output_cls` is `MethodRunner.Output` (passed in: this module is below the
+        runner's).
+        """
         with _STEPS_LOCK:
             step = _STEPS.get(settings)
             if step is None:
-                step = _STEPS[settings] = Step(settings)
+                step = _STEPS[settings] = Step(settings, output_cls)
                 if len(_STEPS) > _MAX_STEPS:
                     _STEPS.popitem(last=False)
             else:
@@ -472,17 +476,48 @@ class Step:
         dynamic, static = eqx.partition(kwargs, eqx.is_array)
         return dynamic, Frozen(static, what="a keyword argument")
 
-    # -- after the program: the outputs ------------------------------------------
+    # -- the call: prepare, run, finish -------------------------------------------
+
+    def call(
+        self,
+        param_leaves: tuple[Any, ...],
+        prng_key: Any,
+        input_batch: Any,
+        kwargs: dict[str, Any],
+    ) -> tuple[Any, Any]:
+        """Run one batch; return `(new_key, output)`.
+
+        `MethodRunner.__call__` (which inlines it) and `run_batches` (which threads
+        the key through it) run batches this way.
+        """
+        batch, mask, padding = self.prepare(input_batch)
+        if kwargs:
+            result = self.run_with_kwargs(param_leaves, prng_key, batch, mask, kwargs)
+        else:
+            result = self.jitted(param_leaves, prng_key, batch, mask)
+        return self.finish(result, batch, padding)
+
+    def run_with_kwargs(
+        self,
+        param_leaves: tuple[Any, ...],
+        prng_key: Any,
+        batch: Any,
+        mask: Any,
+        kwargs: dict[str, Any],
+    ) -> tuple[Any, Any, "StaticOut | None"]:
+        """Run the step with the method's keyword arguments (static part static)."""
+        dynamic, static = self.split_kwargs(kwargs)
+        return self.jitted_kwargs(
+            static, param_leaves, prng_key, batch, mask, self.place_kwargs(dynamic)
+        )
 
     def finish(
         self,
-        runner: Any,
-        param_leaves: tuple[Any, ...],
         result: tuple[Any, Any, "StaticOut | None"],
         batch: Any,
         padding: "Padding | None",
     ) -> tuple[Any, Any]:
-        """Return the next runner and the `MethodRunner.Output` of one call."""
+        """Return `(new_key, output)` from the program's result: the one output path."""
         new_key, out, extra = result
         if extra is not None:
             out = eqx.combine(out, extra.value)
@@ -491,14 +526,15 @@ class Step:
             batch = None
         if padding is not None:
             output_batch, batch = self.unpad((output_batch, batch), padding)
+        return new_key, self.output_cls(output_batch, batch, summaries, module_outputs)
+
+    def next_runner(self, runner: Any, param_leaves: Any, new_key: Any) -> Any:
+        """Return `runner` with `new_key`, rebuilt through the public PyTree API."""
         rebuild = self.rebuild
         if rebuild is None:
             treedef = jax.tree.structure(runner, is_leaf=lambda x: x is not runner)
             rebuild = self.rebuild = treedef.unflatten
-            # `MethodRunner` is final (never subclassed): `type(runner)` is it.
-            self.output_cls = type(runner).Output
-        output = self.output_cls(output_batch, batch, summaries, module_outputs)
-        return rebuild((param_leaves, new_key)), output
+        return rebuild((param_leaves, new_key))
 
     def unpad(self, tree: Any, padding: "Padding") -> Any:
         """Cut every array leaf whose leading size is the padded one to the rows.
