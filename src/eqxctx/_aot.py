@@ -12,8 +12,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from ._frozen import Frozen
 from ._partition import leaf_shardings, path_str, resolve_specs
-from ._step import BatchPlan, Frozen, batch_rows
+from ._plan import BatchPlan, batch_rows
 from ._transfer import place
 
 

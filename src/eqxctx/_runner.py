@@ -25,6 +25,7 @@ import jax
 from jax.sharding import Mesh, PartitionSpec
 
 from ._aot import LoweredRunner, lower_runner
+from ._frozen import Frozen
 from ._partition import (
     DataPartition,
     leaf_shardings,
@@ -32,8 +33,8 @@ from ._partition import (
     resolve_param_specs,
     resolve_specs,
 )
-from ._step import Frozen, Settings, Step, replicated
-from ._transfer import place
+from ._step import Settings, Step
+from ._transfer import place, replicated
 
 
 # Reads a field of the runner without `eqx.Module.__getattribute__` (Python code that

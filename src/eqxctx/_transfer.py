@@ -13,9 +13,21 @@ import jax
 import numpy as np
 from jax.core import Tracer
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ._partition import check_divisible, mesh_axes_size, path_str
+from ._partition import (
+    check_divisible,
+    is_explicit,
+    leaf_shardings,
+    mesh_axes_size,
+    named_sharding,
+    normalize_spec,
+    path_str,
+    resolve_specs,
+)
+
+
+REPLICATED = PartitionSpec()
 
 
 def passes(x: Any, sharding: NamedSharding) -> bool:
@@ -194,6 +206,46 @@ def constrain(x: Any, sharding: NamedSharding, *, explicit: bool) -> Any:
     if explicit:
         return jax.sharding.reshard(x, sharding)
     return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def constrain_tree(
+    tree: Any, partition: Any, mesh: Mesh, *, what: str, kind: str
+) -> Any:
+    """Constrain every array of `tree` by `partition` (with the rank rule).
+
+    Runs at trace time. Checks that each leaf's dimensions divide over their mesh
+    axes (`kind` is "batch" or "output", for the message): on Auto meshes JAX would
+    silently replicate a leaf that does not divide, on Explicit meshes its error
+    names no leaf.
+    """
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    specs = resolve_specs(partition, tree, mesh, what=what)
+    arrays = [i for i, (_, x) in enumerate(with_path) if isinstance(x, jax.Array)]
+    shardings = leaf_shardings(
+        [specs[i] for i in arrays], [with_path[i] for i in arrays], mesh, kind=kind
+    )
+    leaves = [x for _, x in with_path]
+    placed = constrain_leaves(
+        [leaves[i] for i in arrays], shardings, explicit=is_explicit(mesh)
+    )
+    for i, x in zip(arrays, placed, strict=True):
+        leaves[i] = x
+    return treedef.unflatten(leaves)
+
+
+def replicate_tree(tree: Any, mesh: Mesh) -> Any:
+    """Constrain every array of `tree` to be replicated over `mesh` (traced)."""
+    explicit = is_explicit(mesh)
+    return jax.tree.map(
+        lambda x: constrain(x, replicated(mesh, x), explicit=explicit), tree
+    )
+
+
+def replicated(mesh: Mesh, x: Any) -> NamedSharding:
+    """The replicated sharding of `x` on `mesh`, in JAX's form for its rank."""
+    return named_sharding(
+        mesh, normalize_spec(REPLICATED, np.ndim(x), explicit=is_explicit(mesh))
+    )
 
 
 def _is_key_array(x: jax.Array) -> bool:
