@@ -269,18 +269,16 @@ def _padding(devices: int) -> list[dict[str, Any]]:
     batches = [{"x": x[i : i + 64]} for i in range(0, 1000, 64)]
     mesh = jax.make_mesh((devices,), ("data",))
     rows: list[dict[str, Any]] = []
-    for label, kwargs in (
-        ("pad_batches=True", {}),
-        ("batch_sizes=(64,)", {"batch_sizes": (64,)}),
-    ):
+    sizes: tuple[int, ...] | None
+    for label, sizes in (("pad_batches=True", None), ("batch_sizes=(64,)", (64,))):
         runner = eqxctx.MethodRunner.create(
             Linear(jnp.asarray(w)),
             "predict",
             mesh=mesh,
             prng_key=jax.random.PRNGKey(0),
             pad_batches=True,
+            batch_sizes=sizes,
             mask_kwarg="mask",
-            **kwargs,
         )
         before = runner.trace_count
         acc = eqxctx.SummaryAccumulator()
