@@ -1,6 +1,6 @@
 import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -34,7 +34,7 @@ def snapshot(coll: OutputCollection) -> Any:
     """A deep copy of the three mappings, arrays as NumPy (for before/after checks)."""
 
     def conv(tree: Any) -> Any:
-        if isinstance(tree, dict):
+        if isinstance(tree, Mapping):
             return {k: conv(v) for k, v in tree.items()}
         return [np.array(x) for x in jax.tree_util.tree_leaves(tree)]
 
@@ -42,9 +42,9 @@ def snapshot(coll: OutputCollection) -> Any:
 
 
 def same_snapshot(a: Any, b: Any) -> bool:
-    if isinstance(a, dict):
+    if isinstance(a, Mapping):
         return (
-            isinstance(b, dict)
+            isinstance(b, Mapping)
             and a.keys() == b.keys()
             and all(same_snapshot(a[k], b[k]) for k in a)
         )
@@ -55,7 +55,7 @@ def same_snapshot(a: Any, b: Any) -> bool:
 
 def reference_prune(tree: Any, drop: Callable[[str], bool], prefix: str = "") -> Any:
     """AXLearn's prune_tree, written independently (recursive over dicts)."""
-    if not isinstance(tree, dict):
+    if not isinstance(tree, Mapping):
         return tree
     out: dict[str, Any] = {}
     for k, v in tree.items():
@@ -66,10 +66,10 @@ def reference_prune(tree: Any, drop: Callable[[str], bool], prefix: str = "") ->
     return out
 
 
-def reference_flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def reference_flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in tree.items():
-        if isinstance(v, dict):
+        if isinstance(v, Mapping):
             out.update(reference_flatten(v, f"{prefix}{k}/"))
         else:
             out[f"{prefix}{k}"] = v
@@ -431,13 +431,13 @@ def test_merge_raises_on_any_overlap(a: OutputCollection, data: st.DataObject) -
         assert a.merge(b).flatten(kind)[name] == 1.0
 
 
-def mapping_paths(tree: dict[str, Any], prefix: str = "") -> list[str]:
+def mapping_paths(tree: Mapping[str, Any], prefix: str = "") -> list[str]:
     """Every mapping entry's path (leaves and intermediate mappings), pre-order."""
     out: list[str] = []
     for k, v in tree.items():
         path = f"{prefix}/{k}" if prefix else k
         out.append(path)
-        if isinstance(v, dict):
+        if isinstance(v, Mapping):
             out.extend(mapping_paths(v, path))
     return out
 

@@ -40,7 +40,7 @@ def test_weighted_accumulate_is_weighted_mean(pairs: list[tuple[float, float]]) 
 def test_weighted_zero_weight_is_nan_free_with_grad() -> None:
     def f(m: jax.Array) -> jax.Array:
         s = WeightedSummary(m, jnp.float32(0)) + WeightedSummary(2 * m, jnp.float32(0))
-        return s.value()
+        return jnp.asarray(s.value())
 
     assert float(f(jnp.float32(3.0))) == 0.0
     g = jax.grad(f)(jnp.float32(3.0))

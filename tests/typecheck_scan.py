@@ -58,3 +58,12 @@ def check_vmap() -> None:
     ys, coll = vmap_in_context(body, context=Context.root(), xs=jnp.ones((2, 3)))
     assert_type(ys, dict[str, jax.Array])
     assert_type(coll, OutputCollection)
+
+
+def check_call() -> None:
+    def layer(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+        return x * 2, ctx.add_summary("x", jnp.mean(x))
+
+    y, ctx = Context.root().call("layer", layer, jnp.ones(3))
+    assert_type(y, jax.Array)
+    assert_type(ctx, Context)

@@ -8,10 +8,7 @@ from ._batches import (
     SummaryAccumulator as SummaryAccumulator,
     run_batches as run_batches,
 )
-from ._collection import (
-    IterationSummaries as IterationSummaries,
-    OutputCollection as OutputCollection,
-)
+from ._collection import OutputCollection as OutputCollection
 from ._combinators import (
     scan_in_context as scan_in_context,
     vmap_in_context as vmap_in_context,
@@ -19,6 +16,7 @@ from ._combinators import (
 from ._context import Context as Context
 from ._errors import OutputConflictError as OutputConflictError
 from ._functional import functional as functional
+from ._iterations import IterationSummaries as IterationSummaries
 from ._partition import DataPartition as DataPartition
 from ._repeat import (
     propagate_repeated_output_collections as propagate_repeated_output_collections,

@@ -5,16 +5,26 @@ Follow AXLearn's `InferenceRunner.run` and `MetricAccumulator`
 """
 
 import collections
-from collections.abc import Iterable, Iterator
-from typing import Any
+import functools
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeAlias
 
 import equinox as eqx
 import jax
 import numpy as np
 
+from ._collection import summary_tree
+from ._iterations import flatten_into, freeze, materialize_tree
+from ._mapping import EMPTY, FrozenMapping
+from ._repeat import accumulate_trees
 from ._runner import MethodRunner
 from ._summary import Summary, accumulate_leaf
-from .writers._base import flatten_summaries
+from ._typing import SummaryTree
+
+
+#: What `SummaryAccumulator.update` accepts: an `OutputCollection` or a nested
+#: mapping of summaries (and of `OutputCollection`s).
+Summaries: TypeAlias = Any
 
 
 def run_batches(
@@ -76,7 +86,7 @@ def run_batches(
         yield output
 
 
-def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+def _nest(flat: dict[str, Any]) -> FrozenMapping:
     out: dict[str, Any] = {}
     for path, leaf in flat.items():
         *parents, name = path.split("/")
@@ -84,7 +94,7 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
         for p in parents:
             node = node.setdefault(p, {})
         node[name] = leaf
-    return out
+    return freeze(out, "summaries")
 
 
 def _kind(x: Any) -> str:
@@ -115,18 +125,63 @@ def _accumulate(path: str, a: Any, b: Any) -> Any:
     return accumulate_leaf(a, b)
 
 
+def _flat(tree: SummaryTree) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    flatten_into(out.__setitem__, tree, "", "/")
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _step(treedef: Any) -> Callable[..., Any]:
+    """The jitted accumulation of two trees of `treedef`, over their leaves.
+
+    One jitted call per update: per-iteration summaries are accumulated in their
+    stacked form (vectorized over the iterations), whatever their number. Taking
+    leaves rather than trees keeps the per-call flattening in C++; the result's
+    structure comes back as a static output.
+    """
+
+    def step(a: list[Any], b: list[Any]) -> list[Any]:
+        out = accumulate_trees(treedef.unflatten(a), treedef.unflatten(b))
+        return jax.tree_util.tree_leaves(out)
+
+    return jax.jit(step)
+
+
+@functools.lru_cache(maxsize=64)
+def _out_treedef(treedef: Any, num_leaves: int) -> Any:
+    """The structure of an accumulation: `treedef`'s (accumulating keeps each kind)."""
+    if treedef.num_leaves != num_leaves:  # pragma: no cover - a kind changed shape
+        raise ValueError("`SummaryAccumulator`: accumulation changed the structure.")
+    return treedef
+
+
+def _accumulate_same_layout(a: SummaryTree, b: SummaryTree) -> FrozenMapping | None:
+    """Accumulate in one jitted step if both have one layout, else return None."""
+    leaves_a, treedef = jax.tree_util.tree_flatten(a)
+    leaves_b, treedef_b = jax.tree_util.tree_flatten(b)
+    if treedef != treedef_b or any(
+        np.shape(x) != np.shape(y) for x, y in zip(leaves_a, leaves_b, strict=True)
+    ):
+        return None
+    out = _step(treedef)(leaves_a, leaves_b)
+    return _out_treedef(treedef, len(out)).unflatten(out)
+
+
 class SummaryAccumulator(eqx.Module):
     """Accumulates summaries across batches (AXLearn's `MetricAccumulator`).
 
     Pure: `update` returns a new accumulator and leaves `self` unchanged. Leaves with
     the same path are combined with their `Summary.accumulate` (a `WeightedSummary`
     gives the weighted mean, `MinSummary` the minimum, ...), raw arrays with `+`.
-    Per-iteration summaries of a scan (`IterationSummaries`) are expanded into their
-    `iter{i}` paths. Values stay on the device until read.
+    Per-iteration summaries of a scan (`IterationSummaries`) are accumulated in
+    their stacked form, iteration by iteration, in one jitted step per update; they
+    are expanded into their `iter{i}` paths only when read. Values stay on the
+    device until read.
 
     Attributes:
-        flat: the accumulated summaries as `{"a/b/name": leaf}`, or None before the
-            first update.
+        accumulated: the accumulated summaries as a read-only nested mapping
+            (per-iteration entries stacked), or None before the first update.
 
     Examples:
         >>> from eqxctx import WeightedSummary
@@ -137,13 +192,23 @@ class SummaryAccumulator(eqx.Module):
         3.0
     """
 
-    flat: dict[str, Any] | None = None
+    accumulated: FrozenMapping | None = None
 
-    def update(self, summaries: dict[str, Any]) -> "SummaryAccumulator":
+    def __init__(self, accumulated: FrozenMapping | None = None):
+        # A custom `__init__`: Equinox's generated one walks every leaf.
+        self.accumulated = accumulated
+
+    @property
+    def flat(self) -> dict[str, Any] | None:
+        """The accumulated summaries as `{"a/b/name": leaf}`, or None before any."""
+        return None if self.accumulated is None else _flat(self.accumulated)
+
+    def update(self, summaries: Summaries) -> "SummaryAccumulator":
         """Return a new accumulator that also holds `summaries`.
 
         Args:
-            summaries: a nested summary mapping, e.g. `MethodRunner.Output.summaries`.
+            summaries: an `OutputCollection` or a nested summary mapping, e.g.
+                `MethodRunner.Output.summaries`.
 
         Raises:
             ValueError: if the summary paths differ from those already accumulated
@@ -155,25 +220,35 @@ class SummaryAccumulator(eqx.Module):
                 of another class, or a raw array where a `Summary` was), naming the
                 path.
         """
-        flat = flatten_summaries(summaries, where="SummaryAccumulator.update")
-        if self.flat is None:
-            return SummaryAccumulator(flat)
-        if flat.keys() != self.flat.keys():
-            missing = sorted(self.flat.keys() - flat.keys())
-            extra = sorted(flat.keys() - self.flat.keys())
+        tree = summary_tree(summaries, where="SummaryAccumulator.update")
+        if self.accumulated is None:
+            return SummaryAccumulator(tree)
+        same = _accumulate_same_layout(self.accumulated, tree)
+        if same is not None:
+            return SummaryAccumulator(same)
+        # Another layout: accumulate path by path, with errors naming the path.
+        mine, flat = _flat(self.accumulated), _flat(tree)
+        if flat.keys() != mine.keys():
+            missing = sorted(mine.keys() - flat.keys())
+            extra = sorted(flat.keys() - mine.keys())
             raise ValueError(
                 "`SummaryAccumulator.update`: the summaries have other paths than "
                 f"the accumulated ones (missing: {missing}; extra: {extra}). "
                 "Accumulate the summaries of one method in one accumulator."
             )
         return SummaryAccumulator(
-            {k: _accumulate(k, v, flat[k]) for k, v in self.flat.items()}
+            _nest({k: _accumulate(k, v, flat[k]) for k, v in mine.items()})
         )
 
-    def summaries(self) -> dict[str, Any]:
-        """Return the accumulated summaries as a nested mapping ({} before any)."""
-        return _nest(self.flat or {})
+    def summaries(self) -> FrozenMapping:
+        """Return the accumulated summaries as a nested mapping ({} before any).
+
+        Per-iteration summaries appear as `{prefix}{i}` children (AXLearn's layout).
+        """
+        if self.accumulated is None:
+            return EMPTY
+        return materialize_tree(self.accumulated)
 
     def flatten(self) -> dict[str, Any]:
         """Return the accumulated summaries as `{"a/b/name": leaf}` ({} before any)."""
-        return dict(self.flat or {})
+        return self.flat or {}

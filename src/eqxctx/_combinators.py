@@ -12,12 +12,14 @@ import jax
 import jax.numpy as jnp
 
 from ._collection import OutputCollection, validate_child_name
-from ._context import Context, fold_in_name
+from ._context import Context, fold_in_name, is_shape_only, iteration_context
+from ._mapping import EMPTY
 from ._repeat import (
     accumulate_trees,
     accumulator_shape,
     assemble,
     cast_like,
+    fold_stacked,
     propagate_repeated_output_collections as propagate,
 )
 from ._summary import is_array_leaf
@@ -246,36 +248,44 @@ def scan_in_context(
     # when the body never reads its key.
     count = given_keys is None and child_key is not None and split_prng_key
 
-    def one_iteration(c: Any, x: Any, k: Any) -> tuple[Any, Any, OutputCollection]:
+    def one_iteration(
+        c: Any, x: Any, k: Any, shape_only: bool = False
+    ) -> tuple[Any, Any, OutputCollection]:
         if given_keys is not None:
             key = k
         elif count:
             key = _fold_in(child_key, k)
         else:
             key = child_key
-        ctx_i = context.child(prefix, prng_key=key)
+        ctx_i = iteration_context(context, prefix, key, shape_only=shape_only)
         c, y, ctx_i = _run_body(fn, (c, x, ctx_i), "`scan_in_context`", 3)
         coll = ctx_i.collection
         if drop_output is not None:
             coll = coll.prune(drop_output)
         return c, y, coll
 
-    merge = merge_summaries and n >= 2
+    # Inside an outer scan's shape-only pass nothing here is computed: summaries are
+    # stacked and reduced after the loop (same structure, no extra shape pass), so
+    # nested merged scans trace each body at most twice in total per level.
+    shape_only = is_shape_only(context)
+    merge = merge_summaries and n >= 2 and not shape_only
     acc: Any = None
     first: Any = None
     like: Any = None
     if merge:
         # The accumulator is carried, so its structure is needed before the scan:
-        # one abstract evaluation of the body (no FLOPs, nothing in the program).
+        # one abstract evaluation of the body (no FLOPs, nothing in the program),
+        # during which nested scans take the shape-only path.
         x0, k0 = jax.tree_util.tree_map(
             lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)),
             (xs, given_keys),
         )
         if count:
             k0 = jax.ShapeDtypeStruct((), jnp.uint32)
-        like = accumulator_shape(
-            jax.eval_shape(one_iteration, carry, x0, k0)[2].summaries
+        shapes = jax.eval_shape(
+            lambda c, x, k: one_iteration(c, x, k, shape_only=True), carry, x0, k0
         )
+        like = accumulator_shape(shapes[2].summaries)
         acc = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), like)
         first = jnp.array(True)
     index = jnp.array(max(n - 1, 0) if reverse else 0, jnp.uint32) if count else None
@@ -309,8 +319,8 @@ def scan_in_context(
             reverse=reverse,
             unroll=unroll,
         )
-    if merge_summaries and n < 2:  # nothing to accumulate
-        merged = jax.tree_util.tree_map(lambda a: a[0], stacked.summaries) if n else {}
+    if merge_summaries and not merge:  # nothing to accumulate, or a shape-only pass
+        merged = fold_stacked(stacked.summaries, n) if n else EMPTY
     return (
         carry_out,
         ys,
@@ -449,7 +459,7 @@ def vmap_in_context(
 
     def body(x: Any, i: Any) -> tuple[Any, OutputCollection]:
         key = _fold_in(child_key, i) if split else child_key
-        ctx_i = context.child(prefix, prng_key=key)
+        ctx_i = iteration_context(context, prefix, key, shape_only=False)
         y, ctx_i = _run_body(fn, (x, ctx_i), "`vmap_in_context`", 2)
         coll = ctx_i.collection
         if drop_output is not None:

@@ -5,16 +5,23 @@ thread-local stack: a `Context` is passed in and returned explicitly.
 """
 
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import equinox as eqx
 import jax
 
-from ._collection import OutputCollection, add_leaf, validate_child_name
+from ._collection import (
+    OutputCollection,
+    add_leaf,
+    name_in_use,
+    validate_child_name,
+    with_child,
+)
 from ._errors import CALL_TWICE_HINT, PREFIX_HINT, OutputConflictError
-from ._typing import PRNGKey
+from ._typing import Leaf, PRNGKey, R
 
 
 class _Unset:
@@ -25,6 +32,7 @@ class _Unset:
 _UNSET: Any = _Unset()
 
 
+@functools.lru_cache(maxsize=4096)
 def child_seed(name: str) -> int:
     """Return AXLearn's seed of a child name: md5 of the name, mod `2**31 - 1`."""
     return int(hashlib.md5(name.encode("utf-8")).hexdigest(), 16) % (2**31 - 1)
@@ -41,12 +49,33 @@ def fold_in_name(prng_key: PRNGKey | None, name: str) -> PRNGKey | None:
     return jax.random.fold_in(prng_key, child_seed(name))
 
 
-class Context(eqx.Module):
+def _derive(base: Any, names: tuple[Any, ...]) -> Any:
+    key = base
+    for name in names:
+        key = fold_in_name(key, name)
+    return key
+
+
+class Context:
     """An invocation context: a path, a PRNG key, a training flag and outputs.
 
     Model methods take the context as their last positional argument and return it
     last: `method(self, x, ctx) -> (y, ctx)`. Every method here returns a new
-    `Context`; `self` is unchanged.
+    `Context`; `self` is unchanged. A PyTree (its key and collection are children,
+    its path and training flag static), so contexts pass through JAX
+    transformations.
+
+    A child's key is derived when it is read (`ctx.prng_key`) or when the context is
+    flattened as a PyTree, not when the child is made, so children whose key is never
+    read cost nothing at trace time. Reading it costs one `fold_in` per context
+    between this one and the nearest ancestor whose key is known (the root, an
+    iteration of a scan, or a context unflattened by a transformation).
+
+    Args:
+        path: the names from the root to this context.
+        prng_key: the key (raw or typed), or None.
+        is_training: training mode.
+        collection: the context's outputs.
 
     Attributes:
         path: the names from the root to this context, static (e.g.
@@ -63,14 +92,61 @@ class Context(eqx.Module):
         {'loss': 1.0}
     """
 
-    path: tuple[str, ...] = eqx.field(static=True)
-    prng_key: Any
-    is_training: bool = eqx.field(static=True)
+    __slots__ = (
+        "_base_key",
+        "_key_names",
+        "_shape_only",
+        "collection",
+        "is_training",
+        "path",
+    )
+    path: tuple[str, ...]
+    is_training: bool
     collection: OutputCollection
+
+    def __init__(
+        self,
+        path: tuple[Any, ...],
+        prng_key: PRNGKey | None,
+        is_training: bool,
+        collection: OutputCollection,
+    ):
+        _init(self, tuple(path), prng_key, (), bool(is_training), collection)
+
+    def __setattr__(self, name: str, value: object) -> NoReturn:
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field '{name}'")
+
+    def __repr__(self) -> str:
+        return (
+            f"Context(path={self.path!r}, prng_key={self.prng_key!r}, "
+            f"is_training={self.is_training!r}, collection={self.collection!r})"
+        )
+
+    def __eq__(self, other: object) -> Any:
+        if not isinstance(other, Context):
+            return NotImplemented
+        return eqx.tree_equal(self, other)
+
+    __hash__ = None  # pyright: ignore[reportAssignmentType]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Context, (self.path, self.prng_key, self.is_training, self.collection))
+
+    @property
+    def prng_key(self) -> Any:
+        """The context's key (derived from its ancestors' names when first needed)."""
+        names = self._key_names
+        if not names:
+            return self._base_key
+        return _derive(self._base_key, names)
 
     @classmethod
     def root(
-        cls, *, prng_key: Any = None, is_training: bool = False, name: str = "root"
+        cls,
+        *,
+        prng_key: PRNGKey | None = None,
+        is_training: bool = False,
+        name: str = "root",
     ) -> "Context":
         """Return a root context with an empty collection.
 
@@ -79,7 +155,7 @@ class Context(eqx.Module):
             is_training: training mode, static.
             name: the root's name, the first entry of every path.
         """
-        return cls((name,), prng_key, is_training, OutputCollection.empty())
+        return _make((name,), prng_key, (), bool(is_training), OutputCollection.empty())
 
     @property
     def name(self) -> str:
@@ -87,13 +163,18 @@ class Context(eqx.Module):
         return self.path[-1]
 
     def child(
-        self, name: str, *, prng_key: Any = _UNSET, is_training: Any = _UNSET
+        self,
+        name: str,
+        *,
+        prng_key: PRNGKey | None = _UNSET,
+        is_training: bool = _UNSET,
     ) -> "Context":
         """Return a child context with an empty collection.
 
         The child's key is `jax.random.fold_in(self.prng_key, seed(name))` with
         AXLearn's seed (`int(md5(name).hexdigest(), 16) % (2**31 - 1)`), so keys match
-        AXLearn's bit for bit. Typed keys give the same key data as raw keys.
+        AXLearn's bit for bit. Typed keys give the same key data as raw keys. It is
+        derived when read, not here.
 
         Args:
             name: the child's name, matching `^[a-z][a-z0-9_]*$`.
@@ -104,37 +185,36 @@ class Context(eqx.Module):
             ValueError: for an invalid name.
         """
         validate_child_name(name, where="Context.child")
-        return Context(
-            (*self.path, name),
-            fold_in_name(self.prng_key, name) if prng_key is _UNSET else prng_key,
-            self.is_training if is_training is _UNSET else bool(is_training),
-            OutputCollection.empty(),
+        training = self.is_training if is_training is _UNSET else bool(is_training)
+        if prng_key is _UNSET:
+            return _child(self, name, training)
+        return _make(
+            (*self.path, name), prng_key, (), training, _EMPTY, self._shape_only
         )
 
-    def add_summary(self, name: str, value: Any) -> "Context":
+    def add_summary(self, name: str, value: Leaf) -> "Context":
         """Return a new context with summary `name` added.
 
         See `OutputCollection.add_summary` for the accepted values and errors.
         """
-        coll = add_leaf(self.collection, "summaries", name, value)
-        return dataclasses.replace(self, collection=coll)
+        return _with(self, add_leaf(self.collection, "summaries", name, value))
 
-    def add_state_update(self, name: str, value: Any) -> "Context":
+    def add_state_update(self, name: str, value: Leaf) -> "Context":
         """Return a new context with state update `name` added."""
-        coll = add_leaf(self.collection, "state_updates", name, value)
-        return dataclasses.replace(self, collection=coll)
+        return _with(self, add_leaf(self.collection, "state_updates", name, value))
 
-    def add_module_output(self, name: str, value: Any) -> "Context":
+    def add_module_output(self, name: str, value: Leaf) -> "Context":
         """Return a new context with module output `name` added."""
-        coll = add_leaf(self.collection, "module_outputs", name, value)
-        return dataclasses.replace(self, collection=coll)
+        return _with(self, add_leaf(self.collection, "module_outputs", name, value))
 
     def replace_collection(self, collection: OutputCollection) -> "Context":
         """Return a new context whose collection is `collection`."""
-        return dataclasses.replace(self, collection=collection)
+        return _with(self, collection)
 
     def merge(self, collection: OutputCollection) -> "Context":
         """Return a new context whose collection is merged with `collection`.
+
+        Costs O(size of `collection`'s top level), whatever the context holds.
 
         Raises:
             OutputConflictError: on any name conflict (see `OutputCollection.merge`);
@@ -149,20 +229,21 @@ class Context(eqx.Module):
             if PREFIX_HINT not in msg:
                 msg = f"{msg} {PREFIX_HINT}"
             raise OutputConflictError(f"In context {where!r}: {msg}") from None
-        return self.replace_collection(merged)
+        return _with(self, merged)
 
     def call(
         self,
         name: str,
-        fn: Callable[..., tuple[Any, "Context"]],
+        fn: Callable[..., tuple[R, "Context"]],
         /,
         *args: Any,
         **kwargs: Any,
-    ) -> tuple[Any, "Context"]:
+    ) -> tuple[R, "Context"]:
         """Run `fn(*args, child_ctx, **kwargs)` in child context `name`.
 
         `fn` returns `(out, child_ctx)`; its collection is attached under `name`.
-        Runs inside `jax.named_scope(name)`, so profiles show the model tree.
+        Runs inside `jax.named_scope(name)`, so profiles show the model tree. Costs
+        O(1) besides `fn` itself, whatever the context already holds.
 
         Args:
             name: the child's name, matching `^[a-z][a-z0-9_]*$`.
@@ -180,18 +261,129 @@ class Context(eqx.Module):
         """
         coll = self.collection
         validate_child_name(name, where="Context.call")
-        if name in coll.child_names() or name in coll.leaf_names():
+        if name_in_use(coll, name):
             raise OutputConflictError(
                 f"`Context.call`: {name!r} is already used in context "
                 f"{'/'.join(self.path)!r}. {CALL_TWICE_HINT}"
             )
-        child = self.child(name)
+        child = _child(self, name, self.is_training)
         with jax.named_scope(name):
             result = fn(*args, child, **kwargs)
         out, child_out = check_returns_context(
             result, f"`Context.call({name!r}, fn)`: fn"
         )
-        return out, self.replace_collection(coll.add_child(name, child_out.collection))
+        return out, _with(self, with_child(coll, name, child_out.collection))
+
+
+_EMPTY = OutputCollection.empty()
+# The slots' own setters: faster than `object.__setattr__`, and the class's
+# `__setattr__` (which refuses every assignment) is not involved.
+_SET = {name: Context.__dict__[name].__set__ for name in Context.__slots__}
+
+
+def _init(
+    ctx: Context,
+    # `tuple[Any, ...]`: beartype samples variadic tuples with `random`, which
+    # hypothesis forbids inside strategies (contexts are built in strategies).
+    path: tuple[Any, ...],
+    base_key: Any,  # any key, also batched (a context unflattened by `jax.vmap`)
+    key_names: tuple[Any, ...],
+    is_training: bool,
+    collection: OutputCollection,
+    shape_only: bool = False,
+) -> None:
+    _SET["path"](ctx, path)
+    _SET["_base_key"](ctx, base_key)
+    _SET["_key_names"](ctx, key_names)
+    _SET["is_training"](ctx, is_training)
+    _SET["collection"](ctx, collection)
+    # True inside eqxctx's own shape-only passes (`jax.eval_shape` of a scan body):
+    # nested scans then skip their own shape pass (see `scan_in_context`).
+    _SET["_shape_only"](ctx, shape_only)
+
+
+def _make(
+    # `tuple[Any, ...]`: beartype samples variadic tuples with `random`, which
+    # hypothesis forbids inside strategies (contexts are built in strategies).
+    path: tuple[Any, ...],
+    base_key: Any,  # any key, also batched (a context unflattened by `jax.vmap`)
+    key_names: tuple[Any, ...],
+    is_training: bool,
+    collection: OutputCollection,
+    shape_only: bool = False,
+) -> Context:
+    """Build a context from checked parts (no walk, no checks)."""
+    out = object.__new__(Context)
+    _init(out, path, base_key, key_names, is_training, collection, shape_only)
+    return out
+
+
+def _child(parent: Context, name: str, is_training: bool) -> Context:
+    base = parent._base_key  # pyright: ignore[reportPrivateUsage]
+    names = (*parent._key_names, name) if base is not None else ()  # pyright: ignore[reportPrivateUsage]
+    return _make(
+        (*parent.path, name),
+        base,
+        names,
+        is_training,
+        _EMPTY,
+        parent._shape_only,  # pyright: ignore[reportPrivateUsage]
+    )
+
+
+def iteration_context(
+    parent: Context, name: str, prng_key: PRNGKey | None, *, shape_only: bool
+) -> Context:
+    """The context of one iteration of a scan or vmap: `parent`'s child `name`."""
+    return _make(
+        (*parent.path, name),
+        prng_key,
+        (),
+        parent.is_training,
+        _EMPTY,
+        shape_only or parent._shape_only,  # pyright: ignore[reportPrivateUsage]
+    )
+
+
+def is_shape_only(ctx: Context) -> bool:
+    """Whether `ctx` is used inside one of eqxctx's shape-only passes."""
+    return ctx._shape_only  # pyright: ignore[reportPrivateUsage]
+
+
+def _with(ctx: Context, collection: OutputCollection) -> Context:
+    return _make(
+        ctx.path,
+        ctx._base_key,  # pyright: ignore[reportPrivateUsage]
+        ctx._key_names,  # pyright: ignore[reportPrivateUsage]
+        ctx.is_training,
+        collection,
+        ctx._shape_only,  # pyright: ignore[reportPrivateUsage]
+    )
+
+
+_KEYS = (jax.tree_util.GetAttrKey("prng_key"), jax.tree_util.GetAttrKey("collection"))
+
+
+def _flatten_with_keys(ctx: Context) -> tuple[list[Any], Any]:
+    return list(zip(_KEYS, (ctx.prng_key, ctx.collection), strict=True)), (
+        ctx.path,
+        ctx.is_training,
+    )
+
+
+def _flatten(ctx: Context) -> tuple[tuple[Any, OutputCollection], Any]:
+    return (ctx.prng_key, ctx.collection), (ctx.path, ctx.is_training)
+
+
+def _unflatten(aux: Any, children: Any) -> Context:
+    path, is_training = aux
+    prng_key, collection = children
+    return _make(path, prng_key, (), is_training, collection)
+
+
+jax.tree_util.register_pytree_with_keys(
+    Context, _flatten_with_keys, _unflatten, _flatten
+)
 
 
 def check_returns_context(result: object, what: str) -> tuple[Any, Context]:

@@ -9,18 +9,72 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array
 
-from ._collection import IterationSummaries, OutputCollection, validate_child_name
-from ._summary import accumulate_leaf, is_summary
+from ._collection import OutputCollection, validate_child_name
+from ._iterations import IterationSummaries
+from ._mapping import EMPTY
+from ._summary import (
+    AudioSummary,
+    CallbackSummary,
+    HistogramSummary,
+    ImageSummary,
+    MaxSummary,
+    MinSummary,
+    Summary,
+    SumSummary,
+    WeightedSummary,
+    accumulate_leaf,
+)
+from ._typing import SummaryTree
 
 
-def accumulate_trees(a: Any, b: Any) -> Any:
+def _is_unit(x: object) -> bool:
+    return isinstance(x, (Summary, IterationSummaries))
+
+
+def accumulate_trees(a: SummaryTree, b: SummaryTree) -> SummaryTree:
     """Accumulate two summary trees of equal structure, leaf by leaf.
 
     `Summary` leaves use `Summary.accumulate`; arrays and numbers are added with `+`
-    (AXLearn's rule). `IterationSummaries` entries are accumulated iteration-wise.
+    (AXLearn's rule). `IterationSummaries` entries are accumulated iteration by
+    iteration, vectorized (`jax.vmap` over the iteration axis and any outer axes).
     """
-    return jax.tree_util.tree_map(accumulate_leaf, a, b, is_leaf=is_summary)
+    return jax.tree_util.tree_map(_accumulate_unit, a, b, is_leaf=_is_unit)
+
+
+def _accumulate_unit(a: Any, b: Any) -> Any:
+    if isinstance(a, IterationSummaries):
+        return _accumulate_entries(a, b)
+    return accumulate_leaf(a, b)
+
+
+def _outer_axes(entry: IterationSummaries) -> int:
+    """Return the number of axes in front of the iteration axis (the same for all)."""
+    leaves = jax.tree_util.tree_leaves(entry.stacked)
+    outer = {np.ndim(x) - n for x, n in zip(leaves, entry.ndims, strict=True)}
+    if len(outer) > 1 or min(outer, default=0) < 0:
+        raise ValueError(
+            "`IterationSummaries`: its leaves do not share their outer axes (ranks "
+            f"{[np.ndim(x) for x in leaves]}, made with {list(entry.ndims)}); build "
+            "entries with `scan_in_context` / `vmap_in_context`."
+        )
+    return outer.pop() if outer else 0
+
+
+def _accumulate_entries(a: IterationSummaries, b: Any) -> IterationSummaries:
+    if not isinstance(b, IterationSummaries) or b.length != a.length:
+        raise ValueError(
+            f"cannot accumulate per-iteration summaries of {a.length} iterations with "
+            f"{b!r}; keep the same scan in every step."
+        )
+    if not a.ndims:
+        return a
+    fn: Any = accumulate_trees
+    for _ in range(_outer_axes(a) + 1):
+        fn = jax.vmap(fn)
+    return IterationSummaries(a.length, fn(a.stacked, b.stacked), a.ndims)
 
 
 def cast_like(tree: Any, like: Any) -> Any:
@@ -50,32 +104,94 @@ def accumulator_shape(first: Any) -> Any:
     return jax.eval_shape(accumulate_trees, first, first)
 
 
-def fold_stacked(stacked: Any, length: int) -> Any:
-    """Accumulate a stacked summary tree over its leading axis, in index order.
+def _trailing(w: Array, like: Array) -> Array:
+    """`w` with trailing unit axes, to broadcast against `like` (same leading axes)."""
+    return w.reshape(w.shape + (1,) * (like.ndim - w.ndim))
+
+
+def _reduce_weighted(s: WeightedSummary) -> WeightedSummary:
+    # As `WeightedSummary.accumulate`, over the leading axis at once.
+    with jax.numpy_dtype_promotion("standard"):
+        dtype = jnp.result_type(s.mean)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            dtype = jnp.float32
+        w = _trailing(s.weight, s.mean).astype(dtype)
+        m = jnp.where(w > 0, s.mean.astype(dtype), 0)
+        total = jnp.sum(jnp.broadcast_to(w, m.shape), axis=0)
+        positive = total > 0
+        safe = jnp.where(positive, total, jnp.ones_like(total))
+        mean = jnp.where(positive, jnp.sum(m * w, axis=0) / safe, 0).astype(dtype)
+        weight = jnp.sum(s.weight, axis=0, dtype=s.weight.dtype)
+    return WeightedSummary(mean, weight)
+
+
+def _reduce_raw(x: Any) -> Any:
+    x = jnp.asarray(x)
+    if x.dtype == jnp.bool_:
+        return jnp.any(x, axis=0)  # `+` of booleans is a logical or
+    return jnp.sum(x, axis=0, dtype=x.dtype)
+
+
+def _reduce_unit(x: Any) -> Any:
+    """Accumulate one stacked unit over its leading axis with one reduction per leaf."""
+    if isinstance(x, IterationSummaries):
+        # Per-iteration summaries of each mapped example: reduce the mapped (outer)
+        # axis, keep the iterations.
+        reduced = jax.tree_util.tree_map(_reduce_unit, x.stacked, is_leaf=_is_unit)
+        return IterationSummaries(x.length, reduced, x.ndims)
+    if type(x) is WeightedSummary:
+        return _reduce_weighted(x)
+    if type(x) is MinSummary:
+        return MinSummary(jnp.min(x.value_, axis=0))
+    if type(x) is MaxSummary:
+        return MaxSummary(jnp.max(x.value_, axis=0))
+    if type(x) is SumSummary:
+        return SumSummary(jnp.sum(x.value_, axis=0, dtype=x.value_.dtype))
+    if isinstance(x, (ImageSummary, AudioSummary, HistogramSummary, CallbackSummary)):
+        return jax.tree_util.tree_map(lambda a: a[0], x)  # keep the first
+    if isinstance(x, Summary):  # another kind: its own `accumulate`, in index order
+        return _fold(x)
+    return _reduce_raw(x)
+
+
+def _fold(stacked: Any) -> Any:
+    first = jax.tree_util.tree_map(lambda a: a[0], stacked)
+    rest = jax.tree_util.tree_map(lambda a: a[1:], stacked)
+
+    def step(acc: Any, new: Any) -> tuple[Any, None]:
+        return accumulate_leaf(acc, new), None
+
+    return jax.lax.scan(step, first, rest)[0]
+
+
+def fold_stacked(stacked: SummaryTree, length: int) -> SummaryTree:
+    """Accumulate a stacked summary tree over its leading axis.
+
+    One reduction per leaf (a sum, a weighted mean, a minimum or maximum; the first
+    entry for media kinds), equal to accumulating entries `0, 1, …, N-1` in index
+    order up to floating-point rounding; a `Summary` kind without a known reduction
+    is folded with its own `accumulate`, in index order.
 
     Args:
         stacked: a summary tree whose array leaves have a leading axis of `length`.
         length: the number of entries N (static).
 
     Returns:
-        The accumulation of entries `0, 1, …, N-1` (`{}` for N == 0; entry 0 itself for
-        N == 1, with no accumulation).
+        The accumulation (`{}` for N == 0; entry 0 itself for N == 1, with no
+        accumulation), in the dtypes of one accumulation step.
     """
     if length == 0:
-        return {}
-    first = jax.tree_util.tree_map(lambda x: x[0], stacked)
+        return EMPTY
     if length == 1:
-        return first
-    like = accumulator_shape(first)
-    rest = jax.tree_util.tree_map(lambda x: x[1:], stacked)
-
-    def step(acc: Any, new: Any) -> tuple[Any, None]:
-        # `new` is cast too (as in `scan_in_context`): under strict dtype promotion an
-        # integer mean must not meet the accumulator's float mean.
-        return cast_like(accumulate_trees(acc, cast_like(new, like)), like), None
-
-    out, _ = jax.lax.scan(step, cast_like(first, like), rest, length=length - 1)
-    return out
+        return jax.tree_util.tree_map(lambda x: x[0], stacked)
+    like = accumulator_shape(
+        jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], jnp.result_type(x)),
+            stacked,
+        )
+    )
+    reduced = jax.tree_util.tree_map(_reduce_unit, stacked, is_leaf=_is_unit)
+    return cast_like(reduced, like)
 
 
 def _leading_length(repeated: OutputCollection) -> int | None:

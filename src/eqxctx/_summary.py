@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, PyTree
 
+from ._typing import ArrayValue
+
 
 _S = TypeVar("_S", bound="_KeepFirst")
 
@@ -73,7 +75,7 @@ class WeightedSummary(Summary):
     mean: Array = eqx.field(converter=_as_array)
     weight: Array = eqx.field(converter=_as_array)
 
-    def value(self) -> Array:
+    def value(self) -> ArrayValue:
         """Return the mean."""
         return self.mean
 
@@ -128,7 +130,7 @@ class MinSummary(Summary):
 
     value_: Array = eqx.field(converter=_as_array)
 
-    def value(self) -> Array:
+    def value(self) -> ArrayValue:
         """Return the minimum."""
         return self.value_
 
@@ -147,7 +149,7 @@ class MaxSummary(Summary):
 
     value_: Array = eqx.field(converter=_as_array)
 
-    def value(self) -> Array:
+    def value(self) -> ArrayValue:
         """Return the maximum."""
         return self.value_
 
@@ -166,7 +168,7 @@ class SumSummary(Summary):
 
     value_: Array = eqx.field(converter=_as_array)
 
-    def value(self) -> Array:
+    def value(self) -> ArrayValue:
         """Return the sum."""
         return self.value_
 
@@ -201,7 +203,7 @@ class ImageSummary(_KeepFirst):
 
     value_: Array = eqx.field(converter=_as_array)
 
-    def value(self) -> Array:
+    def value(self) -> ArrayValue:
         """Return the images."""
         return self.value_
 
@@ -242,7 +244,7 @@ class AudioSummary(_KeepFirst):
     value_: Array = eqx.field(converter=_as_array)
     sample_rate: int = eqx.field(static=True, default=16000)
 
-    def value(self) -> Array:
+    def value(self) -> ArrayValue:
         """Return the waveform."""
         return self.value_
 
@@ -279,7 +281,7 @@ class HistogramSummary(_KeepFirst):
 
     value_: Array = eqx.field(converter=_as_array)
 
-    def value(self) -> Array:
+    def value(self) -> ArrayValue:
         """Return the values."""
         return self.value_
 

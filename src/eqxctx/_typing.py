@@ -1,5 +1,6 @@
-"""Shared type aliases and TypeVars."""
+"""Shared type aliases and TypeVars (named after what they hold, as in Optax's base)."""
 
+from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias, TypeVar
 
 import numpy as np
@@ -15,10 +16,22 @@ R = TypeVar("R")
 #: (`jax.random.key`).
 PRNGKey: TypeAlias = Key[Array, ""] | UInt32[Array, "2"] | UInt32[np.ndarray, "2"]
 
-#: A nested mapping of names to leaves or nested mappings.
-Nested: TypeAlias = dict[str, Any]
+#: An array on the device (`jax.Array`) or on the host (NumPy): what a `Summary`'s
+#: `value()` returns; host views of per-iteration summaries hold NumPy values.
+ArrayValue: TypeAlias = Array | np.ndarray | np.number[Any] | np.bool_
+
+#: A leaf of an output collection: a JAX or NumPy array, a Python number or a
+#: `Summary` (any, at run time: values also pass through JAX transformations).
+Leaf: TypeAlias = Any
+
+#: A nested mapping of names to leaves or nested mappings (one kind of a collection).
+Tree: TypeAlias = Mapping[str, Any]
+
+#: A nested mapping of summaries (`OutputCollection.summaries`, `Output.summaries`).
+SummaryTree: TypeAlias = Mapping[str, Any]
 
 #: A path predicate: `drop(path) -> bool` with "/"-joined paths.
-PathPredicate: TypeAlias = Any
+PathPredicate: TypeAlias = Callable[[str], bool]
 
-ArrayLikeLeaf: TypeAlias = Array | np.ndarray | np.generic | bool | int | float
+#: Any PyTree (a batch, a carry, `xs`, a model), as JAX accepts it.
+PyTreeLike: TypeAlias = Any

@@ -1,7 +1,7 @@
 """Training (optax Adam under `eqx.filter_jit`) and evaluation (a `MethodRunner`)."""
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -20,7 +20,7 @@ from eqxctx.writers._base import flatten_summaries, host_values
 
 TrainStep = Callable[
     [Classifier, optax.OptState, Batch, PRNGKeyArray],
-    tuple[Classifier, optax.OptState, dict[str, Any]],
+    tuple[Classifier, optax.OptState, Mapping[str, Any]],
 ]
 
 
@@ -36,8 +36,8 @@ def make_train_step(optimizer: optax.GradientTransformation) -> TrainStep:
     @eqx.filter_jit
     def step(
         model: Classifier, opt_state: optax.OptState, batch: Batch, key: PRNGKeyArray
-    ) -> tuple[Classifier, optax.OptState, dict[str, Any]]:
-        def loss_fn(model: Classifier) -> tuple[Array, dict[str, Any]]:
+    ) -> tuple[Classifier, optax.OptState, Mapping[str, Any]]:
+        def loss_fn(model: Classifier) -> tuple[Array, Mapping[str, Any]]:
             outputs, collection = eqxctx.functional(
                 model.evaluate, prng_key=key, is_training=True, args=(batch,)
             )
@@ -126,7 +126,7 @@ class Evaluation:
     predictions: np.ndarray
     hidden: dict[str, np.ndarray]
     num_devices: int
-    raw: dict[str, Any]
+    raw: Mapping[str, Any]
 
 
 def evaluate(

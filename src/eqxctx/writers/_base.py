@@ -1,6 +1,7 @@
 """The writer interface and the shared step: flatten summaries, fetch their values."""
 
 import abc
+import functools
 import operator
 from collections.abc import Iterator, Mapping
 from types import TracebackType
@@ -9,7 +10,8 @@ from typing import Any, SupportsIndex, TypeAlias, TypeVar
 import jax
 import numpy as np
 
-from eqxctx._collection import IterationSummaries, OutputCollection
+from eqxctx._collection import OutputCollection, check_summary_name, summary_tree
+from eqxctx._iterations import flatten_into
 from eqxctx._summary import leaf_value
 
 
@@ -21,31 +23,6 @@ Summaries: TypeAlias = OutputCollection | Mapping[str, Any]
 Step: TypeAlias = SupportsIndex
 
 
-def _check_name(key: object, prefix: str, *, where: str) -> str:
-    if not isinstance(key, str) or not key or "/" in key:
-        at = f"under {prefix.rstrip('/')!r}" if prefix else "at the top level"
-        raise ValueError(
-            f"`{where}`: invalid summary name {key!r} {at}. Names are non-empty "
-            "strings without '/'; nest mappings instead (`{'a': {'b': x}}` is "
-            "written as 'a/b')."
-        )
-    return key
-
-
-def _walk(
-    tree: Mapping[Any, Any], prefix: str, *, where: str
-) -> Iterator[tuple[str, Any]]:
-    for key, value in tree.items():
-        path = prefix + _check_name(key, prefix, where=where)
-        if isinstance(value, IterationSummaries):
-            for i in range(value.length):
-                yield from _walk(value.iteration(i), f"{path}{i}/", where=where)
-        elif isinstance(value, Mapping):
-            yield from _walk(value, f"{path}/", where=where)
-        else:
-            yield path, value
-
-
 def _collision(path: str, *, where: str) -> ValueError:
     return ValueError(
         f"`{where}`: two summaries have the path {path!r} (per-iteration children "
@@ -54,24 +31,10 @@ def _collision(path: str, *, where: str) -> ValueError:
     )
 
 
-def _summaries_of(tree: Mapping[str, Any]) -> dict[str, Any]:
-    """`tree` with each `OutputCollection` in it replaced by its summaries.
-
-    So `write(step, {"train": train_coll, "eval": eval_coll})` writes
-    `train/...` and `eval/...`.
-    """
-    return {
-        key: value.summaries
-        if isinstance(value, OutputCollection)
-        else _summaries_of(value)
-        if isinstance(value, Mapping)
-        else value
-        for key, value in tree.items()
-    }
-
-
 def flatten_summaries(summaries: object, *, where: str) -> dict[str, Any]:
     """Return `{path: leaf}` with "/"-joined paths; per-iteration children expanded.
+
+    Each stacked array is fetched to the host once and indexed there.
 
     Raises:
         TypeError: if `summaries` is neither an `OutputCollection` nor a mapping (of
@@ -82,21 +45,15 @@ def flatten_summaries(summaries: object, *, where: str) -> dict[str, Any]:
             a per-iteration child `iter0` next to a scan's `iter`); the message
             names the path. No value is ever dropped silently.
     """
-    if isinstance(summaries, OutputCollection):
-        tree = summaries.summaries
-    elif isinstance(summaries, Mapping):
-        # Validates the leaves (TypeError naming the path).
-        tree = OutputCollection(_summaries_of(summaries), {}, {}).summaries
-    else:
-        raise TypeError(
-            f"`{where}`: summaries must be an `OutputCollection` or a nested mapping "
-            f"of summaries, got {type(summaries).__name__}."
-        )
+    tree = summary_tree(summaries, where=where)
     out: dict[str, Any] = {}
-    for path, leaf in _walk(tree, "", where=where):
+
+    def put(path: str, leaf: Any) -> None:
         if path in out:
             raise _collision(path, where=where)
         out[path] = leaf
+
+    flatten_into(put, tree, "", "/")
     return out
 
 
@@ -125,7 +82,7 @@ def _expand(path: str, value: Any, *, where: str) -> Iterator[tuple[str, Any]]:
     """Yield `(path, value)`; a mapping (a `CallbackSummary` result) is expanded."""
     if isinstance(value, Mapping):
         for key, sub in value.items():
-            name = _check_name(key, f"{path}/", where=where)
+            name = check_summary_name(key, f"{path}/", where=where)
             yield from _expand(f"{path}/{name}", sub, where=where)
     else:
         yield path, value
@@ -147,32 +104,61 @@ def host_values(flat: Mapping[str, Any], *, where: str) -> dict[str, np.ndarray]
     """
     values: dict[str, Any] = {}
     for path, leaf in flat.items():
-        for sub, value in _expand(path, leaf_value(leaf), where=where):
-            if sub in values:
-                raise _collision(sub, where=where)
-            values[sub] = value
+        if type(leaf) in _HOST_SCALARS:  # per-iteration views: no checks to make
+            values[path] = leaf
+            continue
+        value = leaf_value(leaf)
+        if isinstance(value, Mapping):
+            for sub, v in _expand(path, value, where=where):
+                if sub in values:
+                    raise _collision(sub, where=where)
+                values[sub] = v
+        elif path in values:
+            raise _collision(path, where=where)
+        else:
+            values[path] = value
+    # Fetch the device arrays at once; host values (NumPy, Python numbers, the
+    # per-iteration views) need no transfer.
+    on_device = [
+        path
+        for path, v in values.items()
+        if type(v) not in _HOST_SCALARS and isinstance(v, jax.Array)
+    ]
     try:
-        fetched = jax.device_get(values)
+        fetched = jax.device_get([values[path] for path in on_device])
     except RuntimeError as e:
         raise RuntimeError(
             f"`{where}`: could not fetch the summaries to this host ({e}). For arrays "
             "sharded across processes, write `eqxctx.to_host(summaries)` instead."
         ) from e
+    values.update(zip(on_device, fetched, strict=True))
     out: dict[str, np.ndarray] = {}
-    for path in values:  # `device_get` sorts the keys; keep the summaries' order.
-        arr = np.asarray(fetched[path])
-        if not (arr.dtype == np.bool_ or jax.numpy.issubdtype(arr.dtype, np.number)):
-            raise TypeError(
-                f"`{where}`: the summary at {path!r} has dtype {arr.dtype}; writers "
-                "accept bool, integer and floating values."
-            )
-        if jax.numpy.issubdtype(arr.dtype, np.complexfloating):
-            raise TypeError(
-                f"`{where}`: the summary at {path!r} is complex ({arr.dtype}); write "
-                "its real and imaginary parts (or its absolute value) instead."
-            )
+    for path, value in values.items():
+        arr = value if type(value) is np.ndarray else np.asarray(value)
+        problem = _dtype_problem(arr.dtype)
+        if problem is not None:
+            raise TypeError(f"`{where}`: the summary at {path!r} {problem}")
         out[path] = arr
     return out
+
+
+_HOST_SCALARS = frozenset(
+    {np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64}
+    | {np.uint8, np.uint16, np.uint32, np.uint64, np.bool_}
+)
+
+
+@functools.cache
+def _dtype_problem(dtype: np.dtype[Any]) -> str | None:
+    """Why writers refuse values of `dtype`, or None (cached: one check per dtype)."""
+    if not (dtype == np.bool_ or jax.numpy.issubdtype(dtype, np.number)):
+        return f"has dtype {dtype}; writers accept bool, integer and floating values."
+    if jax.numpy.issubdtype(dtype, np.complexfloating):
+        return (
+            f"is complex ({dtype}); write its real and imaginary parts (or its "
+            "absolute value) instead."
+        )
+    return None
 
 
 _W = TypeVar("_W", bound="AbstractWriter")

@@ -4,7 +4,6 @@ import json
 import os
 from typing import IO, Any, Literal
 
-import jax
 import numpy as np
 
 from ._base import (
@@ -24,11 +23,14 @@ def json_value(arr: np.ndarray) -> Any:
     shortest decimal that reads back as the same float32 (`0.1`, not
     `0.10000000149011612`); float64 values are written exactly.
     """
-    if arr.dtype == np.bool_:
+    kind = arr.dtype.kind
+    if kind == "b":
         return arr.astype(np.int64).tolist()
-    if jax.numpy.issubdtype(arr.dtype, np.integer):
+    if kind in "iu":
         return arr.tolist()
     if arr.dtype.itemsize <= 4:
+        if arr.ndim == 0:
+            return float(str(np.float32(arr)))
         # str(np.float32) is the shortest repr that round-trips through float32.
         short = [float(str(v)) for v in arr.astype(np.float32).ravel()]
         return np.asarray(short, dtype=np.float64).reshape(arr.shape).tolist()

@@ -1,0 +1,441 @@
+"""IterationSummaries, and every walk over it: views, flatten, materialize, prune.
+
+A scan or vmap keeps its per-iteration summaries stacked in one `IterationSummaries`
+entry, which stands for the children `{prefix}0` … `{prefix}{N-1}` (and an empty
+`{prefix}` child). Everything that has to see those children goes through this
+module. Host-side views fetch each stacked array once and index it in NumPy; inside a
+trace they slice with `jax.numpy`.
+"""
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+from jax.core import Tracer
+
+from ._errors import PREFIX_HINT, OutputConflictError
+from ._leaves import check_leaf
+from ._mapping import EMPTY, FrozenMapping
+from ._summary import Summary
+from ._typing import PathPredicate, SummaryTree
+
+
+class IterationSummaries(eqx.Module):
+    """The summaries of `length` iterations of a scan or a vmap, kept stacked.
+
+    Stored in `OutputCollection.summaries` under the key `prefix`, it stands for the
+    children `{prefix}0` … `{prefix}{length-1}` (and for an empty `{prefix}` child),
+    without slicing every summary of every iteration inside the compiled program.
+    `OutputCollection.flatten`, `child`, `materialize` and the writers expand it; on
+    concrete arrays they fetch each stacked array to the host once and return NumPy
+    values per iteration.
+
+    The iteration axis is the leading axis of each leaf when the entry is made. If the
+    entry then passes out of an outer `jax.vmap` or `jax.lax.scan` (a function that
+    scans, vmapped over a batch), the outer axes come first; `ndims` records each
+    leaf's rank at creation, so `iteration(i)` slices the axis just after the added
+    ones and iteration i keeps the outer axes (`iter0/x` has shape `[batch]`).
+    This needs the outer axes in front, as `jax.vmap`'s default `out_axes=0` and
+    `jax.lax.scan`'s stacking put them: with `out_axes=1` (or axes moved by hand) the
+    views slice the wrong axis; move the outer axes to the front first
+    (`jnp.moveaxis`).
+
+    Raises:
+        ValueError: if a leaf of `stacked` has no leading axis of size `length`.
+        TypeError: if a leaf is not a valid summary leaf (naming its path).
+
+    Attributes:
+        length: the number of iterations N, static.
+        stacked: a read-only nested summary mapping whose leaves have the iteration
+            axis N (traced).
+        ndims: the rank of each leaf of `stacked` (in `jax.tree_util.tree_leaves`
+            order) when the entry was made, static. Computed when not given.
+    """
+
+    length: int = eqx.field(static=True)
+    stacked: FrozenMapping
+    ndims: tuple[int, ...] = eqx.field(static=True)
+
+    def __init__(
+        self,
+        length: int,
+        stacked: Mapping[str, Any],
+        # `Any`, not `tuple[int, ...] | None`: beartype checks a variadic tuple by
+        # sampling it with `random`, which hypothesis forbids inside strategies.
+        ndims: Any = None,
+    ):
+        frozen = freeze(stacked, "IterationSummaries.stacked")
+        if ndims is None:
+            for x in jax.tree_util.tree_leaves(frozen):
+                if np.ndim(x) == 0 or np.shape(x)[0] != length:
+                    raise ValueError(
+                        f"`IterationSummaries({length}, stacked)`: every leaf needs a "
+                        f"leading axis of {length} (the iterations), got shape "
+                        f"{np.shape(x)}."
+                    )
+            ndims = tuple(np.ndim(x) for x in jax.tree_util.tree_leaves(frozen))
+        self.length = length
+        self.stacked = frozen
+        self.ndims = tuple(ndims)
+
+    @property
+    def reserved_span(self) -> int:
+        """The number of per-iteration child names this entry reserves (`length`)."""
+        return self.length
+
+    def iteration(self, i: int) -> FrozenMapping:
+        """Return iteration `i`'s summaries (a nested mapping); `self` is unchanged.
+
+        Raises:
+            IndexError: if `i` is not in `[0, length)`.
+            ValueError: if a leaf has lost its iteration axis (e.g. it was indexed).
+        """
+        if not 0 <= i < self.length:
+            raise IndexError(f"iteration {i} out of range for {self.length} iterations")
+        leaves, treedef = _leaves(self)
+        rows = [
+            _unstack(x, axis)
+            for x, axis in zip(_host(leaves), _axes(self, leaves), strict=True)
+        ]
+        return treedef.unflatten([r[i] for r in rows])
+
+    def iterations(self) -> list[Any]:
+        """Return every iteration's summaries, fetching each stacked array once."""
+        leaves, treedef = _leaves(self)
+        rows = [
+            _unstack(x, axis)
+            for x, axis in zip(_host(leaves), _axes(self, leaves), strict=True)
+        ]
+        return [treedef.unflatten([r[i] for r in rows]) for i in range(self.length)]
+
+
+def _leaves(entry: IterationSummaries) -> tuple[list[Any], Any]:
+    leaves, treedef = jax.tree_util.tree_flatten(entry.stacked)
+    if len(leaves) != len(entry.ndims):
+        raise ValueError(
+            "`IterationSummaries`: the stacked summaries do not have the leaves "
+            "they were made with; build a new entry instead of editing one."
+        )
+    return leaves, treedef
+
+
+def _axes(entry: IterationSummaries, leaves: list[Any]) -> list[Any]:
+    """Return each leaf's iteration axis: after the axes an outer transform added."""
+    axes: list[int] = []
+    for x, ndim in zip(leaves, entry.ndims, strict=True):
+        outer = np.ndim(x) - ndim
+        if outer < 0:
+            raise ValueError(
+                f"`IterationSummaries`: a leaf of shape {np.shape(x)} has fewer "
+                f"axes than when it was made (rank {ndim}, iteration axis first): "
+                "it was indexed or mapped over (e.g. `jax.vmap` with `in_axes` on "
+                "a non-leading axis). Read the per-iteration views before mapping "
+                "over a collection, or map over its leading (outer) axes only."
+            )
+        axes.append(outer)
+    return axes
+
+
+def _fetchable(x: object) -> bool:
+    return (
+        isinstance(x, jax.Array)
+        and not isinstance(x, Tracer)
+        and x.is_fully_addressable
+    )
+
+
+def _host(leaves: list[Any]) -> list[Any]:
+    """Return `leaves` with concrete, addressable JAX arrays fetched to NumPy at once.
+
+    Tracers and arrays this process cannot read whole stay as they are (they are
+    sliced on the device).
+    """
+    which = [j for j, x in enumerate(leaves) if _fetchable(x)]
+    if not which:
+        return leaves
+    out = list(leaves)
+    try:
+        fetched = jax.device_get([leaves[j] for j in which])
+    except Exception:
+        fetched = []
+        for j in which:
+            try:
+                fetched.append(np.asarray(leaves[j]))
+            except Exception:
+                fetched.append(leaves[j])
+    for j, value in zip(which, fetched, strict=True):
+        out[j] = value
+    return out
+
+
+def _unstack(x: Any, axis: int) -> list[Any]:
+    """Return the slices of `x` along `axis`: NumPy views, or device slices."""
+    if isinstance(x, np.ndarray):
+        return list(np.moveaxis(x, axis, 0) if axis else x)
+    index = (slice(None),) * axis
+    return [x[(*index, i)] for i in range(np.shape(x)[axis])]
+
+
+# -- conversion (where leaves enter) -------------------------------------------------
+
+
+def _items(tree: Mapping[str, Any]) -> list[Any]:
+    if isinstance(tree, FrozenMapping):
+        return tree.items_list()
+    return list(tree.items())
+
+
+def freeze(tree: object, path: str) -> FrozenMapping:
+    """Return `tree` as a `FrozenMapping`, checking every key and leaf once.
+
+    A `FrozenMapping` is returned as it is: its leaves were checked where they
+    entered. Nothing of `tree` is aliased into the result except its leaves.
+
+    Raises:
+        TypeError: if `tree` is not a mapping, a key is not a `str`, or a leaf is not
+            a valid collection leaf (the message names the path).
+        OutputConflictError: if an entry is also a per-iteration child of a scan's
+            `IterationSummaries` entry in the same mapping.
+    """
+    if isinstance(tree, FrozenMapping):
+        return tree
+    if not isinstance(tree, Mapping):
+        raise TypeError(f"`OutputCollection`: {path!r} must be a mapping, got {tree!r}")
+    pairs: list[tuple[str, Any]] = []
+    for key, value in _items(tree):
+        sub = f"{path}/{key}"
+        if not isinstance(key, str):
+            raise TypeError(
+                f"`OutputCollection`: key {key!r} at {path!r} is not a str."
+            )
+        if isinstance(value, Mapping):
+            value = freeze(value, sub)
+        elif not isinstance(value, IterationSummaries):
+            check_leaf(value, sub)
+        pairs.append((key, value))
+    out = FrozenMapping(pairs)
+    for key, span in out.spans():
+        clash = out.numbered_below(key, span)
+        if clash is not None:
+            raise OutputConflictError(
+                f"`OutputCollection`: {path}/{clash} is both an entry and a "
+                f"per-iteration child of a scan's per-iteration summaries at {path}. "
+                + PREFIX_HINT
+            )
+    return out
+
+
+# -- flatten -------------------------------------------------------------------------
+
+
+def _is_unit(x: object) -> bool:
+    return isinstance(x, (Summary, IterationSummaries))
+
+
+def flatten_into(
+    put: Callable[[str, Any], None], tree: Mapping[str, Any], prefix: str, sep: str
+) -> None:
+    """Call `put(path, leaf)` for every leaf of `tree`, per-iteration entries expanded.
+
+    Paths are `sep`-joined; iteration i of an entry at `p` contributes `p{i}/...`.
+    Mappings are visited in insertion order, an iteration's entries in sorted order
+    (as `IterationSummaries.iteration` returns them).
+    """
+    for key, value in _items(tree):
+        path = prefix + key
+        if isinstance(value, IterationSummaries):
+            _flatten_entry(put, value, path, sep)
+        elif isinstance(value, Mapping):
+            flatten_into(put, value, path + sep, sep)
+        else:
+            put(path, value)
+
+
+def _flatten_entry(
+    put: Callable[[str, Any], None], entry: IterationSummaries, path: str, sep: str
+) -> None:
+    leaves, _ = _leaves(entry)
+    rows = [
+        _unstack(x, a) for x, a in zip(_host(leaves), _axes(entry, leaves), strict=True)
+    ]
+    # One unit per summary: a raw leaf (one row), or a `Summary` / nested entry rebuilt
+    # from its rows by its treedef.
+    units: list[tuple[str, Any, int, int]] = []
+    start = 0
+    flat = jax.tree_util.tree_flatten_with_path(entry.stacked, is_leaf=_is_unit)[0]
+    for key_path, obj in flat:
+        rel = sep.join(str(getattr(k, "key", k)) for k in key_path)
+        if _is_unit(obj):
+            sub, treedef = jax.tree_util.tree_flatten(obj)
+            units.append((rel, treedef, start, start + len(sub)))
+            start += len(sub)
+        else:
+            units.append((rel, None, start, start + 1))
+            start += 1
+    if all(treedef is None for _, treedef, _, _ in units):
+        # Only raw arrays (the common case): one row per unit, no rebuilding.
+        rels = [rel for rel, _, _, _ in units]
+        columns = [rows[a] for _, _, a, _ in units]
+        for i in range(entry.length):
+            at = f"{path}{i}{sep}"
+            for rel, column in zip(rels, columns, strict=True):
+                put(at + rel, column[i])
+        return
+    for i in range(entry.length):
+        at = f"{path}{i}{sep}"
+        for rel, treedef, a, b in units:
+            if treedef is None:
+                put(at + rel, rows[a][i])
+                continue
+            obj = treedef.unflatten([rows[j][i] for j in range(a, b)])
+            if isinstance(obj, IterationSummaries):
+                _flatten_entry(put, obj, at + rel, sep)
+            else:
+                put(at + rel, obj)
+
+
+def iter_leaves(tree: Mapping[str, Any], sep: str = "/") -> Iterator[tuple[str, Any]]:
+    """Yield `(path, leaf)` as `flatten_into` visits them."""
+    out: list[tuple[str, Any]] = []
+    flatten_into(lambda p, v: out.append((p, v)), tree, "", sep)
+    return iter(out)
+
+
+def has_leaf(tree: Mapping[str, Any]) -> bool:
+    """Return whether `tree` has any leaf (per-iteration entries count their leaves)."""
+    for value in tree.values():
+        if isinstance(value, IterationSummaries):
+            if value.length and value.ndims:
+                return True
+        elif isinstance(value, Mapping):
+            if has_leaf(value):
+                return True
+        else:
+            return True
+    return False
+
+
+# -- materialize ---------------------------------------------------------------------
+
+
+def materialize_tree(tree: Mapping[str, Any]) -> FrozenMapping:
+    """Return `tree`, each entry expanded into `{prefix}`, `{prefix}{i}` children."""
+    pairs: list[tuple[str, Any]] = []
+    for key, value in _items(tree):
+        if isinstance(value, IterationSummaries):
+            pairs.append((key, EMPTY))
+            for i, it in enumerate(value.iterations()):
+                pairs.append((f"{key}{i}", materialize_tree(it)))
+        elif isinstance(value, Mapping):
+            pairs.append((key, materialize_tree(value)))
+        else:
+            pairs.append((key, value))
+    return FrozenMapping(pairs)
+
+
+# -- prune ---------------------------------------------------------------------------
+
+
+class _NonUniform(Exception):
+    """Iterations of an inner entry keep different entries (so it must be sliced)."""
+
+
+def prune_kinds(
+    kinds: Mapping[str, Mapping[str, Any]], drop: PathPredicate
+) -> dict[str, FrozenMapping]:
+    """AXLearn's `prune_tree` over `{kind: tree}`, per-iteration entries seen expanded.
+
+    `drop` is called bottom-up on every entry of the materialized trees, in the order
+    of `materialize()`'s mappings, with paths like `"summaries/iter3/loss"`, and on
+    the kind roots. An entry whose iterations all keep the same entries (and whose
+    empty `{prefix}` child is kept) stays stacked, with those entries only; otherwise
+    the kept iterations are sliced. Each path is asked once.
+    """
+    memo: dict[str, bool] = {}
+
+    def asked(path: str) -> bool:
+        known = memo.get(path)
+        if known is None:
+            known = memo[path] = bool(drop(path))
+        return known
+
+    out: dict[str, FrozenMapping] = {}
+    for kind, tree in kinds.items():
+        pruned = _prune(tree, asked, kind + "/", slots=False)
+        if not asked(kind):
+            out[kind] = pruned
+    return out
+
+
+def _prune(
+    tree: Mapping[str, Any], drop: Callable[[str], bool], prefix: str, *, slots: bool
+) -> FrozenMapping:
+    pairs: list[tuple[str, Any]] = []
+    for key, value in _items(tree):
+        path = prefix + key
+        if isinstance(value, IterationSummaries):
+            pairs.extend(_prune_entry(key, value, drop, prefix, slots=slots))
+        elif isinstance(value, Mapping):
+            sub = _prune(value, drop, path + "/", slots=slots)
+            if not drop(path):
+                pairs.append((key, sub))
+        elif not drop(path):
+            pairs.append((key, value))
+    return FrozenMapping(pairs)
+
+
+def _prune_entry(
+    key: str,
+    entry: IterationSummaries,
+    drop: Callable[[str], bool],
+    prefix: str,
+    *,
+    slots: bool,
+) -> list[Any]:
+    """Prune one entry: stacked where every iteration keeps the same, else sliced.
+
+    The iterations are pruned on a skeleton of the entry (its structure with the leaf
+    indices as leaves), so deciding costs no slicing. With `slots=True` the entry is
+    itself such a skeleton (inside an outer entry), and a non-uniform result raises
+    `_NonUniform` for the outer entry to slice instead.
+    """
+    keep_empty = not drop(prefix + key)
+    leaves, treedef = _leaves(entry)
+    skeleton = treedef.unflatten(list(range(len(leaves))))
+    kept: list[Any] = []
+    uniform = keep_empty and entry.length > 0
+    try:
+        for i in range(entry.length):
+            at = f"{prefix}{key}{i}"
+            sub = _prune(skeleton, drop, at + "/", slots=True)
+            kept.append(None if drop(at) else sub)
+    except _NonUniform:
+        uniform = False
+    first = jax.tree_util.tree_flatten(kept[0]) if uniform and kept[0] else None
+    if first is not None and all(
+        k is not None and jax.tree_util.tree_flatten(k) == first for k in kept
+    ):
+        index: list[int] = first[0]
+        stacked = jax.tree_util.tree_map(lambda j: leaves[j], kept[0])
+        ndims = tuple(entry.ndims[j] for j in index)
+        return [(key, IterationSummaries(entry.length, stacked, ndims))]
+    if slots:
+        raise _NonUniform
+    # Slice: prune the materialized entry (`drop` is memoized: nothing asked twice).
+    pairs = [(key, EMPTY)]
+    pairs += [(f"{key}{i}", it) for i, it in enumerate(entry.iterations())]
+    return _prune(FrozenMapping(pairs), drop, prefix, slots=False).items_list()
+
+
+__all__ = [
+    "IterationSummaries",
+    "SummaryTree",
+    "flatten_into",
+    "freeze",
+    "has_leaf",
+    "iter_leaves",
+    "materialize_tree",
+    "prune_kinds",
+]

@@ -1,0 +1,110 @@
+"""Names and leaves of output collections: what may enter, checked where it enters."""
+
+import contextlib
+import re
+from typing import Any, Final, Literal, TypeAlias
+
+import jax
+import jax.numpy as jnp
+
+from ._summary import Summary, is_array_leaf
+
+
+#: One of the three kinds of outputs of a collection.
+Kind: TypeAlias = Literal["summaries", "state_updates", "module_outputs"]
+KINDS: Final[tuple[Kind, Kind, Kind]] = ("summaries", "state_updates", "module_outputs")
+ADDERS: Final[dict[str, str]] = {
+    "summaries": "add_summary",
+    "state_updates": "add_state_update",
+    "module_outputs": "add_module_output",
+}
+_CHILD_NAME = re.compile(r"[a-z][a-z0-9_]*")  # used with fullmatch
+
+
+def validate_child_name(name: object, *, where: str) -> str:
+    """Return `name` if it is a valid child name, else raise `ValueError`."""
+    if not isinstance(name, str) or not _CHILD_NAME.fullmatch(name):
+        raise ValueError(
+            f"`{where}`: invalid child name {name!r}. Child names must match "
+            f"'^[a-z][a-z0-9_]*$' (lower case letters, digits and '_', starting with "
+            "a letter), e.g. 'encoder' or 'layer_3'."
+        )
+    return name
+
+
+def validate_leaf_name(name: object, *, where: str) -> str:
+    """Return `name` if it is a valid leaf name (non-empty, no '/'), else raise."""
+    if not isinstance(name, str) or not name or "/" in name:
+        raise ValueError(
+            f"`{where}`: invalid name {name!r}. Summary, state update and module "
+            "output names are non-empty strings without '/'; use `ctx.call` or "
+            "`add_child` to nest outputs."
+        )
+    return name
+
+
+_NUMERIC_KINDS = (jnp.number, jnp.bool_, jax.dtypes.prng_key)
+_numeric_cache: dict[Any, bool] = {}
+
+
+def _is_numeric(dtype: Any) -> bool:
+    """Return whether `dtype` is a number, a bool or a typed PRNG key (bfloat16 too)."""
+    known = _numeric_cache.get(dtype)
+    if known is not None:
+        return known
+    try:
+        ok = any(bool(jnp.issubdtype(dtype, kind)) for kind in _NUMERIC_KINDS)
+    except TypeError:
+        ok = False
+    with contextlib.suppress(TypeError):  # an unhashable dtype-like object
+        _numeric_cache[dtype] = ok
+    return ok
+
+
+# What a leaf's type makes it (whether a value is an array, a number or a `Summary`
+# depends on its type only): looked up once per type.
+SUMMARY, ARRAY, NUMBER, INVALID = 0, 1, 2, 3
+_leaf_types: dict[type, int] = {}
+
+
+def leaf_type(value: object) -> int:
+    """Return `SUMMARY`, `ARRAY` (has a dtype), `NUMBER` or `INVALID` for `value`."""
+    cls = type(value)
+    found = _leaf_types.get(cls)
+    if found is None:
+        if isinstance(value, Summary):
+            found = SUMMARY
+        elif isinstance(value, (bool, int, float)):
+            found = NUMBER
+        elif is_array_leaf(value):
+            found = ARRAY
+        else:
+            found = INVALID
+        _leaf_types[cls] = found
+    return found
+
+
+def check_leaf(value: object, path: str) -> None:
+    """Raise `TypeError` naming `path` unless `value` is a valid collection leaf.
+
+    Valid leaves are JAX and NumPy arrays of numeric dtypes (bool, integer,
+    floating, complex, typed PRNG keys), Python `bool`/`int`/`float`, and `Summary`
+    objects. Called once per leaf, where it enters a collection.
+    """
+    kind = leaf_type(value)
+    if kind in (SUMMARY, NUMBER):
+        return
+    if kind == ARRAY:
+        dtype = getattr(value, "dtype", None)
+        if dtype is None or _is_numeric(dtype):
+            return
+        raise TypeError(
+            f"`OutputCollection`: the array at {path!r} has dtype {dtype}; leaves must "
+            "be numeric (bool, int, float, complex). Log text with a "
+            "`CallbackSummary`."
+        )
+    raise TypeError(
+        f"`OutputCollection`: the value at {path!r} has type {type(value).__name__}; "
+        "leaves must be JAX or NumPy arrays, Python bool/int/float, or `Summary` "
+        "objects. Add one output per leaf, or use `ctx.call` to nest them."
+    )

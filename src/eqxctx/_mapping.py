@@ -1,0 +1,263 @@
+"""FrozenMapping: the read-only mapping of every collection level.
+
+A persistent mapping with O(1) amortized insertion: each version is a prefix of a
+shared append-only log. Inserting into the newest version appends to the log in place;
+inserting into an older version (a branch: two different entries added to the same
+collection) copies that version's entries into a new log first. No version ever sees
+an entry added after it, so every version is immutable to its readers.
+
+An entry may also reserve a range of numbered names: an entry `key` with span `N`
+stands for `key0` … `key{N-1}` as well (a scan's per-iteration children). Both
+directions of the conflict check are arithmetic: `reserver(name)` splits the trailing
+digits of `name`, and `numbered_below(prefix, n)` looks up the names already present
+that are `prefix` followed by a number.
+"""
+
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, TypeAlias
+
+import jax
+
+
+# Insertion checks "is this version the newest?" and appends under one lock, so that
+# two threads extending the same version never both append to the shared log.
+_LOCK = threading.Lock()
+
+
+def _numbered_splits(key: str) -> Iterator[tuple[str, int]]:
+    """Yield each `(prefix, i)` with `key == f"{prefix}{i}"` and `str(i)` canonical."""
+    end = len(key)
+    start = end
+    while start > 1 and key[start - 1].isdigit() and key[start - 1].isascii():
+        start -= 1
+    for k in range(start, end):
+        if key[k] != "0" or k == end - 1:
+            yield key[:k], int(key[k:])
+
+
+class _Log:
+    """The entries of every version of one mapping, in insertion order."""
+
+    __slots__ = ("index", "keys", "numbered", "numbered_upto", "spans", "values")
+
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+        self.values: list[Any] = []
+        self.index: dict[str, int] = {}
+        self.spans: dict[str, tuple[int, int]] = {}  # key -> (position, span)
+        # prefix -> [(pos, i)] for the keys `prefix{i}`; built lazily (only merging a
+        # scan's entry asks), up to `numbered_upto` keys.
+        self.numbered: dict[str, list[tuple[int, int]]] = {}
+        self.numbered_upto = 0
+
+    def append(self, key: str, value: Any, span: int) -> None:
+        pos = len(self.keys)
+        self.keys.append(key)
+        self.values.append(value)
+        self.index[key] = pos
+        if span:
+            self.spans[key] = (pos, span)
+
+    def numbers(self) -> dict[str, Any]:
+        """Return the index of numbered keys, brought up to date (amortized O(1))."""
+        keys = self.keys
+        for pos in range(self.numbered_upto, len(keys)):
+            key = keys[pos]
+            if key[-1:].isdigit():
+                for prefix, i in _numbered_splits(key):
+                    self.numbered.setdefault(prefix, []).append((pos, i))
+        self.numbered_upto = len(keys)
+        return self.numbered
+
+
+# Element types of sequences in these signatures are `Any`: beartype (the test
+# suite's runtime checks) samples sequence items with `random`, which hypothesis
+# forbids inside strategies, and collections are built inside `eqxctx.testing`'s.
+Pairs: TypeAlias = Iterable[Any]  # of `(key, value)` tuples
+Keys: TypeAlias = tuple[Any, ...]  # of `str`
+
+
+def _span_of(value: object) -> int:
+    # Duck-typed so that this module does not depend on `IterationSummaries`.
+    span = getattr(type(value), "reserved_span", None)
+    return 0 if span is None else span.__get__(value)
+
+
+class FrozenMapping(Mapping[str, Any]):
+    """A read-only `Mapping[str, ...]`, as held by every level of an `OutputCollection`.
+
+    Reads (`m[key]`, `key in m`, `len(m)`, iteration in insertion order) are those of
+    a `dict`; writes raise `TypeError`. A PyTree node like `dict` (children in sorted
+    key order, `jax.tree_util.DictKey` paths), so `jax.tree_util` functions see the
+    same leaves in the same order as for the equivalent `dict`.
+    """
+
+    __slots__ = ("_log", "_n", "_sorted")
+
+    def __init__(self, items: Mapping[str, Any] | Pairs = ()):
+        log = _Log()
+        pairs = items.items() if isinstance(items, Mapping) else items
+        for key, value in pairs:
+            if key in log.index:
+                raise ValueError(f"`FrozenMapping`: key {key!r} given twice.")
+            log.append(key, value, _span_of(value))
+        self._log = log
+        self._n = len(log.keys)
+        self._sorted: Keys | None = None
+
+    # -- reading -----------------------------------------------------------------
+
+    def __getitem__(self, key: str) -> Any:
+        pos = self._log.index.get(key)
+        if pos is None or pos >= self._n:
+            raise KeyError(key)
+        return self._log.values[pos]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """Return the value of `key`, or `default` if absent."""
+        pos = self._log.index.get(key)
+        if pos is None or pos >= self._n:
+            return default
+        return self._log.values[pos]
+
+    def __contains__(self, key: object) -> bool:
+        pos = self._log.index.get(key) if isinstance(key, str) else None
+        return pos is not None and pos < self._n
+
+    def __iter__(self) -> Iterator[str]:
+        keys = self._log.keys
+        return iter(keys if len(keys) == self._n else keys[: self._n])
+
+    def __len__(self) -> int:
+        return self._n
+
+    def items_list(self) -> list[Any]:
+        """Return `list(self.items())`, faster."""
+        log = self._log
+        return list(zip(log.keys[: self._n], log.values[: self._n], strict=True))
+
+    def sorted_keys(self) -> Keys:
+        """Return the keys in sorted order (the PyTree order), cached."""
+        keys = self._sorted
+        if keys is None:
+            keys = tuple(sorted(self._log.keys[: self._n]))
+            self._sorted = keys
+        return keys
+
+    def __repr__(self) -> str:
+        return "FrozenMapping(" + repr(dict(self.items_list())) + ")"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        return dict(self.items_list()) == dict(other.items())
+
+    __hash__ = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (FrozenMapping, (self.items_list(),))
+
+    def __copy__(self) -> "FrozenMapping":
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "FrozenMapping":
+        import copy
+
+        return FrozenMapping(
+            [(k, copy.deepcopy(v, memo)) for k, v in self.items_list()]
+        )
+
+    # -- reserved numbered names -------------------------------------------------
+
+    def reserver(self, name: str) -> str | None:
+        """Return the key whose span reserves `name` (`iter` for `iter3`), if any."""
+        spans = self._log.spans
+        if not spans or not name[-1:].isdigit():
+            return None
+        for prefix, i in _numbered_splits(name):
+            found = spans.get(prefix)
+            if found is not None and found[0] < self._n and i < found[1]:
+                return prefix
+        return None
+
+    def numbered_in(self, prefix: str, span: int) -> Iterator[str]:
+        """Yield the keys `f"{prefix}{i}"` with `i < span` present here."""
+        with _LOCK:
+            found = list(self._log.numbers().get(prefix, ()))
+        for pos, i in found:
+            if pos < self._n and i < span:
+                yield f"{prefix}{i}"
+
+    def numbered_below(self, prefix: str, span: int) -> str | None:
+        """Return a key `f"{prefix}{i}"` with `i < span` present here, if any."""
+        return next(self.numbered_in(prefix, span), None)
+
+    def spans(self) -> Iterator[tuple[str, int]]:
+        """Yield `(key, span)` for every entry that reserves numbered names."""
+        for key, (pos, span) in self._log.spans.items():
+            if pos < self._n:
+                yield key, span
+
+    # -- persistent insertion ------------------------------------------------------
+
+    def inserted(self, key: str, value: Any) -> "FrozenMapping":
+        """Return a new version with `key: value` added; `self` is unchanged.
+
+        O(1) amortized. The caller has checked that `key` is not present.
+        """
+        log, n = self._log, self._n
+        with _LOCK:
+            if len(log.keys) == n:
+                log.append(key, value, _span_of(value))
+                return _version(log, n + 1)
+        # A branch: another version already extends this one; copy, then append.
+        new = _Log()
+        for k, v in zip(log.keys[:n], log.values[:n], strict=True):
+            new.append(k, v, _span_of(v))
+        new.append(key, value, _span_of(value))
+        return _version(new, n + 1)
+
+    def updated(self, pairs: Pairs) -> "FrozenMapping":
+        """Return a new version with every pair added (keys checked by the caller)."""
+        out = self
+        for key, value in pairs:
+            out = out.inserted(key, value)
+        return out
+
+
+def _version(log: _Log, n: int) -> FrozenMapping:
+    """The version of `log` that holds its first `n` entries."""
+    out = object.__new__(FrozenMapping)
+    out._log = log  # pyright: ignore[reportPrivateUsage]
+    out._n = n  # pyright: ignore[reportPrivateUsage]
+    out._sorted = None  # pyright: ignore[reportPrivateUsage]
+    return out
+
+
+EMPTY = FrozenMapping()
+
+
+def _flatten_with_keys(m: FrozenMapping) -> tuple[list[Any], Keys]:
+    keys = m.sorted_keys()
+    return [(jax.tree_util.DictKey(k), m[k]) for k in keys], keys
+
+
+def _flatten(m: FrozenMapping) -> tuple[list[Any], Keys]:
+    keys = m.sorted_keys()
+    return [m[k] for k in keys], keys
+
+
+def _unflatten(keys: Keys, children: Iterable[Any]) -> FrozenMapping:
+    # No checks: JAX unflattens with arbitrary objects (tracers, sentinels, None).
+    log = _Log()
+    for key, value in zip(keys, children, strict=True):
+        log.append(key, value, _span_of(value))
+    out = _version(log, len(keys))
+    out._sorted = keys  # pyright: ignore[reportPrivateUsage]
+    return out
+
+
+jax.tree_util.register_pytree_with_keys(
+    FrozenMapping, _flatten_with_keys, _unflatten, _flatten
+)

@@ -1,0 +1,509 @@
+"""Host-side cost, by exact counts: leaf checks, Python calls, traces, HLO, fetches."""
+
+import copy
+import pickle
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+
+import eqxctx
+import eqxctx._collection as collection_module
+from eqxctx import (
+    Context,
+    IterationSummaries,
+    OutputCollection,
+    OutputConflictError,
+    SummaryAccumulator,
+    WeightedSummary,
+    functional,
+    scan_in_context,
+    vmap_in_context,
+)
+from eqxctx.testing import assert_collections_equal, output_collections
+from eqxctx.writers import JsonlWriter
+
+
+_INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?[\w.\-]+ = ", re.MULTILINE)
+
+
+def count_calls(fn: Callable[[], Any]) -> int:
+    """The number of Python function calls made while running `fn` (exact)."""
+    calls = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        del frame, arg
+        if event == "call":
+            calls += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def hlo_size(fn: Callable[..., Any], *args: Any) -> tuple[int, int]:
+    """(optimized HLO instructions, output leaves) of `jax.jit(fn)(*args)`."""
+    compiled = jax.jit(fn).lower(*args).compile()
+    outputs = len(jax.tree_util.tree_leaves(jax.eval_shape(fn, *args)))
+    return len(_INSTRUCTION.findall(compiled.as_text() or "")), outputs
+
+
+# -- adds are O(1), each leaf checked once --------------------------------------------
+
+
+@pytest.mark.parametrize("k", [1, 10, 200])
+def test_k_adds_check_k_leaves(k: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    checked: list[str] = []
+    real = collection_module.check_leaf
+
+    def counting(value: object, path: str) -> None:
+        checked.append(path)
+        real(value, path)
+
+    monkeypatch.setattr(collection_module, "check_leaf", counting)
+    ctx = Context.root()
+    for i in range(k):
+        ctx = ctx.add_summary(f"s{i}", jnp.float32(i))
+    coll = ctx.collection
+    # Merging, nesting and reading re-check nothing.
+    parent = Context.root().call("a", lambda c: (None, c.merge(coll)))[1]
+    parent.collection.merge(OutputCollection.empty().add_child("b", coll))
+    assert checked == [f"summaries/s{i}" for i in range(k)]
+
+
+def _grown(n: int) -> Context:
+    ctx = Context.root(prng_key=jax.random.PRNGKey(0))
+    for i in range(n):
+        ctx = ctx.add_summary(f"s{i}", 1.0).add_module_output(f"m{i}", 2.0)
+        ctx = ctx.call(f"c{i}", lambda c: (None, c.add_summary("x", 1.0)))[1]
+    return ctx
+
+
+def test_call_and_add_cost_do_not_grow_with_earlier_outputs() -> None:
+    def step(ctx: Context) -> Callable[[], Any]:
+        def run() -> Any:
+            _, out = ctx.call(
+                "new",
+                lambda c: (None, c.add_summary("y", 1.0).add_module_output("z", 1)),
+            )
+            return out.add_summary("after", 2.0).merge(
+                OutputCollection.empty().add_summary("merged", 3.0)
+            )
+
+        return run
+
+    step(_grown(5))()  # warm caches (seeds, regexes)
+    # Fresh contexts: extending a version that was already extended copies its
+    # level once (a branch), which is not what this measures.
+    assert count_calls(step(_grown(5))) == count_calls(step(_grown(500)))
+
+
+def test_adds_after_a_long_scan_cost_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scan's `{prefix}{i}` names are a range: checked arithmetically."""
+
+    def after(n: int) -> Context:
+        entry = OutputCollection(
+            {"iter": IterationSummaries(n, {"x": jnp.zeros(n)})}, {"iter": {}}, {}
+        )
+        return Context.root().merge(entry)
+
+    def step(ctx: Context) -> Callable[[], Any]:
+        def run() -> Any:
+            out = ctx.add_summary("loss", 1.0)
+            out = out.call("enc", lambda c: (None, c))[1]
+            return out.merge(OutputCollection.empty().add_summary("iter9x", 1.0))
+
+        return run
+
+    step(after(16))()
+    assert count_calls(step(after(16))) == count_calls(step(after(65_536)))
+    long = after(65_536)
+    # The range is still reserved, checked at the call that collides.
+    with pytest.raises(OutputConflictError, match="iter65535"):
+        long.add_summary("iter65535", 1.0)
+    with pytest.raises(OutputConflictError, match="iter4000"):
+        long.call("iter4000", lambda c: (None, c))
+    long.add_summary("iter65536", 1.0)  # past the range: free
+    with pytest.raises(OutputConflictError, match="child_name_prefix"):
+        long.merge(
+            OutputCollection.empty().add_child("iter77", OutputCollection.empty())
+        )
+
+
+def test_merging_a_scan_finds_the_clashing_numbered_names() -> None:
+    ctx = Context.root().call("iter7", lambda c: (None, c))[1]
+    ctx = ctx.add_summary("iter12", 1.0)
+    entry = OutputCollection(
+        {"iter": IterationSummaries(10, {"x": jnp.zeros(10)})}, {}, {}
+    )
+    with pytest.raises(OutputConflictError, match=r"child 'iter7'"):
+        ctx.merge(entry)
+    only_leaf = Context.root().add_summary("iter3", 1.0)
+    with pytest.raises(OutputConflictError, match=r"'iter3' is a child in one"):
+        only_leaf.merge(entry)
+    # Names past the range, or with a leading zero, are not iteration names.
+    Context.root().add_summary("iter10", 1.0).add_summary("iter01", 2.0).merge(entry)
+
+
+# -- immutability ----------------------------------------------------------------------
+
+
+def test_mappings_are_read_only() -> None:
+    child = OutputCollection.empty().add_summary("acc", 1.0)
+    coll = OutputCollection.empty().add_summary("loss", 1.0).add_child("enc", child)
+    with pytest.raises(TypeError):
+        coll.summaries["x"] = 1  # pyright: ignore[reportIndexIssue]
+    with pytest.raises(TypeError):
+        coll.summaries["enc"]["acc"] = 2
+    with pytest.raises(TypeError):
+        del coll.module_outputs["enc"]  # pyright: ignore[reportIndexIssue]
+    with pytest.raises(AttributeError):
+        coll.summaries.update({"x": 1})  # pyright: ignore[reportAttributeAccessIssue]
+    with pytest.raises(AttributeError):
+        coll.summaries = {}  # pyright: ignore[reportAttributeAccessIssue]
+    entry = IterationSummaries(2, {"x": jnp.zeros(2)})
+    with pytest.raises(TypeError):
+        entry.stacked["y"] = 1  # pyright: ignore[reportIndexIssue]
+
+
+@given(output_collections(), output_collections())
+def test_no_result_shares_a_mutable_container_with_an_input(
+    a: OutputCollection, b: OutputCollection
+) -> None:
+    raw: dict[str, Any] = {"x": 1.0, "nested": {"y": 2.0}}
+    coll = OutputCollection(raw, {}, {})
+    raw["x"], raw["nested"]["y"], raw["z"] = 5.0, 6.0, 7.0
+    assert coll.flatten("summaries") == {"x": 1.0, "nested/y": 2.0}
+    before = [a.flatten(k) for k in ("summaries", "state_updates", "module_outputs")]
+    try:
+        merged = a.merge(b)
+    except OutputConflictError:
+        merged = a.add_child("zz_other", b) if "zz_other" not in a.child_names() else a
+    derived = [
+        merged,
+        a.add_summary("zz_new", 1.0)
+        if "zz_new" not in a.child_names() | a.leaf_names()
+        else a,
+        a.prune(lambda p: p.endswith("0")),
+        a.materialize(),
+    ]
+    for d in derived:
+        assert_collections_equal(merged if d is merged else d, d)
+    after = [a.flatten(k) for k in ("summaries", "state_updates", "module_outputs")]
+    assert [set(f) for f in before] == [set(f) for f in after]
+    # Only read-only mappings come out; nothing a caller holds is a dict of ours.
+    for d in derived:
+        for tree in (d.summaries, d.state_updates, d.module_outputs):
+            assert not isinstance(tree, dict)
+
+
+def test_copy_and_pickle_round_trip() -> None:
+    coll = (
+        OutputCollection.empty()
+        .add_summary("w", WeightedSummary(1.0, 2.0))
+        .add_child("enc", OutputCollection.empty().add_module_output("h", np.ones(2)))
+    )
+    for other in (
+        copy.copy(coll),
+        copy.deepcopy(coll),
+        pickle.loads(pickle.dumps(coll)),
+    ):
+        assert_collections_equal(other, coll)
+    ctx = Context.root(prng_key=jax.random.PRNGKey(3)).child("a")
+    again = pickle.loads(pickle.dumps(ctx))
+    np.testing.assert_array_equal(again.prng_key, ctx.prng_key)
+    assert again.path == ctx.path
+
+
+def test_branching_versions_stay_independent() -> None:
+    base = OutputCollection.empty().add_summary("a", 1.0)
+    left = base.add_summary("b", 2.0)
+    right = base.add_summary("c", 3.0)  # a branch of `base`: copies, then adds
+    assert left.flatten("summaries") == {"a": 1.0, "b": 2.0}
+    assert right.flatten("summaries") == {"a": 1.0, "c": 3.0}
+    assert base.flatten("summaries") == {"a": 1.0}
+    assert left.add_summary("c", 4.0).flatten("summaries")["c"] == 4.0
+
+
+# -- lazy keys -------------------------------------------------------------------------
+
+
+def test_unread_child_keys_cost_nothing() -> None:
+    def f(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+        for i in range(20):
+            x, ctx = ctx.call(f"c{i}", lambda x, c: (x + 1, c), x)
+        return x, ctx
+
+    jaxpr = jax.make_jaxpr(
+        lambda x, k: functional(f, prng_key=k, is_training=False, args=(x,))
+    )(jnp.ones(()), jax.random.PRNGKey(0))
+    assert "random" not in str(jaxpr)
+    assert "threefry" not in str(jaxpr)
+
+
+def test_lazy_keys_equal_eager_derivation() -> None:
+    root = Context.root(prng_key=jax.random.PRNGKey(7))
+    deep = root.child("a").child("b").child("c")
+    want = jax.random.PRNGKey(7)
+    for name in ("a", "b", "c"):
+        want = jax.random.fold_in(want, eqxctx._context.child_seed(name))  # pyright: ignore[reportPrivateUsage]
+    np.testing.assert_array_equal(deep.prng_key, want)
+    # Flattened as a PyTree, the key is the derived one.
+    leaves = jax.tree_util.tree_leaves(deep)
+    np.testing.assert_array_equal(leaves[0], want)
+
+
+# -- nested combinators --------------------------------------------------------------
+
+
+def nested_merged(depth: int) -> tuple[Callable[[jax.Array], Any], list[int]]:
+    traces = [0]
+
+    def level(d: int) -> Callable[[jax.Array, jax.Array, Context], Any]:
+        def body(c: jax.Array, x: jax.Array, ctx: Context) -> Any:
+            if d == depth:
+                traces[0] += 1
+                return c + x, None, ctx.add_summary("x", WeightedSummary(x, 1.0))
+            c, _, coll = scan_in_context(
+                level(d + 1),
+                context=ctx,
+                carry=c,
+                xs=jnp.ones(2),
+                merge_summaries=True,
+                child_name_prefix="inner",
+            )
+            return c, None, ctx.merge(coll)
+
+        return body
+
+    def run(x: jax.Array) -> Any:
+        return scan_in_context(
+            level(1),
+            context=Context.root(),
+            carry=x,
+            xs=jnp.ones(2),
+            merge_summaries=True,
+        )
+
+    return run, traces
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3, 5])
+def test_nested_merged_scans_trace_each_body_a_bounded_number_of_times(
+    depth: int,
+) -> None:
+    run, traces = nested_merged(depth)
+    carry, _, coll = jax.jit(run)(jnp.zeros(()))
+    assert traces[0] == depth + 1 <= 2 * depth
+    assert float(carry) == 2.0**depth
+    # Every level merged: one weighted mean of all 2**depth innermost values.
+    (path,) = coll.flatten("summaries")
+    assert path == "iter/" + "inner/" * (depth - 1) + "x"
+    assert float(coll.flatten("summaries")[path].weight) == 2.0**depth
+
+
+def nested_drop(n: int) -> Callable[[jax.Array], Any]:
+    drop = lambda path: path.endswith("/h")
+
+    def inner(c: jax.Array, x: jax.Array, ctx: Context) -> Any:
+        ctx = ctx.add_summary("s", jnp.sum(c) * x).add_module_output("h", c)
+        return c * x, None, ctx
+
+    def middle(c: jax.Array, x: jax.Array, ctx: Context) -> Any:
+        c, _, coll = scan_in_context(
+            inner, context=ctx, carry=c, xs=x * jnp.ones(n), drop_output=drop
+        )
+        return c, None, ctx.merge(coll).add_summary("m", jnp.mean(c))
+
+    def outer(c: jax.Array, x: jax.Array, ctx: Context) -> Any:
+        c, _, coll = scan_in_context(
+            middle, context=ctx, carry=c, xs=x * jnp.ones(n), drop_output=drop
+        )
+        return c, None, ctx.merge(coll)
+
+    def run(c: jax.Array) -> Any:
+        c, _, coll = scan_in_context(
+            outer, context=Context.root(), carry=c, xs=jnp.ones(n), drop_output=drop
+        )
+        return c, coll
+
+    return run
+
+
+def nested_hand(n: int) -> Callable[[jax.Array], Any]:
+    """`nested_drop` written with `jax.lax.scan`, returning the same stacked values."""
+
+    def inner(c: jax.Array, x: jax.Array) -> Any:
+        return c * x, jnp.sum(c) * x
+
+    def middle(c: jax.Array, x: jax.Array) -> Any:
+        c, s = jax.lax.scan(inner, c, x * jnp.ones(n))
+        return c, (s, jnp.mean(c))
+
+    def outer(c: jax.Array, x: jax.Array) -> Any:
+        return jax.lax.scan(middle, c, x * jnp.ones(n))
+
+    return lambda c: jax.lax.scan(outer, c, jnp.ones(n))
+
+
+def test_nested_drop_output_slices_nothing_in_the_program() -> None:
+    x = jnp.ones(3)
+    # The same program as the hand-written scans (whose size XLA varies a little
+    # with the trip count), at 2 and 8 iterations per level: nothing is sliced.
+    for n in (2, 8):
+        assert hlo_size(nested_drop(n), x) == hlo_size(nested_hand(n), x)
+    assert hlo_size(nested_drop(2), x)[1] == hlo_size(nested_drop(8), x)[1] == 3
+    _, coll = jax.jit(nested_drop(2))(x)
+    flat = coll.flatten("summaries")
+    assert len(flat) == 2 * 2 * 2 + 2 * 2  # s per inner iteration, m per middle one
+    assert float(flat["iter1/iter0/iter1/s"]) == 3.0
+    assert coll.flatten("module_outputs") == {}
+
+
+def test_vmap_merge_is_one_reduction_per_leaf() -> None:
+    def body(x: jax.Array, ctx: Context) -> Any:
+        ctx = ctx.add_summary("w", WeightedSummary(jnp.mean(x), jnp.float32(x.size)))
+        ctx = ctx.add_summary("mx", eqxctx.MaxSummary(jnp.max(x)))
+        return x, ctx.add_summary("sum", jnp.sum(x))
+
+    def ours(xs: jax.Array) -> Any:
+        return vmap_in_context(
+            body, context=Context.root(), xs=xs, merge_summaries=True
+        )[1]
+
+    def hand(xs: jax.Array) -> Any:
+        # The same reductions, written by hand: a weighted mean safe at zero weight.
+        means = jnp.mean(xs, axis=1)
+        weights = jnp.full(xs.shape[:1], jnp.float32(xs.shape[1]))
+        total = jnp.sum(weights)
+        num = jnp.sum(jnp.where(weights > 0, means, 0) * weights)
+        safe = jnp.where(total > 0, total, 1)
+        return {
+            "w": (jnp.where(total > 0, num / safe, 0), total),
+            "mx": jnp.max(jnp.max(xs, axis=1)),
+            "sum": jnp.sum(jnp.sum(xs, axis=1)),
+        }
+
+    xs = jnp.arange(32.0).reshape(8, 4)
+    assert hlo_size(ours, xs)[0] <= hlo_size(hand, xs)[0]
+    merged = ours(xs).flatten("summaries")
+    np.testing.assert_allclose(merged["iter/w"].value(), np.mean(np.asarray(xs)))
+    assert float(merged["iter/mx"].value()) == 31.0
+    assert float(merged["iter/sum"]) == float(np.sum(np.asarray(xs)))
+
+
+# -- host views ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def device_gets(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    real = jax.device_get
+
+    def counting(x: Any) -> Any:
+        calls.append(len(jax.tree_util.tree_leaves(x)))
+        return real(x)
+
+    monkeypatch.setattr(jax, "device_get", counting)
+    return calls
+
+
+def scanned(n: int, s: int) -> OutputCollection:
+    def body(c: float, x: jax.Array, ctx: Context) -> Any:
+        for j in range(s):
+            ctx = ctx.add_summary(f"s{j}", x * (j + 1))
+        ctx = ctx.add_summary("w", WeightedSummary(x, 2.0))
+        return c, None, ctx
+
+    return jax.jit(
+        lambda xs: scan_in_context(body, context=Context.root(), carry=0.0, xs=xs)[2]
+    )(jnp.arange(float(n)))
+
+
+def test_host_views_fetch_each_stacked_array_once(
+    device_gets: list[int], tmp_path: Path
+) -> None:
+    coll = scanned(64, 3)
+    flat = coll.flatten("summaries")
+    assert device_gets == [5]  # 3 raw arrays + the weighted summary's 2, at once
+    assert len(flat) == 64 * 4
+    for i in (0, 17, 63):
+        assert isinstance(flat[f"iter{i}/s2"], np.generic | np.ndarray)
+        assert float(flat[f"iter{i}/s2"]) == 3.0 * i
+        assert float(flat[f"iter{i}/w"].value()) == i
+    device_gets.clear()
+    assert float(coll.child("iter9").flatten("summaries")["s0"]) == 9.0
+    assert float(coll.materialize().summaries["iter5"]["s1"]) == 10.0
+    assert device_gets == [5, 5]
+    device_gets.clear()
+    with JsonlWriter(tmp_path / "s.jsonl") as writer:
+        writer.write(0, coll)
+    assert device_gets[0] == 5
+
+
+def test_summary_accumulator_keeps_iterations_stacked() -> None:
+    a, b = scanned(32, 2), scanned(32, 2)
+    acc = SummaryAccumulator().update(a).update(b)
+    assert acc.accumulated is not None
+    entry = acc.accumulated["iter"]
+    assert isinstance(entry, IterationSummaries)
+    flat = acc.flatten()
+    want_a = a.flatten("summaries")
+    for i in (0, 5, 31):
+        assert float(flat[f"iter{i}/s1"]) == float(want_a[f"iter{i}/s1"]) * 2
+        assert float(flat[f"iter{i}/w"].weight) == 4.0
+        assert float(flat[f"iter{i}/w"].value()) == i
+    # A per-iteration weight of shape () with a mean of shape (3,) accumulates too.
+    stacked = {"w": WeightedSummary(jnp.ones((4, 3)), jnp.arange(4.0))}
+    coll = OutputCollection({"iter": IterationSummaries(4, stacked)}, {}, {})
+    out = SummaryAccumulator().update(coll).update(coll).flatten()
+    np.testing.assert_array_equal(out["iter3/w"].weight, 6.0)
+    np.testing.assert_array_equal(out["iter3/w"].value(), np.ones(3))
+
+
+def test_per_iteration_views_inside_jit_slice_on_device() -> None:
+    def f(xs: jax.Array) -> Any:
+        coll = OutputCollection({"iter": IterationSummaries(3, {"x": xs})}, {}, {})
+        return coll.flatten("summaries")
+
+    out = jax.jit(f)(jnp.arange(3.0))
+    assert {k: float(v) for k, v in out.items()} == {
+        "iter0/x": 0.0,
+        "iter1/x": 1.0,
+        "iter2/x": 2.0,
+    }
+
+
+def test_trace_of_many_children_is_linear_in_python_calls() -> None:
+    """Python calls per child are constant: K children cost K times one child."""
+
+    def make(k: int) -> Callable[[], Any]:
+        def f(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+            for i in range(k):
+                x, ctx = ctx.call(
+                    f"c{i}",
+                    lambda x, c: (
+                        x,
+                        c.add_summary("s", 1.0).add_module_output("h", 2.0),
+                    ),
+                    x,
+                )
+            return x, ctx
+
+        return lambda: functional(f, prng_key=None, is_training=False, args=(1.0,))
+
+    make(5)()
+    c10, c20, c40 = (count_calls(make(k)) for k in (10, 20, 40))
+    # Up to a few calls of JAX's own caches, 20 more children cost twice 10 more.
+    assert abs((c40 - c20) - 2 * (c20 - c10)) <= 16
