@@ -17,7 +17,7 @@ the `Output` dataclass), never blocking. See `docs/architecture.md`.
 """
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -128,8 +128,8 @@ class MethodRunner(eqx.Module):
 
         output_batch: Any
         input_batch: Any
-        summaries: dict[str, Any]
-        module_outputs: dict[str, Any]
+        summaries: Mapping[str, Any]
+        module_outputs: Mapping[str, Any]
 
     @classmethod
     def create(
