@@ -1,6 +1,7 @@
 """The runner's one path (`_step.Step`): placement, equivalent shardings, trace counts,
 padding with a mask, donation; on 8 simulated CPU devices."""
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any
@@ -436,3 +437,49 @@ def test_greedy_decoding_page(capsys: pytest.CaptureFixture[str]) -> None:
     runner = ns["runner"]
     assert runner.params.wq.sharding.spec == P(None, "model")
     assert ns["out"].input_batch["prompt"].sharding.spec == P(("data",))
+
+
+# -- the runner's values: Output, Settings, public-API rebuilds --------------------
+
+
+def test_output_is_a_frozen_pytree_dataclass_and_settings_hold_no_caches() -> None:
+    runner = MethodRunner.create(
+        affine(), "apply", mesh=mesh_1d(AxisType.Auto), prng_key=jax.random.PRNGKey(0)
+    )
+    batch = {"x": np.ones((8, 4), np.float32), "id": np.arange(8, dtype=np.int32)}
+    _, out = runner(batch)
+    assert isinstance(out, MethodRunner.Output)
+    assert [f.name for f in dataclasses.fields(out)] == [
+        "output_batch",
+        "input_batch",
+        "summaries",
+        "module_outputs",
+    ]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        out.output_batch = None  # pyright: ignore[reportAttributeAccessIssue]
+    doubled = jax.tree.map(lambda x: x * 2, out)
+    assert isinstance(doubled, MethodRunner.Output)
+    np.testing.assert_array_equal(
+        np.asarray(doubled.input_batch["id"]), np.arange(8) * 2
+    )
+    assert len(jax.tree.leaves(out)) == 5  # y, id (out); x, id (in); n (summary)
+    # Settings: hashable configuration only, equal for equal arguments.
+    settings = runner.settings
+    assert dataclasses.is_dataclass(settings)
+    again = MethodRunner.create(
+        affine(1), "apply", mesh=mesh_1d(AxisType.Auto), prng_key=jax.random.key(1)
+    )
+    assert hash(again.settings) == hash(settings)
+    assert again.settings == settings
+    assert again.step is runner.step
+    for f in dataclasses.fields(settings):
+        hash(getattr(settings, f.name))
+
+
+def test_runner_internals_use_public_apis_only() -> None:
+    """No `object.__new__`, `__dict__` writes or `__getattribute__` overrides (#11)."""
+    src = Path(eqxctx.__file__).parent
+    for name in ("_runner", "_step", "_aot", "_plan", "_traced", "_transfer"):
+        text = (src / f"{name}.py").read_text()
+        for banned in ("object.__new__", "__dict__", "__getattribute__ =", "_setattr"):
+            assert banned not in text, (name, banned)
