@@ -33,7 +33,7 @@ from ._leaves import (
     validate_child_name,
     validate_leaf_name,
 )
-from ._mapping import EMPTY, FrozenMapping
+from ._mapping import EMPTY, FrozenMapping, from_dicts, to_dicts
 from ._typing import Leaf, PathPredicate, Tree
 
 
@@ -331,16 +331,20 @@ _EMPTY = _make(EMPTY, EMPTY, EMPTY)
 _KEYS = tuple(jax.tree_util.GetAttrKey(kind) for kind in KINDS)
 
 
+# The levels flatten as `dict`s (see `to_dicts`): same leaves, order and `DictKey`
+# paths as the mappings themselves, flattened by JAX in C++.
+
+
 def _flatten_with_keys(coll: OutputCollection) -> tuple[list[Any], None]:
-    return list(zip(_KEYS, _trees(coll), strict=True)), None
+    return list(zip(_KEYS, map(to_dicts, _trees(coll)), strict=True)), None
 
 
 def _flatten(coll: OutputCollection) -> tuple[tuple[Any, ...], None]:
-    return _trees(coll), None
+    return tuple(map(to_dicts, _trees(coll))), None
 
 
 def _unflatten(_: None, children: Any) -> OutputCollection:
-    return _make(*children)
+    return _make(*map(from_dicts, children))
 
 
 jax.tree_util.register_pytree_with_keys(

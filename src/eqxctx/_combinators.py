@@ -10,6 +10,7 @@ from typing import Any, SupportsIndex
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, PyTree
 
 from ._collection import OutputCollection, validate_child_name
 from ._context import Context, fold_in_name, is_shape_only, iteration_context
@@ -23,23 +24,23 @@ from ._repeat import (
     propagate_repeated_output_collections as propagate,
 )
 from ._summary import is_array_leaf
-from ._typing import Carry, X, Y
+from ._typing import Carry, InAxes, Leaf, PRNGKeys, SummaryTree, Tree, X, Y
 
 
 _PER_ITERATION_KEYS = ("prng_key",)
 
 
-def _fold_in(key: Any, index: Any) -> Any:
+def _fold_in(key: PRNGKeys, index: ArrayLike) -> PRNGKeys:
     """Return iteration `index`'s key, `jax.random.fold_in(key, index)`."""
     return jax.random.fold_in(key, index)
 
 
-def _leaves_with_names(tree: Any, root: str) -> list[tuple[str, Any]]:
+def _leaves_with_names(tree: PyTree, root: str) -> list[tuple[str, Leaf]]:
     leaves = jax.tree_util.tree_leaves_with_path(tree)
     return [(f"{root}{jax.tree_util.keystr(path)}", leaf) for path, leaf in leaves]
 
 
-def _check_array_leaf(name: str, leaf: Any, where: str) -> None:
+def _check_array_leaf(name: str, leaf: Leaf, where: str) -> None:
     """Raise for a leaf that is not an array (e.g. a function field of a module)."""
     if not is_array_leaf(leaf):
         raise TypeError(
@@ -52,7 +53,7 @@ def _check_array_leaf(name: str, leaf: Any, where: str) -> None:
         )
 
 
-def _scan_length(xs: Any, per_iteration: Mapping[str, Any], length: object) -> int:
+def _scan_length(xs: PyTree, per_iteration: Tree, length: object) -> int:
     """Return N, checking every leading axis before anything is traced."""
     where = "`scan_in_context`"
     if length is not None:
@@ -100,7 +101,7 @@ def _scan_length(xs: Any, per_iteration: Mapping[str, Any], length: object) -> i
     return distinct.pop()
 
 
-def _check_per_iteration(per_iteration: object) -> dict[str, Any]:
+def _check_per_iteration(per_iteration: object) -> dict[str, PRNGKeys]:
     if per_iteration is None:
         return {}
     if not isinstance(per_iteration, Mapping):
@@ -117,7 +118,7 @@ def _check_per_iteration(per_iteration: object) -> dict[str, Any]:
     return dict(per_iteration)
 
 
-def _check_remat(remat_kwargs: Mapping[str, Any] | None) -> dict[str, Any] | None:
+def _check_remat(remat_kwargs: Mapping[str, object] | None) -> dict[str, Any] | None:
     if remat_kwargs is None:
         return None
     kwargs = {"prevent_cse": False, **remat_kwargs}  # a copy: never mutate the caller's
@@ -131,8 +132,8 @@ def _check_remat(remat_kwargs: Mapping[str, Any] | None) -> dict[str, Any] | Non
 
 
 def _run_body(
-    fn: Callable[..., object], args: tuple[Any, ...], what: str, arity: int
-) -> tuple[Any, ...]:
+    fn: Callable[..., object], args: tuple[PyTree, ...], what: str, arity: int
+) -> tuple[PyTree, ...]:
     result = fn(*args)
     if (
         not isinstance(result, tuple)
@@ -156,12 +157,12 @@ def scan_in_context(
     xs: X,
     length: SupportsIndex | None = None,
     reverse: bool = False,
-    per_iteration: Mapping[str, Any] | None = None,
+    per_iteration: Mapping[str, object] | None = None,
     split_prng_key: bool = True,
     drop_output: Callable[[str], bool] | None = None,
     child_name_prefix: str = "iter",
     unroll: int | bool = 1,
-    remat_kwargs: Mapping[str, Any] | None = None,
+    remat_kwargs: Mapping[str, object] | None = None,
     merge_summaries: bool = False,
 ) -> tuple[Carry, Y, OutputCollection]:
     """Run `fn` over the leading axis of `xs` with `jax.lax.scan`, collecting outputs.
@@ -241,19 +242,19 @@ def scan_in_context(
     overrides = _check_per_iteration(per_iteration)
     n = _scan_length(xs, overrides, length)
     remat = _check_remat(remat_kwargs)
-    child_key: Any = fold_in_name(context.prng_key, prefix)
-    given_keys: Any = overrides.get("prng_key")
+    child_key: PRNGKeys | None = fold_in_name(context.prng_key, prefix)
+    given_keys: PRNGKeys | None = overrides.get("prng_key")
     # Iteration i's key is `fold_in(child_key, i)` with i from a carried counter, not
     # from an `arange(N)` input: no buffer grows with N, and XLA removes the counter
     # when the body never reads its key.
     count = given_keys is None and child_key is not None and split_prng_key
 
     def one_iteration(
-        c: Any, x: Any, k: Any, shape_only: bool = False
-    ) -> tuple[Any, Any, OutputCollection]:
+        c: PyTree, x: PyTree, k: PyTree, shape_only: bool = False
+    ) -> tuple[PyTree, PyTree, OutputCollection]:
         if given_keys is not None:
             key = k
-        elif count:
+        elif count and child_key is not None:
             key = _fold_in(child_key, k)
         else:
             key = child_key
@@ -269,9 +270,9 @@ def scan_in_context(
     # nested merged scans trace each body at most twice in total per level.
     shape_only = is_shape_only(context)
     merge = merge_summaries and n >= 2 and not shape_only
-    acc: Any = None
-    first: Any = None
-    like: Any = None
+    acc: SummaryTree | None = None
+    first: Array | None = None
+    like: SummaryTree | None = None
     if merge:
         # The accumulator is carried, so its structure is needed before the scan:
         # one abstract evaluation of the body (no FLOPs, nothing in the program),
@@ -291,7 +292,7 @@ def scan_in_context(
     index = jnp.array(max(n - 1, 0) if reverse else 0, jnp.uint32) if count else None
     step = jnp.array(1, jnp.uint32)
 
-    def body(state: Any, inputs: tuple[Any, Any]) -> tuple[Any, Any]:
+    def body(state: PyTree, inputs: tuple[PyTree, PyTree]) -> tuple[PyTree, PyTree]:
         c_in, acc, first, index = state
         x, k = inputs
         c, y, coll = one_iteration(c_in, x, index if count else k)
@@ -328,7 +329,7 @@ def scan_in_context(
     )
 
 
-def _check_carry(before: Any, after: Any) -> None:
+def _check_carry(before: PyTree, after: PyTree) -> None:
     """Raise for a body whose carry changes structure, shape or dtype (at trace time).
 
     `jax.lax.scan` raises too, but names eqxctx's internal loop state (`state[0]`).
@@ -358,7 +359,7 @@ def _check_carry(before: Any, after: Any) -> None:
             )
 
 
-def _vmap_length(xs: Any, in_axes: Any) -> int:
+def _vmap_length(xs: PyTree, in_axes: InAxes) -> int:
     where = "`vmap_in_context`"
     try:
         axes = jax.tree_util.tree_map(
@@ -404,7 +405,7 @@ def vmap_in_context(
     *,
     context: Context,
     xs: X,
-    in_axes: Any = 0,
+    in_axes: InAxes = 0,
     split_prng_key: bool = True,
     drop_output: Callable[[str], bool] | None = None,
     child_name_prefix: str = "iter",
@@ -454,11 +455,11 @@ def vmap_in_context(
         child_name_prefix, where="vmap_in_context(child_name_prefix=...)"
     )
     n = _vmap_length(xs, in_axes)
-    child_key: Any = fold_in_name(context.prng_key, prefix)
+    child_key: PRNGKeys | None = fold_in_name(context.prng_key, prefix)
     split = child_key is not None and split_prng_key
 
-    def body(x: Any, i: Any) -> tuple[Any, OutputCollection]:
-        key = _fold_in(child_key, i) if split else child_key
+    def body(x: PyTree, i: Array) -> tuple[PyTree, OutputCollection]:
+        key = _fold_in(child_key, i) if split and child_key is not None else child_key
         ctx_i = iteration_context(context, prefix, key, shape_only=False)
         y, ctx_i = _run_body(fn, (x, ctx_i), "`vmap_in_context`", 2)
         coll = ctx_i.collection

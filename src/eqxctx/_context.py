@@ -269,9 +269,13 @@ class Context:
         child = _child(self, name, self.is_training)
         with jax.named_scope(name):
             result = fn(*args, child, **kwargs)
-        out, child_out = check_returns_context(
-            result, f"`Context.call({name!r}, fn)`: fn"
-        )
+        if (
+            type(result) is not tuple
+            or len(result) != 2
+            or type(result[1]) is not Context
+        ):
+            check_returns_context(result, f"`Context.call({name!r}, fn)`: fn")
+        out, child_out = result
         return out, _with(self, with_child(coll, name, child_out.collection))
 
 

@@ -78,10 +78,19 @@ Pairs: TypeAlias = Iterable[Any]  # of `(key, value)` tuples
 Keys: TypeAlias = tuple[Any, ...]  # of `str`
 
 
+_no_span: set[type] = set()
+
+
 def _span_of(value: object) -> int:
     # Duck-typed so that this module does not depend on `IterationSummaries`.
-    span = getattr(type(value), "reserved_span", None)
-    return 0 if span is None else span.__get__(value)
+    cls = type(value)
+    if cls in _no_span:
+        return 0
+    span = getattr(cls, "reserved_span", None)
+    if span is None:
+        _no_span.add(cls)
+        return 0
+    return span.__get__(value)
 
 
 class FrozenMapping(Mapping[str, Any]):
@@ -238,21 +247,34 @@ def _version(log: _Log, n: int) -> FrozenMapping:
 EMPTY = FrozenMapping()
 
 
+# Flattening and unflattening run at every transformation boundary, for every level
+# of every collection: they avoid per-entry method calls.
+
+
 def _flatten_with_keys(m: FrozenMapping) -> tuple[list[Any], Keys]:
     keys = m.sorted_keys()
-    return [(jax.tree_util.DictKey(k), m[k]) for k in keys], keys
+    log = m._log  # pyright: ignore[reportPrivateUsage]
+    index, values, key_type = log.index, log.values, jax.tree_util.DictKey
+    return [(key_type(k), values[index[k]]) for k in keys], keys
 
 
 def _flatten(m: FrozenMapping) -> tuple[list[Any], Keys]:
     keys = m.sorted_keys()
-    return [m[k] for k in keys], keys
+    log = m._log  # pyright: ignore[reportPrivateUsage]
+    index, values = log.index, log.values
+    return [values[index[k]] for k in keys], keys
 
 
 def _unflatten(keys: Keys, children: Iterable[Any]) -> FrozenMapping:
     # No checks: JAX unflattens with arbitrary objects (tracers, sentinels, None).
     log = _Log()
-    for key, value in zip(keys, children, strict=True):
-        log.append(key, value, _span_of(value))
+    log.keys = list(keys)
+    log.values = list(children)
+    log.index = {k: i for i, k in enumerate(keys)}
+    for i, value in enumerate(log.values):
+        span = _span_of(value)
+        if span:
+            log.spans[keys[i]] = (i, span)
     out = _version(log, len(keys))
     out._sorted = keys  # pyright: ignore[reportPrivateUsage]
     return out
@@ -261,3 +283,33 @@ def _unflatten(keys: Keys, children: Iterable[Any]) -> FrozenMapping:
 jax.tree_util.register_pytree_with_keys(
     FrozenMapping, _flatten_with_keys, _unflatten, _flatten
 )
+
+
+def to_dicts(m: FrozenMapping) -> dict[str, Any]:
+    """Return `m` as nested `dict`s (nested `FrozenMapping`s converted too).
+
+    A collection flattens its levels as `dict`s, which JAX flattens in C++ (one
+    Python callback per level otherwise, at every transformation boundary).
+    """
+    log = m._log  # pyright: ignore[reportPrivateUsage]
+    n = m._n  # pyright: ignore[reportPrivateUsage]
+    return {
+        k: to_dicts(v) if type(v) is FrozenMapping else v
+        for k, v in zip(log.keys[:n], log.values[:n], strict=True)
+    }
+
+
+def from_dicts(d: Any) -> FrozenMapping:
+    """The inverse of `to_dicts` (no checks: JAX unflattens with arbitrary leaves)."""
+    if type(d) is FrozenMapping:
+        return d
+    keys = list(d)
+    log = _Log()
+    log.keys = keys
+    log.values = values = [from_dicts(v) if type(v) is dict else v for v in d.values()]
+    log.index = {k: i for i, k in enumerate(keys)}
+    for i, value in enumerate(values):
+        span = _span_of(value)
+        if span:
+            log.spans[keys[i]] = (i, span)
+    return _version(log, len(keys))

@@ -1,6 +1,6 @@
 """Shared type aliases and TypeVars (named after what they hold, as in Optax's base)."""
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeAlias, TypeVar
 
 import numpy as np
@@ -20,6 +20,12 @@ PRNGKey: TypeAlias = Key[Array, ""] | UInt32[Array, "2"] | UInt32[np.ndarray, "2
 #: `value()` returns; host views of per-iteration summaries hold NumPy values.
 ArrayValue: TypeAlias = Array | np.ndarray | np.number[Any] | np.bool_
 
+#: A key or a batch of keys (leading axes), e.g. a scan's `per_iteration` keys or
+#: the key of a context unflattened by `jax.vmap`.
+PRNGKeys: TypeAlias = (
+    Key[Array, "*batch"] | UInt32[Array, "*batch 2"] | UInt32[np.ndarray, "*batch 2"]
+)
+
 #: A leaf of an output collection: a JAX or NumPy array, a Python number or a
 #: `Summary` (any, at run time: values also pass through JAX transformations).
 Leaf: TypeAlias = Any
@@ -33,5 +39,5 @@ SummaryTree: TypeAlias = Mapping[str, Any]
 #: A path predicate: `drop(path) -> bool` with "/"-joined paths.
 PathPredicate: TypeAlias = Callable[[str], bool]
 
-#: Any PyTree (a batch, a carry, `xs`, a model), as JAX accepts it.
-PyTreeLike: TypeAlias = Any
+#: `jax.vmap`'s `in_axes`: a prefix tree of the inputs with an int or None per subtree.
+InAxes: TypeAlias = int | Sequence[Any] | Mapping[str, Any] | None
