@@ -26,6 +26,7 @@ from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._frozen import Frozen
+from ._mapping import EMPTY
 from ._partition import (
     is_explicit,
     leaf_shardings,
@@ -419,6 +420,10 @@ class Step:
         if extra is not None:
             out = eqx.combine(out, extra.value)
         output_batch, summaries, module_outputs = out
+        if summaries is None:
+            summaries = EMPTY
+        if module_outputs is None:
+            module_outputs = EMPTY
         if self.donate:
             batch = None
         if padding is not None:
