@@ -21,7 +21,9 @@ Variants of one row run interleaved, round after round; each figure is the media
 the rounds (the machine is shared and noisy), and ratios are taken in the same run.
 Usage:
 
-    .venv/bin/python benchmarks/bench_runner.py [--quick]
+    .venv/bin/python benchmarks/bench_runner.py [--quick] [--rounds N]
+
+(`BENCH_MIN=1` reports the minimum of the rounds instead of the median.)
 
 The 8-device figures come from a subprocess started with
 `XLA_FLAGS=--xla_force_host_platform_device_count=8`.
@@ -42,6 +44,8 @@ from typing import Any
 
 
 LEAVES = (10, 100, 1000)
+#: Interleaved rounds per row (medians are reported); `--rounds` or BENCH_ROUNDS.
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "9"))
 # Pipelined loops keep at most this many calls in flight: XLA's CPU runtime can
 # deadlock with many multi-device programs in flight.
 WINDOW = 16
@@ -63,10 +67,8 @@ def _interleaved(
                 times[name].append((time.perf_counter() - t0) / per_round * 1e6)
     finally:
         gc.enable()
-    return {
-        k: (min(v) if os.environ.get("BENCH_MIN") else statistics.median(v))
-        for k, v in times.items()
-    }
+    pick = min if os.environ.get("BENCH_MIN") else statistics.median
+    return {k: pick(v) for k, v in times.items()}
 
 
 def _setup(devices: int, leaves: int) -> dict[str, Any]:
@@ -164,7 +166,7 @@ def _per_call(devices: int, quick: bool) -> list[dict[str, Any]]:
         user = {"x": jax.device_put(host["x"], sharding)}
         params, key = runner.params, runner.prng_key
         calls = (50 if quick else 200) if n < 1000 else (20 if quick else 100)
-        rounds = 3 if quick else 9
+        rounds = 3 if quick else ROUNDS
         kinds = (("a) own", own), ("b) P('data')", user), ("c) NumPy", host))
         for kind, batch in kinds:
             numpy = sharding if kind.startswith("c") else None
@@ -229,7 +231,7 @@ def _run_batches(devices: int, quick: bool) -> list[dict[str, Any]]:
                         _jit_loop, bare, params, key, batches, 8, numpy
                     ),
                 },
-                3 if quick else 9,
+                3 if quick else ROUNDS,
                 count,
             )
             rows.append(
@@ -358,10 +360,13 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="fewer calls and rounds")
     parser.add_argument("--devices", type=int, help="(internal) measure in-process")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds per row (9)")
     parser.add_argument(
         "--only", choices=["per_call", "run_batches", "padding"], help="one part"
     )
     args = parser.parse_args()
+    if args.rounds is not None:
+        os.environ["BENCH_ROUNDS"] = str(args.rounds)  # read by the subprocesses
     if args.devices is not None:
         if args.only == "per_call":
             rows = _per_call(args.devices, args.quick)
