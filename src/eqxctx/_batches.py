@@ -12,28 +12,29 @@ from typing import Any, TypeAlias
 import equinox as eqx
 import jax
 import numpy as np
+from jaxtyping import PyTree
 
-from ._collection import summary_tree
+from ._collection import OutputCollection, summary_tree
 from ._iterations import flatten_into, freeze, materialize_tree
 from ._mapping import EMPTY, FrozenMapping
 from ._repeat import accumulate_trees
 from ._runner import MethodRunner
 from ._summary import Summary, accumulate_leaf
-from ._typing import SummaryTree
+from ._typing import Batch, Leaf, SummaryTree, TreeDef
 
 
 #: What `SummaryAccumulator.update` accepts: an `OutputCollection` or a nested
 #: mapping of summaries (and of `OutputCollection`s).
-Summaries: TypeAlias = Any
+Summaries: TypeAlias = OutputCollection | SummaryTree
 
 
 def run_batches(
     runner: MethodRunner,
-    batches: Iterable[Any],
+    batches: Iterable[Batch],
     *,
     progress: bool = False,
     max_in_flight: int | None = 8,
-    **kwargs: Any,
+    **kwargs: PyTree,
 ) -> Iterator[MethodRunner.Output]:
     """Run `runner` on each batch in turn; yield each batch's output.
 
@@ -76,7 +77,7 @@ def run_batches(
     # runners are never seen, so they are not built.
     step, params, key = runner.step, runner.param_leaves, runner.prng_key
     call = step.call
-    pending: collections.deque[Any] = collections.deque()
+    pending: collections.deque[PyTree] = collections.deque()
     for batch in batches:
         key, output = call(params, key, batch, kwargs)
         if max_in_flight is not None:
@@ -86,7 +87,7 @@ def run_batches(
         yield output
 
 
-def _nest(flat: dict[str, Any]) -> FrozenMapping:
+def _nest(flat: dict[str, Leaf]) -> FrozenMapping:
     out: dict[str, Any] = {}
     for path, leaf in flat.items():
         *parents, name = path.split("/")
@@ -97,11 +98,11 @@ def _nest(flat: dict[str, Any]) -> FrozenMapping:
     return freeze(out, "summaries")
 
 
-def _kind(x: Any) -> str:
+def _kind(x: Leaf) -> str:
     return type(x).__name__ if isinstance(x, Summary) else "a raw value"
 
 
-def _accumulate(path: str, a: Any, b: Any) -> Any:
+def _accumulate(path: str, a: Leaf, b: Leaf) -> Leaf:
     """`accumulate_leaf(a, b)`, with errors that name `path`."""
     where = "`SummaryAccumulator.update`"
     if isinstance(a, Summary) or isinstance(b, Summary):
@@ -125,14 +126,14 @@ def _accumulate(path: str, a: Any, b: Any) -> Any:
     return accumulate_leaf(a, b)
 
 
-def _flat(tree: SummaryTree) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _flat(tree: SummaryTree) -> dict[str, Leaf]:
+    out: dict[str, Leaf] = {}
     flatten_into(out.__setitem__, tree, "", "/")
     return out
 
 
 @functools.lru_cache(maxsize=64)
-def _step(treedef: Any) -> Callable[..., Any]:
+def _step(treedef: TreeDef) -> Callable[..., list[Leaf]]:
     """The jitted accumulation of two trees of `treedef`, over their leaves.
 
     One jitted call per update: per-iteration summaries are accumulated in their
@@ -141,7 +142,7 @@ def _step(treedef: Any) -> Callable[..., Any]:
     structure comes back as a static output.
     """
 
-    def step(a: list[Any], b: list[Any]) -> list[Any]:
+    def step(a: list[Leaf], b: list[Leaf]) -> list[Leaf]:
         out = accumulate_trees(treedef.unflatten(a), treedef.unflatten(b))
         return jax.tree_util.tree_leaves(out)
 
@@ -149,7 +150,7 @@ def _step(treedef: Any) -> Callable[..., Any]:
 
 
 @functools.lru_cache(maxsize=64)
-def _out_treedef(treedef: Any, num_leaves: int) -> Any:
+def _out_treedef(treedef: TreeDef, num_leaves: int) -> TreeDef:
     """The structure of an accumulation: `treedef`'s (accumulating keeps each kind)."""
     if treedef.num_leaves != num_leaves:  # pragma: no cover - a kind changed shape
         raise ValueError("`SummaryAccumulator`: accumulation changed the structure.")
@@ -199,7 +200,7 @@ class SummaryAccumulator(eqx.Module):
         self.accumulated = accumulated
 
     @property
-    def flat(self) -> dict[str, Any] | None:
+    def flat(self) -> dict[str, Leaf] | None:
         """The accumulated summaries as `{"a/b/name": leaf}`, or None before any."""
         return None if self.accumulated is None else _flat(self.accumulated)
 

@@ -297,7 +297,7 @@ def scan_in_context(
         x, k = inputs
         c, y, coll = one_iteration(c_in, x, index if count else k)
         _check_carry(c_in, c)
-        if merge:
+        if merge and like is not None:
             new = cast_like(coll.summaries, like)
             summed = cast_like(accumulate_trees(acc, new), like)
             acc = jax.tree_util.tree_map(

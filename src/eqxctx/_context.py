@@ -21,7 +21,7 @@ from ._collection import (
     with_child,
 )
 from ._errors import CALL_TWICE_HINT, PREFIX_HINT, OutputConflictError
-from ._typing import Leaf, PRNGKey, R
+from ._typing import Leaf, MaybeKey, PRNGKey, R
 
 
 class _Unset:
@@ -49,7 +49,7 @@ def fold_in_name(prng_key: PRNGKey | None, name: str) -> PRNGKey | None:
     return jax.random.fold_in(prng_key, child_seed(name))
 
 
-def _derive(base: Any, names: tuple[Any, ...]) -> Any:
+def _derive(base: MaybeKey, names: tuple[Any, ...]) -> MaybeKey:
     key = base
     for name in names:
         key = fold_in_name(key, name)
@@ -133,7 +133,7 @@ class Context:
         return (Context, (self.path, self.prng_key, self.is_training, self.collection))
 
     @property
-    def prng_key(self) -> Any:
+    def prng_key(self) -> MaybeKey:
         """The context's key (derived from its ancestors' names when first needed)."""
         names = self._key_names
         if not names:
@@ -290,7 +290,7 @@ def _init(
     # `tuple[Any, ...]`: beartype samples variadic tuples with `random`, which
     # hypothesis forbids inside strategies (contexts are built in strategies).
     path: tuple[Any, ...],
-    base_key: Any,  # any key, also batched (a context unflattened by `jax.vmap`)
+    base_key: MaybeKey,  # also batched: a context unflattened by `jax.vmap`
     key_names: tuple[Any, ...],
     is_training: bool,
     collection: OutputCollection,
@@ -310,7 +310,7 @@ def _make(
     # `tuple[Any, ...]`: beartype samples variadic tuples with `random`, which
     # hypothesis forbids inside strategies (contexts are built in strategies).
     path: tuple[Any, ...],
-    base_key: Any,  # any key, also batched (a context unflattened by `jax.vmap`)
+    base_key: MaybeKey,  # also batched: a context unflattened by `jax.vmap`
     key_names: tuple[Any, ...],
     is_training: bool,
     collection: OutputCollection,
@@ -368,14 +368,16 @@ def _with(ctx: Context, collection: OutputCollection) -> Context:
 _KEYS = (jax.tree_util.GetAttrKey("prng_key"), jax.tree_util.GetAttrKey("collection"))
 
 
-def _flatten_with_keys(ctx: Context) -> tuple[list[Any], Any]:
+def _flatten_with_keys(ctx: Context) -> tuple[list[Any], tuple[Any, bool]]:
     return list(zip(_KEYS, (ctx.prng_key, ctx.collection), strict=True)), (
         ctx.path,
         ctx.is_training,
     )
 
 
-def _flatten(ctx: Context) -> tuple[tuple[Any, OutputCollection], Any]:
+def _flatten(
+    ctx: Context,
+) -> tuple[tuple[MaybeKey, OutputCollection], tuple[Any, bool]]:
     return (ctx.prng_key, ctx.collection), (ctx.path, ctx.is_training)
 
 

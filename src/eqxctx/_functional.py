@@ -1,10 +1,13 @@
 """functional: run a context-taking function from a fresh root context."""
 
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
+
+from jaxtyping import PyTree
 
 from ._collection import KINDS, OutputCollection
 from ._context import Context, check_returns_context
+from ._typing import PRNGKey
 
 
 R = TypeVar("R")
@@ -13,10 +16,10 @@ R = TypeVar("R")
 def functional(
     fn: Callable[..., tuple[R, Context]],
     *,
-    prng_key: Any,
+    prng_key: PRNGKey | None,
     is_training: bool,
-    args: Sequence[Any] = (),
-    kwargs: dict[str, Any] | None = None,
+    args: Sequence[PyTree] = (),
+    kwargs: Mapping[str, PyTree] | None = None,
     drop_output_collections: Sequence[str] = ("module_outputs",),
 ) -> tuple[R, OutputCollection]:
     """Run `fn(*args, ctx, **kwargs)` in a new root context; return its outputs.

@@ -5,6 +5,11 @@ entry, which stands for the children `{prefix}0` … `{prefix}{N-1}` (and an emp
 `{prefix}` child). Everything that has to see those children goes through this
 module. Host-side views fetch each stacked array once and index it in NumPy; inside a
 trace they slice with `jax.numpy`.
+
+
+Sequences in signatures have `Any`-typed items (`Leaf`, `Pairs`): beartype, the test
+suite's runtime checker, samples sequence items with `random`, which hypothesis
+forbids inside strategies, and these walks run inside `eqxctx.testing`'s.
 """
 
 from collections.abc import Callable, Iterator, Mapping
@@ -17,9 +22,9 @@ from jax.core import Tracer
 
 from ._errors import PREFIX_HINT, OutputConflictError
 from ._leaves import check_leaf
-from ._mapping import EMPTY, FrozenMapping
+from ._mapping import EMPTY, FrozenMapping, Pairs
 from ._summary import Summary
-from ._typing import PathPredicate, SummaryTree
+from ._typing import Leaf, PathPredicate, SummaryTree, Tree, TreeDef
 
 
 class IterationSummaries(eqx.Module):
@@ -61,7 +66,7 @@ class IterationSummaries(eqx.Module):
     def __init__(
         self,
         length: int,
-        stacked: Mapping[str, Any],
+        stacked: Tree,
         # `Any`, not `tuple[int, ...] | None`: beartype checks a variadic tuple by
         # sampling it with `random`, which hypothesis forbids inside strategies.
         ndims: Any = None,
@@ -101,7 +106,7 @@ class IterationSummaries(eqx.Module):
         ]
         return treedef.unflatten([r[i] for r in rows])
 
-    def iterations(self) -> list[Any]:
+    def iterations(self) -> list[Leaf]:
         """Return every iteration's summaries, fetching each stacked array once."""
         leaves, treedef = _leaves(self)
         rows = [
@@ -111,7 +116,7 @@ class IterationSummaries(eqx.Module):
         return [treedef.unflatten([r[i] for r in rows]) for i in range(self.length)]
 
 
-def _leaves(entry: IterationSummaries) -> tuple[list[Any], Any]:
+def _leaves(entry: IterationSummaries) -> tuple[list[Leaf], TreeDef]:
     leaves, treedef = jax.tree_util.tree_flatten(entry.stacked)
     if len(leaves) != len(entry.ndims):
         raise ValueError(
@@ -121,7 +126,7 @@ def _leaves(entry: IterationSummaries) -> tuple[list[Any], Any]:
     return leaves, treedef
 
 
-def _axes(entry: IterationSummaries, leaves: list[Any]) -> list[Any]:
+def _axes(entry: IterationSummaries, leaves: list[Leaf]) -> list[Leaf]:
     """Return each leaf's iteration axis: after the axes an outer transform added."""
     axes: list[int] = []
     for x, ndim in zip(leaves, entry.ndims, strict=True):
@@ -146,7 +151,7 @@ def _fetchable(x: object) -> bool:
     )
 
 
-def _host(leaves: list[Any]) -> list[Any]:
+def _host(leaves: list[Leaf]) -> list[Leaf]:
     """Return `leaves` with concrete, addressable JAX arrays fetched to NumPy at once.
 
     Tracers and arrays this process cannot read whole stay as they are (they are
@@ -170,7 +175,7 @@ def _host(leaves: list[Any]) -> list[Any]:
     return out
 
 
-def _unstack(x: Any, axis: int) -> list[Any]:
+def _unstack(x: Leaf, axis: int) -> list[Leaf]:
     """Return the slices of `x` along `axis`: NumPy views, or device slices."""
     if isinstance(x, np.ndarray):
         return list(np.moveaxis(x, axis, 0) if axis else x)
@@ -181,7 +186,7 @@ def _unstack(x: Any, axis: int) -> list[Any]:
 # -- conversion (where leaves enter) -------------------------------------------------
 
 
-def _items(tree: Mapping[str, Any]) -> list[Any]:
+def _items(tree: Tree) -> Pairs:
     if isinstance(tree, FrozenMapping):
         return tree.items_list()
     return list(tree.items())
@@ -204,7 +209,7 @@ def freeze(tree: object, path: str) -> FrozenMapping:
     if not isinstance(tree, Mapping):
         raise TypeError(f"`OutputCollection`: {path!r} must be a mapping, got {tree!r}")
     pairs: list[tuple[str, Any]] = []
-    for key, value in _items(tree):
+    for key, value in list(tree.items()):
         sub = f"{path}/{key}"
         if not isinstance(key, str):
             raise TypeError(
@@ -235,7 +240,7 @@ def _is_unit(x: object) -> bool:
 
 
 def flatten_into(
-    put: Callable[[str, Any], None], tree: Mapping[str, Any], prefix: str, sep: str
+    put: Callable[[str, Leaf], None], tree: Tree, prefix: str, sep: str
 ) -> None:
     """Call `put(path, leaf)` for every leaf of `tree`, per-iteration entries expanded.
 
@@ -254,7 +259,7 @@ def flatten_into(
 
 
 def _flatten_entry(
-    put: Callable[[str, Any], None], entry: IterationSummaries, path: str, sep: str
+    put: Callable[[str, Leaf], None], entry: IterationSummaries, path: str, sep: str
 ) -> None:
     leaves, _ = _leaves(entry)
     rows = [
@@ -262,7 +267,7 @@ def _flatten_entry(
     ]
     # One unit per summary: a raw leaf (one row), or a `Summary` / nested entry rebuilt
     # from its rows by its treedef.
-    units: list[tuple[str, Any, int, int]] = []
+    units: list[tuple[str, TreeDef | None, int, int]] = []
     start = 0
     flat = jax.tree_util.tree_flatten_with_path(entry.stacked, is_leaf=_is_unit)[0]
     for key_path, obj in flat:
@@ -296,14 +301,14 @@ def _flatten_entry(
                 put(at + rel, obj)
 
 
-def iter_leaves(tree: Mapping[str, Any], sep: str = "/") -> Iterator[tuple[str, Any]]:
+def iter_leaves(tree: Tree, sep: str = "/") -> Iterator[tuple[str, Leaf]]:
     """Yield `(path, leaf)` as `flatten_into` visits them."""
-    out: list[tuple[str, Any]] = []
+    out: list[tuple[str, Leaf]] = []
     flatten_into(lambda p, v: out.append((p, v)), tree, "", sep)
     return iter(out)
 
 
-def has_leaf(tree: Mapping[str, Any]) -> bool:
+def has_leaf(tree: Tree) -> bool:
     """Return whether `tree` has any leaf (per-iteration entries count their leaves)."""
     for value in tree.values():
         if isinstance(value, IterationSummaries):
@@ -320,9 +325,9 @@ def has_leaf(tree: Mapping[str, Any]) -> bool:
 # -- materialize ---------------------------------------------------------------------
 
 
-def materialize_tree(tree: Mapping[str, Any]) -> FrozenMapping:
+def materialize_tree(tree: Tree) -> FrozenMapping:
     """Return `tree`, each entry expanded into `{prefix}`, `{prefix}{i}` children."""
-    pairs: list[tuple[str, Any]] = []
+    pairs: list[tuple[str, Leaf]] = []
     for key, value in _items(tree):
         if isinstance(value, IterationSummaries):
             pairs.append((key, EMPTY))
@@ -343,7 +348,7 @@ class _NonUniform(Exception):
 
 
 def prune_kinds(
-    kinds: Mapping[str, Mapping[str, Any]], drop: PathPredicate
+    kinds: Mapping[str, Tree], drop: PathPredicate
 ) -> dict[str, FrozenMapping]:
     """AXLearn's `prune_tree` over `{kind: tree}`, per-iteration entries seen expanded.
 
@@ -370,9 +375,9 @@ def prune_kinds(
 
 
 def _prune(
-    tree: Mapping[str, Any], drop: Callable[[str], bool], prefix: str, *, slots: bool
+    tree: Tree, drop: PathPredicate, prefix: str, *, slots: bool
 ) -> FrozenMapping:
-    pairs: list[tuple[str, Any]] = []
+    pairs: list[tuple[str, Leaf]] = []
     for key, value in _items(tree):
         path = prefix + key
         if isinstance(value, IterationSummaries):
@@ -389,11 +394,11 @@ def _prune(
 def _prune_entry(
     key: str,
     entry: IterationSummaries,
-    drop: Callable[[str], bool],
+    drop: PathPredicate,
     prefix: str,
     *,
     slots: bool,
-) -> list[Any]:
+) -> Pairs:
     """Prune one entry: stacked where every iteration keeps the same, else sliced.
 
     The iterations are pruned on a skeleton of the entry (its structure with the leaf
@@ -404,7 +409,7 @@ def _prune_entry(
     keep_empty = not drop(prefix + key)
     leaves, treedef = _leaves(entry)
     skeleton = treedef.unflatten(list(range(len(leaves))))
-    kept: list[Any] = []
+    kept: list[FrozenMapping | None] = []
     uniform = keep_empty and entry.length > 0
     try:
         for i in range(entry.length):

@@ -217,9 +217,17 @@ class FrozenMapping(Mapping[str, Any]):
         """
         log, n = self._log, self._n
         with _LOCK:
-            if len(log.keys) == n:
-                log.append(key, value, _span_of(value))
-                return _version(log, n + 1)
+            if len(log.keys) == n:  # the newest version: append in place
+                log.keys.append(key)
+                log.values.append(value)
+                log.index[key] = n
+                if type(value) not in _no_span and (span := _span_of(value)):
+                    log.spans[key] = (n, span)
+                out = object.__new__(FrozenMapping)
+                out._log = log
+                out._n = n + 1
+                out._sorted = None
+                return out
         # A branch: another version already extends this one; copy, then append.
         new = _Log()
         for k, v in zip(log.keys[:n], log.values[:n], strict=True):

@@ -5,12 +5,12 @@ except that per-iteration summaries stay stacked in one `IterationSummaries` ent
 instead of being sliced into `N` children inside the compiled program.
 """
 
-from typing import Any
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array
+from jaxtyping import Array, ArrayLike
 
 from ._collection import OutputCollection, validate_child_name
 from ._iterations import IterationSummaries
@@ -27,7 +27,7 @@ from ._summary import (
     WeightedSummary,
     accumulate_leaf,
 )
-from ._typing import SummaryTree
+from ._typing import Leaf, SummaryTree
 
 
 def _is_unit(x: object) -> bool:
@@ -44,7 +44,7 @@ def accumulate_trees(a: SummaryTree, b: SummaryTree) -> SummaryTree:
     return jax.tree_util.tree_map(_accumulate_unit, a, b, is_leaf=_is_unit)
 
 
-def _accumulate_unit(a: Any, b: Any) -> Any:
+def _accumulate_unit(a: Leaf, b: Leaf) -> Leaf:
     if isinstance(a, IterationSummaries):
         return _accumulate_entries(a, b)
     return accumulate_leaf(a, b)
@@ -63,7 +63,7 @@ def _outer_axes(entry: IterationSummaries) -> int:
     return outer.pop() if outer else 0
 
 
-def _accumulate_entries(a: IterationSummaries, b: Any) -> IterationSummaries:
+def _accumulate_entries(a: IterationSummaries, b: Leaf) -> IterationSummaries:
     if not isinstance(b, IterationSummaries) or b.length != a.length:
         raise ValueError(
             f"cannot accumulate per-iteration summaries of {a.length} iterations with "
@@ -71,13 +71,13 @@ def _accumulate_entries(a: IterationSummaries, b: Any) -> IterationSummaries:
         )
     if not a.ndims:
         return a
-    fn: Any = accumulate_trees
+    fn: Callable[[SummaryTree, SummaryTree], SummaryTree] = accumulate_trees
     for _ in range(_outer_axes(a) + 1):
         fn = jax.vmap(fn)
     return IterationSummaries(a.length, fn(a.stacked, b.stacked), a.ndims)
 
 
-def cast_like(tree: Any, like: Any) -> Any:
+def cast_like(tree: SummaryTree, like: SummaryTree) -> SummaryTree:
     """Return `tree`'s leaves cast to the dtypes of `like`'s, in `like`'s structure.
 
     The structure is `like`'s so that a carried accumulator keeps its exact PyTree
@@ -94,7 +94,7 @@ def cast_like(tree: Any, like: Any) -> Any:
     )
 
 
-def accumulator_shape(first: Any) -> Any:
+def accumulator_shape(first: SummaryTree) -> SummaryTree:
     """Return the shapes and dtypes of `accumulate_trees(first, first)`.
 
     An accumulator carried through a loop must keep its dtypes; accumulating can change
@@ -125,14 +125,14 @@ def _reduce_weighted(s: WeightedSummary) -> WeightedSummary:
     return WeightedSummary(mean, weight)
 
 
-def _reduce_raw(x: Any) -> Any:
+def _reduce_raw(x: ArrayLike) -> Array:
     x = jnp.asarray(x)
     if x.dtype == jnp.bool_:
         return jnp.any(x, axis=0)  # `+` of booleans is a logical or
     return jnp.sum(x, axis=0, dtype=x.dtype)
 
 
-def _reduce_unit(x: Any) -> Any:
+def _reduce_unit(x: Leaf) -> Leaf:
     """Accumulate one stacked unit over its leading axis with one reduction per leaf."""
     if isinstance(x, IterationSummaries):
         # Per-iteration summaries of each mapped example: reduce the mapped (outer)
@@ -154,11 +154,11 @@ def _reduce_unit(x: Any) -> Any:
     return _reduce_raw(x)
 
 
-def _fold(stacked: Any) -> Any:
+def _fold(stacked: Summary) -> Summary:
     first = jax.tree_util.tree_map(lambda a: a[0], stacked)
     rest = jax.tree_util.tree_map(lambda a: a[1:], stacked)
 
-    def step(acc: Any, new: Any) -> tuple[Any, None]:
+    def step(acc: Summary, new: Summary) -> tuple[Summary, None]:
         return accumulate_leaf(acc, new), None
 
     return jax.lax.scan(step, first, rest)[0]
@@ -227,7 +227,7 @@ def assemble(
     *,
     prefix: str,
     length: int,
-    merged_summaries: Any | None,
+    merged_summaries: SummaryTree | None,
 ) -> OutputCollection:
     """Lay out stacked per-iteration outputs under `prefix` (no checks).
 
@@ -236,7 +236,9 @@ def assemble(
     accumulated tree) becomes child `prefix`'s summaries.
     """
     if merged_summaries is None:
-        summaries: Any = IterationSummaries(length, repeated.summaries)
+        summaries: SummaryTree | IterationSummaries = IterationSummaries(
+            length, repeated.summaries
+        )
     else:
         summaries = merged_summaries
     return OutputCollection(

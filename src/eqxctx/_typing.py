@@ -26,6 +26,18 @@ PRNGKeys: TypeAlias = (
     Key[Array, "*batch"] | UInt32[Array, "*batch 2"] | UInt32[np.ndarray, "*batch 2"]
 )
 
+#: A batch of inputs: any PyTree of arrays (NumPy or JAX), e.g. `{"x": x}`.
+Batch: TypeAlias = Any
+
+#: A `jax.tree_util.PyTreeDef` (JAX exports it as a value, not a type).
+TreeDef: TypeAlias = Any
+
+#: What `Context.prng_key` holds: a `PRNGKey` (or a batch of them, once a context has
+#: passed through `jax.vmap`), or None for a key-less context. `Any` for type
+#: checkers, so that `jax.random.normal(ctx.prng_key, ...)` needs no narrowing; a
+#: key-less context is reported by JAX at the call that needs the key.
+MaybeKey: TypeAlias = Any
+
 #: A leaf of an output collection: a JAX or NumPy array, a Python number or a
 #: `Summary` (any, at run time: values also pass through JAX transformations).
 Leaf: TypeAlias = Any
