@@ -430,7 +430,8 @@ def test_greedy_decoding_page(capsys: pytest.CaptureFixture[str]) -> None:
     np.testing.assert_array_equal(tokens[:, :4], prompts)
     # Greedy steps do not all repeat one token: the check has something to compare.
     assert len(np.unique(tokens[:, 4:])) > 1
-    printed = capsys.readouterr().out.splitlines()
+    # jax < 0.9 prints `PartitionSpec(...)` where later versions print `P(...)`.
+    printed = capsys.readouterr().out.replace("PartitionSpec(", "P(").splitlines()
     assert printed[0].startswith("(8, 12) P(")
     assert printed[-1] == "same tokens: True"
     # The weights were split over `model`, the prompts over `data`.
