@@ -278,3 +278,59 @@ def test_threads_get_their_own_summaries() -> None:
             args=(jnp.full((2,), float(i)),),
         )
         np.testing.assert_allclose(flat["loss"], want.flatten("summaries")["loss"])
+
+
+def test_a_function_must_return_the_context_it_was_handed() -> None:
+    from eqxctx import functional, scan_in_context, vmap_in_context
+
+    root = Context.root().add_summary("outer", 1.0)
+    # Returning the parent's context would duplicate its outputs under the child.
+    with pytest.raises(ValueError, match=r"returned the context at 'root'.*'root/enc'"):
+        root.call("enc", lambda c: (None, root))
+    with pytest.raises(ValueError, match=r"'root/enc/x'.*handed.*'root/enc'"):
+        root.call("enc", lambda c: (None, c.child("x")))
+    with pytest.raises(ValueError, match=r"`functional\(fn\)`.*'root/a'"):
+        functional(lambda c: (None, c.child("a")), prng_key=None, is_training=False)
+    with pytest.raises(ValueError, match=r"`scan_in_context`.*'root'.*'root/iter'"):
+        scan_in_context(
+            lambda c, x, ctx: (c, x, root), context=root, carry=0.0, xs=jnp.ones(2)
+        )
+    with pytest.raises(ValueError, match=r"`vmap_in_context`.*'root'.*'root/iter'"):
+        vmap_in_context(lambda x, ctx: (x, root), context=root, xs=jnp.ones(2))
+    # The context handed in, with outputs added, is accepted.
+    out = root.call("enc", lambda c: (None, c.add_summary("y", 2.0)))[1]
+    assert out.collection.flatten("summaries") == {"outer": 1.0, "enc/y": 2.0}
+
+
+@pytest.mark.parametrize(
+    "bad", [0, "key", np.zeros(3, np.uint32), np.zeros(2, np.float32)]
+)
+def test_keys_are_checked_where_they_enter(bad: Any) -> None:
+    from eqxctx import functional
+    from eqxctx._context import check_prng_key
+
+    # The suite's runtime type checks may refuse first (a `TypeError` too).
+    with pytest.raises(TypeError, match="prng_key"):
+        Context.root(prng_key=bad)
+    with pytest.raises(TypeError, match="prng_key"):
+        functional(lambda c: (None, c), prng_key=bad, is_training=False)
+    with pytest.raises(TypeError, match=r"`functional`: prng_key must be a raw key"):
+        check_prng_key(bad, "functional")
+
+
+def test_is_training_and_root_names_are_checked() -> None:
+    from eqxctx import functional
+
+    for bad in ("no", 1, None):
+        with pytest.raises(TypeError, match="is_training"):
+            Context.root(is_training=bad)  # pyright: ignore[reportArgumentType]
+        with pytest.raises(TypeError, match="is_training"):
+            Context.root().child("a", is_training=bad)  # pyright: ignore[reportArgumentType]
+        with pytest.raises(TypeError, match="is_training"):
+            functional(lambda c: (None, c), prng_key=None, is_training=bad)  # pyright: ignore[reportArgumentType]
+    assert Context.root(is_training=np.bool_(True)).is_training is True
+    for name in (None, "Bad/Name!", ""):
+        with pytest.raises((ValueError, TypeError), match="name"):
+            Context.root(name=name)  # pyright: ignore[reportArgumentType]
+    typed = Context.root(prng_key=jax.random.key(0)).child("a")
+    assert jnp.issubdtype(typed.prng_key.dtype, jax.dtypes.prng_key)

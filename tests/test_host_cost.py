@@ -520,3 +520,22 @@ def test_trace_of_many_children_is_linear_in_python_calls() -> None:
     make(5)()
     c10, c20, c40 = (count_calls(make(k)) for k in (10, 20, 40))
     assert c40 - c20 == 2 * (c20 - c10)
+
+
+def test_the_shared_empty_mapping_keeps_nothing_alive() -> None:
+    import gc
+    import weakref
+
+    big = np.zeros(1000, np.float32)
+    ref = weakref.ref(big)
+    coll = OutputCollection.empty().add_summary("x", big)
+    ctx = Context.root().add_module_output("y", big).call("c", lambda c: (None, c))[1]
+    assert coll.flatten("summaries")["x"] is big
+    del big, coll, ctx
+    gc.collect()
+    assert ref() is None  # no shared log holds on to the first value added to it
+    first = OutputCollection.empty().add_summary("a", 1.0)
+    second = OutputCollection.empty().add_summary("b", 2.0)
+    assert first.flatten("summaries") == {"a": 1.0}
+    assert second.flatten("summaries") == {"b": 2.0}
+    assert OutputCollection.empty().flatten("summaries") == {}

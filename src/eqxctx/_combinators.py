@@ -13,7 +13,13 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, PyTree
 
 from ._collection import OutputCollection, validate_child_name
-from ._context import Context, fold_in_name, is_shape_only, iteration_context
+from ._context import (
+    Context,
+    check_path,
+    fold_in_name,
+    is_shape_only,
+    iteration_context,
+)
 from ._mapping import EMPTY
 from ._repeat import (
     accumulate_trees,
@@ -135,6 +141,7 @@ def _run_body(
     fn: Callable[..., object], args: tuple[PyTree, ...], what: str, arity: int
 ) -> tuple[PyTree, ...]:
     result = fn(*args)
+    given: Context = args[-1]
     if (
         not isinstance(result, tuple)
         or len(result) != arity
@@ -146,6 +153,7 @@ def _run_body(
             f"{type(result).__name__}. Return the context you were given, after adding "
             "outputs to it."
         )
+    check_path(result[-1], given, f"{what}: fn")
     return result
 
 

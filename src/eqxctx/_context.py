@@ -12,6 +12,8 @@ from typing import Any, NoReturn
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from ._collection import (
     OutputCollection,
@@ -47,6 +49,43 @@ def fold_in_name(prng_key: PRNGKey | None, name: str) -> PRNGKey | None:
     if prng_key is None:
         return None
     return jax.random.fold_in(prng_key, child_seed(name))
+
+
+def check_is_training(value: object, where: str) -> bool:
+    """Return `value` as a `bool`, or raise `TypeError` unless it is a (NumPy) bool."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(
+        f"`{where}`: is_training must be a bool, got {type(value).__name__} "
+        f"{value!r}. Pass True or False."
+    )
+
+
+def check_prng_key(key: object, where: str) -> MaybeKey:
+    """Return `key` if it is None, a raw `uint32[2]` key or a typed key, else raise.
+
+    Raises:
+        TypeError: for anything else (a Python int, a string, a float array), saying
+            what was given and how to make a key.
+    """
+    if key is None:
+        return None
+    dtype = getattr(key, "dtype", None)
+    shape = getattr(key, "shape", None)
+    if dtype is not None and shape is not None:
+        if jnp.issubdtype(dtype, jax.dtypes.prng_key) and tuple(shape) == ():
+            return key
+        if dtype == np.uint32 and tuple(shape) == (2,):
+            return key
+    given = (
+        f"an array of dtype {dtype} and shape {tuple(shape)}"
+        if dtype is not None and shape is not None
+        else f"{type(key).__name__} {key!r}"
+    )
+    raise TypeError(
+        f"`{where}`: prng_key must be a raw key (uint32[2], `jax.random.PRNGKey(0)`), "
+        f"a typed key (`jax.random.key(0)`) or None, got {given}."
+    )
 
 
 def _derive(base: MaybeKey, names: tuple[Any, ...]) -> MaybeKey:
@@ -145,7 +184,7 @@ class Context:
         cls,
         *,
         prng_key: PRNGKey | None = None,
-        is_training: bool = False,
+        is_training: bool | np.bool_ = False,
         name: str = "root",
     ) -> "Context":
         """Return a root context with an empty collection.
@@ -153,9 +192,18 @@ class Context:
         Args:
             prng_key: the root key (raw or typed), or None for a key-less context.
             is_training: training mode, static.
-            name: the root's name, the first entry of every path.
+            name: the root's name, the first entry of every path, matching
+                `^[a-z][a-z0-9_]*$`.
+
+        Raises:
+            ValueError: for an invalid name.
+            TypeError: if `is_training` is not a bool, or `prng_key` is neither None,
+                a raw `uint32[2]` key nor a typed key (the message says what it got).
         """
-        return _make((name,), prng_key, (), bool(is_training), OutputCollection.empty())
+        validate_child_name(name, where="Context.root(name=...)")
+        key = check_prng_key(prng_key, "Context.root")
+        training = check_is_training(is_training, "Context.root")
+        return _make((name,), key, (), training, OutputCollection.empty())
 
     @property
     def name(self) -> str:
@@ -167,7 +215,7 @@ class Context:
         name: str,
         *,
         prng_key: PRNGKey | None = _UNSET,
-        is_training: bool = _UNSET,
+        is_training: bool | np.bool_ = _UNSET,
     ) -> "Context":
         """Return a child context with an empty collection.
 
@@ -183,9 +231,14 @@ class Context:
 
         Raises:
             ValueError: for an invalid name.
+            TypeError: if `is_training` is given and is not a bool.
         """
         validate_child_name(name, where="Context.child")
-        training = self.is_training if is_training is _UNSET else bool(is_training)
+        training = (
+            self.is_training
+            if is_training is _UNSET
+            else check_is_training(is_training, "Context.child")
+        )
         if prng_key is _UNSET:
             return _child(self, name, training)
         return _make(
@@ -276,6 +329,8 @@ class Context:
         ):
             check_returns_context(result, f"`Context.call({name!r}, fn)`: fn")
         out, child_out = result
+        if child_out.path is not child.path:
+            check_path(child_out, child, f"`Context.call({name!r}, fn)`: fn")
         return out, _with(self, with_child(coll, name, child_out.collection))
 
 
@@ -390,6 +445,21 @@ def _unflatten(aux: Any, children: Any) -> Context:
 jax.tree_util.register_pytree_with_keys(
     Context, _flatten_with_keys, _unflatten, _flatten
 )
+
+
+def check_path(returned: Context, given: Context, what: str) -> None:
+    """Raise `ValueError` unless `returned` has the path of the context `given`.
+
+    A function handed a context must return that context (with outputs added), not
+    its parent's or a child's: the outputs would land at the wrong path.
+    """
+    if returned.path is not given.path and returned.path != given.path:
+        raise ValueError(
+            f"{what} returned the context at {'/'.join(returned.path)!r}, but was "
+            f"handed the context at {'/'.join(given.path)!r}. Return the context you "
+            "were given (after adding outputs to it); merge a child's outputs with "
+            "`ctx.call` or `ctx.merge`."
+        )
 
 
 def check_returns_context(result: object, what: str) -> tuple[Any, Context]:

@@ -3,10 +3,17 @@
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
+import numpy as np
 from jaxtyping import PyTree
 
 from ._collection import KINDS, OutputCollection
-from ._context import Context, check_returns_context
+from ._context import (
+    Context,
+    check_is_training,
+    check_path,
+    check_prng_key,
+    check_returns_context,
+)
 from ._typing import PRNGKey
 
 
@@ -17,7 +24,7 @@ def functional(
     fn: Callable[..., tuple[R, Context]],
     *,
     prng_key: PRNGKey | None,
-    is_training: bool,
+    is_training: bool | np.bool_,
     args: Sequence[PyTree] = (),
     kwargs: Mapping[str, PyTree] | None = None,
     drop_output_collections: Sequence[str] = ("module_outputs",),
@@ -42,8 +49,11 @@ def functional(
         `(outputs, collection)`.
 
     Raises:
-        ValueError: for an unknown kind in `drop_output_collections`.
-        TypeError: if `fn` does not return `(outputs, Context)`.
+        ValueError: for an unknown kind in `drop_output_collections`, or if `fn`
+            returns a context other than the one it was handed (naming both paths).
+        TypeError: if `fn` does not return `(outputs, Context)`, `is_training` is not
+            a bool, or `prng_key` is neither None, a raw `uint32[2]` key nor a typed
+            key.
 
     Examples:
         >>> def f(x, ctx):
@@ -65,9 +75,12 @@ def functional(
                 f"`functional(drop_output_collections=...)`: unknown kind {kind!r}; "
                 f"expected some of {KINDS}."
             )
+    prng_key = check_prng_key(prng_key, "functional")
+    is_training = check_is_training(is_training, "functional")
     ctx = Context.root(prng_key=prng_key, is_training=is_training)
     result = fn(*args, ctx, **(kwargs or {}))
     outputs, out_ctx = check_returns_context(result, "`functional(fn)`: fn")
+    check_path(out_ctx, ctx, "`functional(fn)`: fn")
     coll = out_ctx.collection
     fields = {kind: {} if kind in drop else getattr(coll, kind) for kind in KINDS}
     return outputs, OutputCollection(**fields)

@@ -252,7 +252,18 @@ def _version(log: _Log, n: int) -> FrozenMapping:
     return out
 
 
-EMPTY = FrozenMapping()
+def _sealed_empty() -> FrozenMapping:
+    # The shared empty mapping must never be extended in place (its log would keep
+    # the first value ever added to it alive): a log one entry longer than the
+    # version makes every insertion take the branch path, which starts a new log.
+    log = _Log()
+    log.keys.append("")
+    log.values.append(None)
+    return _version(log, 0)
+
+
+#: The empty mapping, shared (adding to it starts a new log every time).
+EMPTY = _sealed_empty()
 
 
 # Flattening and unflattening run at every transformation boundary, for every level
