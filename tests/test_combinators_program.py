@@ -300,7 +300,8 @@ def _kinds_body(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
     ctx = ctx.add_summary("raw", i)
     ctx = ctx.add_summary("image", ImageSummary(jnp.full((1, 2, 2), i)))
     ctx = ctx.add_summary("audio", AudioSummary(jnp.full((4,), i), sample_rate=8000))
-    ctx = ctx.add_summary("hist", HistogramSummary(jnp.full((3,), i)))
+    hist = HistogramSummary(jnp.full((3,), i), bins=8, range=(0, 8))
+    ctx = ctx.add_summary("hist", hist)
     ctx = ctx.add_summary("callback", CallbackSummary(lambda v: v + 100.0, i))
     return x, ctx
 
@@ -320,7 +321,8 @@ def _check_kinds(flat: dict[str, Any], n: int, first: int) -> None:
     np.testing.assert_array_equal(flat["iter/image"].value(), np.full((1, 2, 2), first))
     np.testing.assert_array_equal(flat["iter/audio"].value(), np.full((4,), first))
     assert flat["iter/audio"].sample_rate == 8000
-    np.testing.assert_array_equal(flat["iter/hist"].value(), np.full((3,), first))
+    # Histograms add their counts: 3 values of i in bucket i, for each i < n.
+    np.testing.assert_array_equal(flat["iter/hist"].value(), 3 * (np.arange(8) < n))
     np.testing.assert_allclose(flat["iter/callback"].value(), first + 100.0)
 
 

@@ -14,11 +14,11 @@ import pytest
 from matplotlib.image import imread
 
 import eqxctx
-from eqxctx.demo._cli import make_run_dir, use_cpu_devices
+from eqxctx.demo._cli import main, make_run_dir, use_cpu_devices
 from eqxctx.demo._data import Split, eval_batches, load_digits_split, train_batches
 from eqxctx.demo._model import Classifier
 from eqxctx.demo._train import evaluate
-from tb_events import scalars
+from tb_events import scalars, summary_values
 
 
 def run_demo(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -59,7 +59,14 @@ def test_demo_prints_the_table(demo_run: tuple[Any, Path]) -> None:
     assert "evaluated on:  2 cpu devices" in out  # --devices overrode XLA_FLAGS
     assert re.search(r"^\s+0\s+\d+\.\d{3}\s+\d+\.\d{3}$", out, re.MULTILINE)
     assert re.search(r"^\s+1\s+\d+\.\d{3}\s+\d+\.\d{3}$", out, re.MULTILINE)
+    # The on-device moments of the blocks' outputs (last training batch).
+    assert "layer   activations:  mean     std      min      max" in out
+    number = r"\s+-?\d+\.\d{3}"
+    assert re.search(rf"^\s+1{number * 4}$", out, re.MULTILINE)
     assert f"logs: {Path('logs') / run_dir.name}" in out
+
+
+MOMENTS = ("count", "mean", "variance", "min", "max", "nonfinite")
 
 
 def test_demo_jsonl(demo_run: tuple[Any, Path]) -> None:
@@ -73,6 +80,21 @@ def test_demo_jsonl(demo_run: tuple[Any, Path]) -> None:
                 value = line[f"train/layers/iter{layer}/{name}"]
                 assert isinstance(value, float)
                 assert value > 0
+            # The on-device moments of each block's output: batch x width values.
+            moments = {
+                k: line[f"train/layers/iter{layer}/activations/{k}"] for k in MOMENTS
+            }
+            assert moments["count"] == 64 * 64
+            assert moments["nonfinite"] == 0
+            assert moments["min"] < moments["mean"] < moments["max"]
+            assert moments["variance"] > 0
+        # The on-device histogram of the logits: the non-empty buckets of width 1.
+        logits = line.pop("train/logits")
+        edges, counts = logits["edges"], logits["counts"]
+        assert len(edges) == len(counts) + 1
+        assert np.allclose(np.diff(edges), 1.0)
+        assert -20 <= edges[0] < edges[-1] <= 20
+        assert sum(counts) == 64 * 10  # every logit is within [-20, 20]
         assert all(isinstance(v, (int, float)) for v in line.values())
     assert not any("iter2" in key for key in train[0])
     losses = [line["train/loss"] for line in train]
@@ -82,21 +104,35 @@ def test_demo_jsonl(demo_run: tuple[Any, Path]) -> None:
     accuracy = re.search(r"test accuracy: (\S+)", proc.stdout)
     assert accuracy
     assert f"{test['test/accuracy']:.4f}" == accuracy.group(1)
+    # Training-only summaries (moments, logits) are not in the test line.
     assert set(test) == {"step"} | {
-        "test/" + k.removeprefix("train/") for k in train[0] if k != "step"
+        "test/" + k.removeprefix("train/")
+        for k in train[0]
+        if k != "step" and "/activations/" not in k
     }
 
 
 def test_demo_tensorboard_equals_jsonl(demo_run: tuple[Any, Path]) -> None:
     _, run_dir = demo_run
+    lines = read_jsonl(run_dir / "summaries.jsonl")
     expected = {
         (line["step"], key): np.float32(value)
-        for line in read_jsonl(run_dir / "summaries.jsonl")
+        for line in lines
         for key, value in line.items()
-        if key != "step"
+        if key != "step" and key != "train/logits"
     }
-    assert len(expected) == 31 * 6
+    assert len(expected) == 30 * (6 + 2 * 6) + 6
     assert scalars(str(run_dir)) == expected
+    histos = {
+        step: value.histo
+        for step, value in summary_values(str(run_dir))
+        if value.tag == "train/logits"
+    }
+    assert sorted(histos) == list(range(30))
+    for line in lines[:30]:
+        h, want = histos[line["step"]], line["train/logits"]
+        assert list(h.bucket) == want["counts"]
+        assert [h.min, *h.bucket_limit] == want["edges"]
 
 
 def test_demo_plot_and_hidden_states(demo_run: tuple[Any, Path]) -> None:
@@ -119,6 +155,10 @@ def test_demo_plot_and_hidden_states(demo_run: tuple[Any, Path]) -> None:
     [
         (["--devices", "0"], "argument --devices: must be at least 1, got 0"),
         (["--batch-size", "60"], "argument --batch-size: 60 does not divide over 8"),
+        (
+            ["--batch-size", "1440"],
+            "argument --batch-size: 1440 is larger than the training set (1438 exam",
+        ),
         (["--steps", "x"], "argument --steps: expected an integer, got 'x'"),
         (["--logdir", "blocker/runs"], "argument --logdir: cannot create a run folder"),
         (["--seed", "-3"], "argument --seed: must be at least 0, got -3"),
@@ -146,6 +186,28 @@ def test_demo_read_only_logdir(tmp_path: Path) -> None:
     proc = run_demo("--logdir", str(logdir), cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].endswith("Permission denied")
+
+
+def test_demo_without_its_extra_says_what_to_install(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setitem(sys.modules, "optax", None)  # as if not installed
+    assert main(["--logdir", str(tmp_path / "logs")]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.strip() == (
+        "python -m eqxctx.demo: error: the demo needs eqxctx's `demo` extra "
+        "(missing: optax); install it with: pip install 'eqxctx[demo]'"
+    )
+    assert list(tmp_path.iterdir()) == []  # no run folder, not even --logdir
+
+
+def test_train_batches_refuse_a_batch_larger_than_the_split() -> None:
+    train, _ = load_digits_split(seed=0)
+    with pytest.raises(ValueError, match="larger than the 1438 examples"):
+        next(train_batches(train, batch_size=1439, seed=0))
 
 
 def test_make_run_dir_refuses_a_file(tmp_path: Path) -> None:

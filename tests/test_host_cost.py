@@ -52,9 +52,7 @@ def count_calls(fn: Callable[[], Any]) -> int:
         if event == "call" and frame.f_code.co_filename.startswith(_SRC):
             calls += 1
 
-    # A garbage collection inside `fn` would add JAX's `gc.callbacks` entry
-    # (`_xla_gc_callback`, called at start and stop: 2 calls) at whatever point the
-    # allocation count reaches the threshold, which depends on earlier tests.
+    # Garbage collection (and JAX's callbacks on it) depends on what ran before.
     gc.collect()
     gc.disable()
     sys.setprofile(profile)

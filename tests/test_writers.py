@@ -1,6 +1,7 @@
 import io
 import json
 import os
+import re
 import sys
 import wave
 from pathlib import Path
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
+from PIL import Image
 
 import eqxctx
 from eqxctx.writers import JsonlWriter, TensorBoardWriter
@@ -48,7 +50,8 @@ def test_jsonl_every_summary_kind(tmp_path: Path) -> None:
         "sum": eqxctx.SumSummary(jnp.float32(8.0)),
         "image": eqxctx.ImageSummary(image),
         "audio": eqxctx.AudioSummary(audio, sample_rate=8000),
-        "histogram": eqxctx.HistogramSummary(np.arange(4.0)),
+        "histogram": eqxctx.HistogramSummary(np.arange(4.0), bins=4, range=(0, 8)),
+        "moments": eqxctx.MomentsSummary(jnp.asarray([1.0, 3.0], jnp.float32)),
         "callback": eqxctx.CallbackSummary(lambda x, y: x * y, np.float32(3.0), y=2.0),
         "callback_tree": eqxctx.CallbackSummary(
             lambda x: {"double": x * 2, "neg": -x}, np.int32(5)
@@ -71,7 +74,14 @@ def test_jsonl_every_summary_kind(tmp_path: Path) -> None:
         "min": [1, -2],
         "max": 7.0,
         "sum": 8.0,
-        "histogram": [0.0, 1.0, 2.0, 3.0],
+        # The non-empty bucket span: [0, 2), [2, 4) of 4 buckets over [0, 8].
+        "histogram": {"edges": [0.0, 2.0, 4.0], "counts": [2, 2]},
+        "moments/count": 2,
+        "moments/mean": 2.0,
+        "moments/variance": 1.0,
+        "moments/min": 1.0,
+        "moments/max": 3.0,
+        "moments/nonfinite": 0,
         "callback": 6.0,
         "callback_tree/double": 10,
         "callback_tree/neg": -5,
@@ -287,52 +297,78 @@ def test_tensorboard_every_summary_kind(tmp_path: Path) -> None:
         "hist": eqxctx.HistogramSummary(hist),
         "hist_scalar": eqxctx.HistogramSummary(jnp.float32(4.0)),
         "all_nan": eqxctx.HistogramSummary(np.full(3, np.nan)),
+        "ranged": eqxctx.HistogramSummary(hist, bins=4, range=(-2, 6)),
+        "moments": eqxctx.MomentsSummary(hist),
         "vector": jnp.arange(5, dtype=jnp.float32),
         "callback": eqxctx.CallbackSummary(lambda: {"a": 1.0, "b": np.ones(2)}),
     }
     line = write_both(tmp_path, 4, summaries)
     values = {v.tag: v for _, v in summary_values(str(tmp_path))}
     kinds = {tag: v.WhichOneof("value") for tag, v in values.items()}
+    moments = ("count", "mean", "variance", "min", "max", "nonfinite")
     assert kinds == {
         "scalar": "simple_value",
         "weighted": "simple_value",
         "min": "simple_value",
         "flag": "simple_value",
-        "gray": "image",
-        "rgb": "image",
+        "gray": "tensor",
+        "rgb": "tensor",
         "audio": "audio",
         "hist": "histo",
         "hist_scalar": "histo",
+        "ranged": "histo",
+        **{f"moments/{k}": "simple_value" for k in moments},
         "vector": "histo",
         "callback/a": "simple_value",
         "callback/b": "histo",
     }
-    # Tags equal the JSONL keys (all_nan has no finite value: JSONL only).
+    # Tags equal the JSONL keys (all_nan counted nothing: JSONL only).
     assert set(line) - {"step"} == {*kinds, "all_nan"}
+    assert line["all_nan"] == {"edges": [], "counts": []}
     assert {s for s, _ in summary_values(str(tmp_path))} == {4}
-    assert scalars(str(tmp_path)) == {
+    got = scalars(str(tmp_path))
+    for k in ("mean", "variance", "min", "max"):  # NaN is written as it is
+        assert np.isnan(got.pop((4, f"moments/{k}")))
+    assert got == {
         (4, "scalar"): 1.5,
         (4, "weighted"): 2.0,
         (4, "min"): -3.0,
         (4, "flag"): 1.0,
         (4, "callback/a"): 1.0,
+        (4, "moments/count"): 4.0,
+        (4, "moments/nonfinite"): 1.0,
     }
-    # Images: a grid of the batch; grayscale and RGB decode to PNGs.
-    for tag in ("gray", "rgb"):
-        img = values[tag].image
-        assert img.encoded_image_string.startswith(b"\x89PNG\r\n\x1a\n")
-        assert img.height >= {"gray": 3, "rgb": 5}[tag]
-    # Audio: 16-bit WAV at the summary's sample rate, same samples.
+    # Images: TensorBoard's image format, one PNG per batch entry.
+    for tag, expected in (("gray", gray), ("rgb", rgb)):
+        w, h, *pngs = values[tag].tensor.string_val
+        assert values[tag].metadata.plugin_data.plugin_name == "images"
+        assert (int(w), int(h), len(pngs)) == (
+            expected.shape[2],
+            expected.shape[1],
+            len(expected),
+        )
+        for png, image in zip(pngs, expected, strict=True):
+            want = image if image.dtype == np.uint8 else np.round(image * 255)
+            decoded = np.asarray(Image.open(io.BytesIO(png)))
+            np.testing.assert_array_equal(decoded, want.astype(np.uint8))
+    # Audio: 16-bit WAV at the summary's sample rate, scaled by 32768 (TF).
     au = values["audio"].audio
     assert (au.sample_rate, au.num_channels, au.length_frames) == (8000, 2, 50)
     with wave.open(io.BytesIO(au.encoded_audio_string)) as wav:
         assert wav.getframerate() == 8000
         frames = np.frombuffer(wav.readframes(50), dtype="<i2").reshape(50, 2)
-    np.testing.assert_allclose(frames / 32767.0, audio, atol=1 / 32767)
-    # Histograms: the finite values, counted.
-    h = values["hist"].histo
-    assert (h.num, h.sum, h.min, h.max) == (3, 3.0, 0.0, 2.0)
-    assert sum(values["vector"].histo.bucket) == 5
+    expected = np.clip(np.round(audio * 32768), -32768, 32767)
+    np.testing.assert_array_equal(frames, expected)
+    # Histograms from on-device counts: the non-empty span of the buckets.
+    h = values["ranged"].histo
+    assert (h.min, h.max, h.num) == (0.0, 4.0, 3.0)
+    assert (list(h.bucket_limit), list(h.bucket)) == ([2.0, 4.0], [2.0, 1.0])
+    h = values["hist"].histo  # TF's default buckets: 0.0, 1.0, 2.0 counted
+    assert (h.num, sum(h.bucket), h.min) == (3, 3, 0.0)
+    assert 2.0 < h.max <= 2.2
+    # A raw array: its finite values in TF's buckets, exact min/max/sum.
+    v = values["vector"].histo
+    assert (sum(v.bucket), v.num, v.min, v.max, v.sum) == (5, 5, 0.0, 4.0, 10.0)
     assert values["hist_scalar"].histo.num == 1
 
 
@@ -357,7 +393,7 @@ def test_tensorboard_mono_audio_and_clipping(tmp_path: Path) -> None:
     assert (value.audio.sample_rate, value.audio.num_channels) == (16000, 1)
     with wave.open(io.BytesIO(value.audio.encoded_audio_string)) as wav:
         frames = np.frombuffer(wav.readframes(4), dtype="<i2")
-    np.testing.assert_array_equal(frames, [0, 16384, 32767, -32767])
+    np.testing.assert_array_equal(frames, [0, 16384, 32767, -32768])  # TF's scale
 
 
 def test_tensorboard_scalars_equal_jsonl_over_steps(tmp_path: Path) -> None:
@@ -431,3 +467,99 @@ def test_writers_agree_with_flatten(
         v.tag for _, v in summary_values(str(tmp)) if v.WhichOneof("value") == "histo"
     }
     assert histos == {k for k, v in flat.items() if v.ndim > 0 and v.size > 0}
+
+
+# -- TensorBoard: no lost data, checks before writing ------------------------------
+
+
+def test_tensorboard_writers_on_one_logdir_keep_all_events(tmp_path: Path) -> None:
+    # tensorboardX named files by the second and truncated each other's.
+    writers = [TensorBoardWriter(tmp_path) for _ in range(4)]
+    for step in range(100):
+        for k, w in enumerate(writers):
+            w.write(step, {f"w{k}": float(step)})
+    for w in writers:
+        w.close()
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert len(files) == 4
+    assert all(name.startswith("events.out.tfevents.") for name in files)
+    got = scalars(str(tmp_path))
+    assert len(got) == 400
+    assert got == {(s, f"w{k}"): float(s) for s in range(100) for k in range(4)}
+
+
+@pytest.mark.parametrize(
+    ("a", "b"), [("a b", "a_b"), ("loss(train)", "loss[train]"), ("a:b", "a=b")]
+)
+def test_tensorboard_tag_collisions_raise(tmp_path: Path, a: str, b: str) -> None:
+    with TensorBoardWriter(tmp_path) as w:
+        with pytest.raises(eqxctx.OutputConflictError) as info:
+            w.write(0, {a: 1.0, b: 2.0})
+        assert repr(a) in str(info.value)
+        assert repr(b) in str(info.value)
+        w.write(1, {a: 1.0})  # alone it is fine (sanitized)
+    assert list(scalars(str(tmp_path))) == [(1, re.sub(r"[^-/\w.]", "_", a))]
+
+
+@pytest.mark.parametrize(
+    ("leaf", "message"),
+    [
+        (eqxctx.ImageSummary(np.zeros((0, 2, 2))), r"no image or no pixel"),
+        (eqxctx.ImageSummary(np.zeros((2, 0, 2, 3))), r"no image or no pixel"),
+        (eqxctx.ImageSummary(np.zeros(4)), r"rank 1"),
+        (eqxctx.AudioSummary(np.zeros((8, 0))), r"no channel"),
+        (eqxctx.AudioSummary(np.zeros(8), sample_rate=0), r"sample_rate must be"),
+    ],
+)
+def test_writers_validate_media_before_writing(
+    tmp_path: Path, leaf: Any, message: str
+) -> None:
+    for writer in (JsonlWriter(tmp_path / "s.jsonl"), TensorBoardWriter(tmp_path)):
+        # From a plain mapping: the writer validates, naming the path.
+        with writer, pytest.raises(ValueError, match=rf"'media/x': .*{message}"):
+            writer.write(0, {"ok": 1.0, "media": {"x": leaf}})
+    assert (tmp_path / "s.jsonl").read_text() == ""
+    assert scalars(str(tmp_path)) == {}
+    # From a collection: refused where it is added.
+    with pytest.raises(ValueError, match=message):
+        eqxctx.Context.root().add_summary("x", leaf)
+
+
+def test_writers_check_the_step_range(tmp_path: Path) -> None:
+    for writer in (JsonlWriter(tmp_path / "s.jsonl"), TensorBoardWriter(tmp_path)):
+        with writer:
+            with pytest.raises(ValueError, match=r"at most 2\*\*63 - 1"):
+                writer.write(2**63, {"x": 1.0})
+            writer.write(np.int64(2**63 - 1), {"x": 1.0})
+    assert read_jsonl(tmp_path / "s.jsonl") == [{"step": 2**63 - 1, "x": 1.0}]
+    assert scalars(str(tmp_path)) == {(2**63 - 1, "x"): 1.0}
+
+
+def test_callback_summaries_get_numpy_arrays(tmp_path: Path) -> None:
+    seen: list[type] = []
+
+    def fn(x: Any, *, y: Any) -> Any:
+        seen.extend([type(x), type(y)])
+        return np.sum(x) + y
+
+    def f(x: jax.Array) -> eqxctx.OutputCollection:
+        callback = eqxctx.CallbackSummary(fn, x, y=x[0])
+        return eqxctx.OutputCollection.empty().add_summary("cb", callback)
+
+    line = write_both(tmp_path, 0, jax.jit(f)(jnp.arange(3.0)))
+    assert line["cb"] == 3.0
+    assert seen == [np.ndarray, np.ndarray] * 2  # once per writer
+
+
+def test_tensorboard_non_finite_scalars_are_silent(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    with TensorBoardWriter(tmp_path) as w:
+        w.write(
+            0, {"nan": np.float32(np.nan), "inf": np.inf, "v": np.array([np.nan, 1])}
+        )
+    out, err = capfd.readouterr()
+    assert "NaN" not in out + err + caplog.text
+    got = scalars(str(tmp_path))
+    assert np.isnan(got[(0, "nan")])
+    assert got[(0, "inf")] == np.inf

@@ -22,10 +22,13 @@ from ._repeat import (
     propagate_repeated_output_collections as propagate_repeated_output_collections,
 )
 from ._runner import MethodRunner as MethodRunner
+from ._statistics import (
+    HistogramSummary as HistogramSummary,
+    MomentsSummary as MomentsSummary,
+)
 from ._summary import (
     AudioSummary as AudioSummary,
     CallbackSummary as CallbackSummary,
-    HistogramSummary as HistogramSummary,
     ImageSummary as ImageSummary,
     MaxSummary as MaxSummary,
     MinSummary as MinSummary,

@@ -18,7 +18,6 @@ from ._mapping import EMPTY
 from ._summary import (
     AudioSummary,
     CallbackSummary,
-    HistogramSummary,
     ImageSummary,
     MaxSummary,
     MinSummary,
@@ -147,9 +146,11 @@ def _reduce_unit(x: Leaf) -> Leaf:
         return MaxSummary(jnp.max(x.value_, axis=0))
     if type(x) is SumSummary:
         return SumSummary(jnp.sum(x.value_, axis=0, dtype=x.value_.dtype))
-    if isinstance(x, (ImageSummary, AudioSummary, HistogramSummary, CallbackSummary)):
+    if isinstance(x, (ImageSummary, AudioSummary, CallbackSummary)):
         return jax.tree_util.tree_map(lambda a: a[0], x)  # keep the first
-    if isinstance(x, Summary):  # another kind: its own `accumulate`, in index order
+    # Another kind (HistogramSummary, MomentsSummary, ...): its own `accumulate`, in
+    # index order.
+    if isinstance(x, Summary):
         return _fold(x)
     return _reduce_raw(x)
 

@@ -211,7 +211,8 @@ class ImageSummary(_KeepFirst):
         """Check the rank and the channel count.
 
         Raises:
-            ValueError: for a rank other than 3 or 4, or a channel count not in 1/3/4.
+            ValueError: for a rank other than 3 or 4, a channel count not in 1/3/4,
+                or an empty batch or image (a zero in the shape).
         """
         shape = self.value_.shape
         if len(shape) not in (3, 4):
@@ -224,6 +225,11 @@ class ImageSummary(_KeepFirst):
             raise ValueError(
                 f"`ImageSummary`: expected 1, 3 or 4 channels, got shape {shape} "
                 f"with {shape[-1]} channels."
+            )
+        if 0 in shape:
+            raise ValueError(
+                f"`ImageSummary`: got shape {shape}, with no image or no pixel; "
+                "summarize at least one image of at least one pixel."
             )
 
 
@@ -252,7 +258,8 @@ class AudioSummary(_KeepFirst):
         """Check the rank and the sample rate.
 
         Raises:
-            ValueError: for a rank other than 1 or 2, or a non-positive sample rate.
+            ValueError: for a rank other than 1 or 2, no channel (`[time, 0]`) or a
+                non-positive sample rate.
         """
         shape = self.value_.shape
         if len(shape) not in (1, 2):
@@ -260,30 +267,15 @@ class AudioSummary(_KeepFirst):
                 f"`AudioSummary`: expected shape [time] or [time, channels], got "
                 f"{shape} (rank {len(shape)})."
             )
+        if len(shape) == 2 and shape[1] == 0:
+            raise ValueError(
+                f"`AudioSummary`: got shape {shape}, with no channel; pass "
+                "[time] or [time, channels] with at least one channel."
+            )
         if self.sample_rate <= 0:
             raise ValueError(
                 f"`AudioSummary`: sample_rate must be positive, got {self.sample_rate}."
             )
-
-
-class HistogramSummary(_KeepFirst):
-    """Values to be shown as a histogram (e.g. weights or activations).
-
-    Accumulated (merged scan or vmap summaries, `SummaryAccumulator`), the first
-    value is kept and later ones are dropped (media are not averaged): under
-    `merge_summaries` that is the first iteration in execution order (the last index
-    with `reverse=True`). For every iteration's value, keep per-iteration summaries.
-
-    Attributes:
-        value_: the values, any shape (flattened by writers), real dtype (traced).
-            Construct as `HistogramSummary(value)`.
-    """
-
-    value_: Array = eqx.field(converter=_as_array)
-
-    def value(self) -> ArrayValue:
-        """Return the values."""
-        return self.value_
 
 
 class CallbackSummary(_KeepFirst):
@@ -291,7 +283,9 @@ class CallbackSummary(_KeepFirst):
 
     AXLearn's `CallbackSummary`: `args` and `kwargs` are traced PyTrees; `fn` is static
     and runs when the value is read (by a writer), outside `jax.jit`.
-    Accumulated, the first value is kept (see `HistogramSummary`).
+    Accumulated, the first value is kept (see `ImageSummary`). A writer fetches
+    `args` and `kwargs` to the host first: `fn` receives NumPy arrays there, as in
+    AXLearn.
 
     Attributes:
         fn: the callable, static (hashed by identity: pass the same function object

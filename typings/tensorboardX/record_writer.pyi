@@ -1,3 +1,3 @@
 # Stubs for tensorboardX 2.6.5 `tensorboardX/record_writer.py`: only what eqxctx's
-# tests use to check event-file records.
+# writers and tests use to checksum event-file records.
 def masked_crc32c(data: bytes) -> int: ...

@@ -10,6 +10,7 @@ after it.
 import argparse
 import contextlib
 import datetime
+import importlib.util
 import os
 import re
 import sys
@@ -105,6 +106,15 @@ def use_cpu_devices(count: int) -> None:
         jax.config.update("jax_num_cpu_devices", count)
 
 
+#: The modules that the demo needs beyond eqxctx: its `demo` extra.
+DEMO_MODULES = ("optax", "sklearn", "tqdm", "matplotlib")
+
+
+def missing_modules(names: Sequence[str] = DEMO_MODULES) -> list[str]:
+    """Return the names of `names` that cannot be imported (found without importing)."""
+    return [name for name in names if importlib.util.find_spec(name) is None]
+
+
 def make_run_dir(parent: str) -> str:
     """Create and return a new folder `parent/YYYYmmdd-HHMMSS[-k]`; never reuse one.
 
@@ -131,11 +141,29 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         The exit status, 0 on success. Usage errors (an unwritable `--logdir`,
-        `--devices 0`, a batch size that does not divide over the devices) exit
-        with status 2 and argparse's usage line and one line of error.
+        `--devices 0`, a batch size that does not divide over the devices or is
+        larger than the training set) exit with status 2 and argparse's usage line
+        and one line of error. Without the `demo` extra it prints which extra to
+        install and exits with status 1; neither leaves a run folder.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
+    missing = missing_modules()
+    if missing:
+        print(
+            f"{PROG}: error: the demo needs eqxctx's `demo` extra (missing: "
+            f"{', '.join(missing)}); install it with: pip install 'eqxctx[demo]'",
+            file=sys.stderr,
+        )
+        return 1
+    from eqxctx.demo._data import split_sizes
+
+    num_train, _ = split_sizes()
+    if args.batch_size > num_train:
+        parser.error(
+            f"argument --batch-size: {args.batch_size} is larger than the training "
+            f"set ({num_train} examples); use at most {num_train}"
+        )
     if args.batch_size % args.devices:
         parser.error(
             f"argument --batch-size: {args.batch_size} does not divide over "

@@ -6,6 +6,10 @@ from typing import NamedTuple
 import numpy as np
 
 
+#: The number of digits in `sklearn.datasets.load_digits`.
+NUM_DIGITS = 1797
+TEST_FRACTION = 0.2
+
 #: A batch: `{"image": float32[batch, 64], "label": int32[batch],
 #: "weight": float32[batch]}`; padding examples have weight 0.
 Batch = dict[str, np.ndarray]
@@ -23,7 +27,15 @@ class Split(NamedTuple):
     labels: np.ndarray
 
 
-def load_digits_split(*, seed: int, test_fraction: float = 0.2) -> tuple[Split, Split]:
+def split_sizes(test_fraction: float = TEST_FRACTION) -> tuple[int, int]:
+    """Return the `(train, test)` sizes of `load_digits_split` without loading it."""
+    num_test = round(NUM_DIGITS * test_fraction)
+    return NUM_DIGITS - num_test, num_test
+
+
+def load_digits_split(
+    *, seed: int, test_fraction: float = TEST_FRACTION
+) -> tuple[Split, Split]:
     """Return `(train, test)`: the 1,797 digits of `sklearn.datasets.load_digits`.
 
     The split is a permutation drawn with `numpy.random.default_rng(seed)`: the same
@@ -46,7 +58,15 @@ def train_batches(split: Split, *, batch_size: int, seed: int) -> Iterator[Batch
 
     Every batch has exactly `batch_size` examples (an epoch's remainder is dropped),
     so the training step compiles once.
+
+    Raises:
+        ValueError: if `batch_size` is larger than the split (no batch would fill).
     """
+    if batch_size > len(split.labels):
+        raise ValueError(
+            f"`train_batches`: batch_size {batch_size} is larger than the "
+            f"{len(split.labels)} examples of the split."
+        )
     rng = np.random.default_rng(seed)
     weight = np.ones(batch_size, dtype=np.float32)
     while True:

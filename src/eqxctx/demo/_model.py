@@ -10,6 +10,9 @@ import eqxctx
 
 NUM_PIXELS = 64
 NUM_CLASSES = 10
+#: The logits' histogram: 40 buckets of width 1 over [-20, 20].
+LOGIT_BINS = 40
+LOGIT_RANGE = (-20.0, 20.0)
 
 
 def weighted_mean(x: Float[Array, " batch"], weight: Float[Array, " batch"]) -> Array:
@@ -24,7 +27,10 @@ class Block(eqx.Module):
     Adds the summaries `activation_rms` (RMS of the block's output) and
     `update_ratio` (`|update| / |residual|` per example), both `WeightedSummary`s
     weighted by the batch's example weights, and the module output `hidden` (the
-    block's output, `[batch, width]`). Dropout draws from the context's key and is
+    block's output, `[batch, width]`). In training it also adds `activations`, a
+    `MomentsSummary` of the block's output (count, mean, variance, min, max,
+    non-finite count, computed on the device; not in evaluation, whose padded
+    batches would count their padding). Dropout draws from the context's key and is
     on only when `ctx.is_training`.
 
     Attributes:
@@ -65,6 +71,8 @@ class Block(eqx.Module):
         ctx = ctx.add_summary("activation_rms", eqxctx.WeightedSummary(rms, total))
         ratio_mean = weighted_mean(ratio, weight)
         ctx = ctx.add_summary("update_ratio", eqxctx.WeightedSummary(ratio_mean, total))
+        if ctx.is_training:
+            ctx = ctx.add_summary("activations", eqxctx.MomentsSummary(out))
         ctx = ctx.add_module_output("hidden", out)
         return out, ctx
 
@@ -144,7 +152,8 @@ class Classifier(eqx.Module):
             cross-entropy and the predicted digit of each example. The weighted mean
             cross-entropy is the summary `loss` and the weighted accuracy the summary
             `accuracy` (both `WeightedSummary`s, weighted by the number of real
-            examples).
+            examples). In training, `logits` is a `HistogramSummary` of the logits
+            (`LOGIT_BINS` buckets over `LOGIT_RANGE`, counted on the device).
         """
         weight = batch["weight"]
         logits, ctx = self.logits(batch["image"], weight, ctx)
@@ -158,4 +167,7 @@ class Classifier(eqx.Module):
         ctx = ctx.add_summary("loss", loss)
         accuracy = eqxctx.WeightedSummary(weighted_mean(correct, weight), total)
         ctx = ctx.add_summary("accuracy", accuracy)
+        if ctx.is_training:
+            hist = eqxctx.HistogramSummary(logits, bins=LOGIT_BINS, range=LOGIT_RANGE)
+            ctx = ctx.add_summary("logits", hist)
         return {"nll": nll, "predictions": predictions}, ctx

@@ -1,6 +1,7 @@
 """One run of the demo: data, model, training, evaluation, logs, plot and report."""
 
 import argparse
+import math
 import os
 import sys
 from typing import Any
@@ -11,7 +12,13 @@ import numpy as np
 from eqxctx.demo._data import load_digits_split
 from eqxctx.demo._model import Classifier
 from eqxctx.demo._train import Evaluation, History, evaluate, train
-from eqxctx.writers import AbstractWriter, JsonlWriter, TensorBoardWriter
+from eqxctx.writers import (
+    AbstractWriter,
+    AsyncWriter,
+    JsonlWriter,
+    MultiWriter,
+    TensorBoardWriter,
+)
 
 
 LEARNING_RATE = 3e-3
@@ -58,6 +65,20 @@ def report(
         rms = s[f"layers/iter{layer}/activation_rms"]
         ratio = s[f"layers/iter{layer}/update_ratio"]
         lines.append(f"{layer:>5}   {rms:>14.3f}   {ratio:>21.3f}")
+    lines += [
+        "",
+        "layer   activations:  mean     std      min      max   (last training batch)",
+    ]
+    for layer in range(args.layers):
+        prefix = f"train/layers/iter{layer}/activations/"
+        m = {
+            k: history.scalars[prefix + k][-1]
+            for k in ("mean", "variance", "min", "max")
+        }
+        lines.append(
+            f"{layer:>5}   {m['mean']:>17.3f} {math.sqrt(m['variance']):>7.3f} "
+            f"{m['min']:>8.3f} {m['max']:>8.3f}"
+        )
     lines += ["", f"logs: {run_dir}"]
     lines += [f"  {f}" for f in files]
     return "\n".join(lines)
@@ -76,24 +97,27 @@ def run(args: argparse.Namespace, run_dir: str) -> Evaluation:
         f"{args.width}, {args.steps} steps of {args.batch_size}",
         file=sys.stderr,
     )
-    writers, tb_note = _open_writers(run_dir)
+    file_writers, tb_note = _open_writers(run_dir)
     bar = _progress_bar(args.steps)
 
     def progress(step: int, loss: float, accuracy: float) -> None:
         bar.set_postfix(loss=f"{loss:.4f}", accuracy=f"{accuracy:.3f}", refresh=False)
         bar.update(1)
 
+    history = History(progress)
+    # File I/O on a background thread; step n is fetched while step n + 1 runs.
+    writer = AsyncWriter(MultiWriter(*file_writers, history), defer_fetch=True)
     try:
-        model, history = train(
+        model = train(
             model,
             train_split,
             steps=args.steps,
             batch_size=args.batch_size,
             seed=args.seed,
             learning_rate=LEARNING_RATE,
-            writers=writers,
-            progress=progress,
+            writer=writer,
         )
+        writer.flush()
         bar.close()
         result = evaluate(
             model,
@@ -102,12 +126,10 @@ def run(args: argparse.Namespace, run_dir: str) -> Evaluation:
             seed=args.seed,
             keep_hidden=args.keep_hidden,
         )
-        for writer in writers:
-            writer.write(args.steps, {"test": result.raw})
+        writer.write(args.steps, {"test": result.raw})
     finally:
         bar.close()
-        for writer in writers:
-            writer.close()
+        writer.close()
     files = [
         f"summaries.jsonl        (steps 0-{args.steps - 1}: train/...; step "
         f"{args.steps}: test/...)",

@@ -1,7 +1,7 @@
 """Training (optax Adam under `eqx.filter_jit`) and evaluation (a `MethodRunner`)."""
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import equinox as eqx
@@ -14,8 +14,12 @@ from jaxtyping import Array, PRNGKeyArray
 import eqxctx
 from eqxctx.demo._data import Batch, Split, eval_batches, train_batches
 from eqxctx.demo._model import Classifier, weighted_mean
-from eqxctx.writers import AbstractWriter
-from eqxctx.writers._base import flatten_summaries, host_values
+from eqxctx.writers import (
+    AbstractWriter,
+    HostSummaries,
+    HostValue,
+    fetch_summaries,
+)
 
 
 TrainStep = Callable[
@@ -53,21 +57,47 @@ def make_train_step(optimizer: optax.GradientTransformation) -> TrainStep:
     return step
 
 
-@dataclasses.dataclass
-class History:
-    """The scalar summaries written during training: `{path: [value per step]}`."""
+class History(AbstractWriter):
+    """A writer that keeps the scalar summaries in memory: `{path: [value per step]}`.
 
-    steps: list[int] = dataclasses.field(default_factory=list[int])
-    scalars: dict[str, list[float]] = dataclasses.field(
-        default_factory=dict[str, list[float]]
-    )
+    It runs beside the file writers (in the same `MultiWriter`, on `AsyncWriter`'s
+    thread) and calls `progress(step, loss, accuracy)` for each training step.
 
-    def add(self, step: int, values: dict[str, np.ndarray]) -> None:
-        """Record the scalar (shape `()`) values of one step."""
-        self.steps.append(step)
+    Attributes:
+        steps: the steps written, in order.
+        scalars: `{path: [value per step]}` of the shape-`()` values.
+    """
+
+    def __init__(self, progress: Callable[[int, float, float], None] | None = None):
+        self.steps: list[int] = []
+        self.scalars: dict[str, list[float]] = {}
+        self._progress = progress
+
+    def write_host(self, host: HostSummaries) -> None:
+        """Record the scalars of one step; report the training loss and accuracy."""
+        values = scalar_values(host.values)
+        if "train/loss" not in values:
+            return  # the test line
+        self.steps.append(host.step)
         for path, value in values.items():
-            if value.ndim == 0:
-                self.scalars.setdefault(path, []).append(float(value))
+            self.scalars.setdefault(path, []).append(value)
+        if self._progress is not None:
+            self._progress(host.step, values["train/loss"], values["train/accuracy"])
+
+    def flush(self) -> None:
+        """Nothing to flush."""
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
+def scalar_values(values: Mapping[str, HostValue]) -> dict[str, float]:
+    """Return the scalars (NumPy arrays of shape `()`) of fetched values as floats."""
+    return {
+        path: float(v)
+        for path, v in values.items()
+        if isinstance(v, np.ndarray) and v.ndim == 0
+    }
 
 
 def train(
@@ -78,14 +108,15 @@ def train(
     batch_size: int,
     seed: int,
     learning_rate: float,
-    writers: Sequence[AbstractWriter],
-    progress: Callable[[int, float, float], None],
-) -> tuple[Classifier, History]:
+    writer: AbstractWriter,
+) -> Classifier:
     """Train `model` for `steps` Adam steps; write `{"train": summaries}` each step.
 
+    The summaries go to `writer` as device arrays; with an `AsyncWriter` (as the
+    demo uses, with `defer_fetch=True`) step n is fetched while step n + 1 runs.
+
     Returns:
-        `(model, history)`: the trained model and the per-step scalar summaries
-        (paths like `train/loss`, `train/layers/iter0/activation_rms`).
+        The trained model.
     """
     schedule = optax.cosine_decay_schedule(learning_rate, steps, alpha=0.05)
     optimizer = optax.adam(schedule)
@@ -93,19 +124,13 @@ def train(
     step_fn = make_train_step(optimizer)
     key = jax.random.fold_in(jax.random.PRNGKey(seed), 1)
     batches = train_batches(data, batch_size=batch_size, seed=seed)
-    history = History()
     for step in range(steps):
         batch = next(batches)
         model, opt_state, summaries = step_fn(
             model, opt_state, batch, jax.random.fold_in(key, step)
         )
-        logged = {"train": jax.device_get(summaries)}
-        for writer in writers:
-            writer.write(step, logged)
-        values = host_values(flatten_summaries(logged, where="train"), where="train")
-        history.add(step, values)
-        progress(step, float(values["train/loss"]), float(values["train/accuracy"]))
-    return model, history
+        writer.write(step, {"train": summaries})
+    return model
 
 
 @dataclasses.dataclass
@@ -164,9 +189,9 @@ def evaluate(
             hidden.setdefault(path, []).append(value)
     n = len(data.labels)
     raw = accumulator.summaries()
-    values = host_values(flatten_summaries(raw, where="evaluate"), where="evaluate")
+    values = fetch_summaries(raw, where="evaluate")
     return Evaluation(
-        summaries={k: float(v) for k, v in values.items() if v.ndim == 0},
+        summaries=scalar_values(values),
         predictions=np.concatenate(predictions)[:n],
         # [layers, batch, width] per batch -> [layers, n, width].
         hidden={k: np.concatenate(v, axis=1)[:, :n] for k, v in hidden.items()},

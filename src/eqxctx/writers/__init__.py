@@ -1,20 +1,31 @@
 """Summary writers: JSON lines (no extra dependency) and TensorBoard (tensorboardX).
 
-Both take the summaries of an `OutputCollection` (or a nested mapping of them) once per
-step and write each leaf's `Summary.value()` under its "/"-joined path:
+Each takes the summaries of an `OutputCollection` (or a nested mapping of them) once
+per step and writes each leaf's `Summary.value()` under its "/"-joined path. Wrap them
+in `AsyncWriter` so that the training loop never waits for the disk, and in
+`MultiWriter` to write to several at once:
 
 ```python
-with (
-    JsonlWriter("runs/exp/summaries.jsonl") as jsonl,
-    TensorBoardWriter("runs/exp") as tb,
-):
+writer = AsyncWriter(
+    MultiWriter(JsonlWriter("runs/exp/summaries.jsonl"), TensorBoardWriter("runs/exp")),
+    defer_fetch=True,
+)
+with writer:
     for step in range(num_steps):
         state, collection = train_step(state, batch)
-        jsonl.write(step, collection)
-        tb.write(step, collection)
+        writer.write(step, collection)
 ```
+
+In a multi-process run, every process creates the writers and calls `write` with the
+same summaries (fetching is a collective); only process 0 writes files.
 """
 
-from ._base import AbstractWriter as AbstractWriter
+from ._async import AsyncWriter as AsyncWriter, MultiWriter as MultiWriter
+from ._base import (
+    AbstractWriter as AbstractWriter,
+    HostSummaries as HostSummaries,
+    HostValue as HostValue,
+    fetch_summaries as fetch_summaries,
+)
 from ._jsonl import JsonlWriter as JsonlWriter
 from ._tensorboard import TensorBoardWriter as TensorBoardWriter

@@ -1,6 +1,7 @@
-"""The writer interface and the shared step: flatten summaries, fetch their values."""
+"""The writer interface and the shared step: flatten, validate and fetch summaries."""
 
 import abc
+import dataclasses
 import functools
 import operator
 from collections.abc import Iterator, Mapping
@@ -12,7 +13,18 @@ import numpy as np
 
 from eqxctx._collection import OutputCollection, check_summary_name, summary_tree
 from eqxctx._iterations import flatten_into
-from eqxctx._summary import leaf_value
+from eqxctx._mapping import FrozenMapping
+from eqxctx._statistics import HistogramSummary, MomentsSummary
+from eqxctx._summary import (
+    AudioSummary,
+    ImageSummary,
+    MaxSummary,
+    MinSummary,
+    Summary,
+    SumSummary,
+    WeightedSummary,
+)
+from eqxctx._transfer import to_host
 
 
 #: What `write` accepts: an `OutputCollection` (its summaries are written) or a
@@ -57,12 +69,23 @@ def flatten_summaries(summaries: object, *, where: str) -> dict[str, Any]:
     return out
 
 
+#: The largest step: TensorBoard (and W&B) store steps as int64.
+MAX_STEP = 2**63 - 1
+
+#: A value ready to write: a NumPy array, or (kept whole, with NumPy fields) an
+#: `ImageSummary`, `AudioSummary` or `HistogramSummary`.
+HostValue: TypeAlias = np.ndarray | ImageSummary | AudioSummary | HistogramSummary
+
+_MEDIA = (ImageSummary, AudioSummary, HistogramSummary)
+
+
 def check_step(step: object, *, where: str) -> int:
     """Return `step` as an `int`, or raise naming `where`.
 
     Raises:
         TypeError: if `step` is not an integer (a `bool` is not one).
-        ValueError: if `step` is negative.
+        ValueError: if `step` is negative or above `2**63 - 1` (int64, as
+            TensorBoard's event files store it).
     """
     if isinstance(step, bool):
         raise TypeError(f"`{where}`: step must be an int, got a bool ({step}).")
@@ -75,6 +98,10 @@ def check_step(step: object, *, where: str) -> int:
         ) from None
     if value < 0:
         raise ValueError(f"`{where}`: step must be >= 0, got {value}.")
+    if value > MAX_STEP:
+        raise ValueError(
+            f"`{where}`: step must be at most 2**63 - 1 (an int64), got {value}."
+        )
     return value
 
 
@@ -88,64 +115,12 @@ def _expand(path: str, value: Any, *, where: str) -> Iterator[tuple[str, Any]]:
         yield path, value
 
 
-def host_values(flat: Mapping[str, Any], *, where: str) -> dict[str, np.ndarray]:
-    """Return `{path: numpy array}` of each leaf's `leaf_value`, fetched at once.
-
-    `CallbackSummary` functions run here, on the host. A value that is a mapping is
-    expanded into `path/key` entries.
-
-    Raises:
-        TypeError: if a value is not numeric (bool, integer or floating); the message
-            names the path.
-        ValueError: if an expanded `path/key` is the path of another summary, or a
-            key is not a valid name (the message names the path).
-        RuntimeError: if a value is a JAX array that this process cannot read (a
-            multi-host array); fetch it with `eqxctx.to_host` first.
-    """
-    values: dict[str, Any] = {}
-    for path, leaf in flat.items():
-        if type(leaf) in _HOST_SCALARS:  # per-iteration views: no checks to make
-            values[path] = leaf
-            continue
-        value = leaf_value(leaf)
-        if isinstance(value, Mapping):
-            for sub, v in _expand(path, value, where=where):
-                if sub in values:
-                    raise _collision(sub, where=where)
-                values[sub] = v
-        elif path in values:
-            raise _collision(path, where=where)
-        else:
-            values[path] = value
-    # Fetch the device arrays at once; host values (NumPy, Python numbers, the
-    # per-iteration views) need no transfer.
-    on_device = [
-        path
-        for path, v in values.items()
-        if type(v) not in _HOST_SCALARS and isinstance(v, jax.Array)
-    ]
-    try:
-        fetched = jax.device_get([values[path] for path in on_device])
-    except RuntimeError as e:
-        raise RuntimeError(
-            f"`{where}`: could not fetch the summaries to this host ({e}). For arrays "
-            "sharded across processes, write `eqxctx.to_host(summaries)` instead."
-        ) from e
-    values.update(zip(on_device, fetched, strict=True))
-    out: dict[str, np.ndarray] = {}
-    for path, value in values.items():
-        arr = value if type(value) is np.ndarray else np.asarray(value)
-        problem = _dtype_problem(arr.dtype)
-        if problem is not None:
-            raise TypeError(f"`{where}`: the summary at {path!r} {problem}")
-        out[path] = arr
-    return out
-
-
-_HOST_SCALARS = frozenset(
-    {np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64}
-    | {np.uint8, np.uint16, np.uint32, np.uint64, np.bool_}
-)
+def _numeric(path: str, value: Any, *, where: str) -> np.ndarray:
+    arr = value if type(value) is np.ndarray else np.asarray(value)
+    problem = _dtype_problem(arr.dtype)
+    if problem is not None:
+        raise TypeError(f"`{where}`: the summary at {path!r} {problem}")
+    return arr
 
 
 @functools.cache
@@ -161,6 +136,134 @@ def _dtype_problem(dtype: np.dtype[Any]) -> str | None:
     return None
 
 
+def fetch_summaries(
+    summaries: object, *, where: str = "fetch_summaries"
+) -> dict[str, HostValue]:
+    """Flatten, validate and fetch summaries to the host: `{path: HostValue}`.
+
+    Every process of a multi-process run must call this with the same summaries: it
+    fetches with `eqxctx.to_host`, which all-gathers arrays split over processes (a
+    collective); with one process, with one `jax.device_get`. Each `Summary` is
+    `validate()`d (also in a plain mapping). Then each leaf becomes what writers
+    write, under its "/"-joined path: `ImageSummary`, `AudioSummary` and
+    `HistogramSummary` stay whole (with NumPy fields); other summaries become their
+    `value()` as NumPy arrays, a mapping value (a `MomentsSummary`, a
+    `CallbackSummary` returning a dict) expanded into `path/key` entries. A
+    `CallbackSummary`'s function runs here, on NumPy copies of its arguments (as
+    AXLearn's writer does).
+
+    Args:
+        summaries: an `OutputCollection` (its summaries) or a nested mapping of
+            summary leaves and `OutputCollection`s.
+        where: the caller, for error messages (e.g. `"JsonlWriter.write"`).
+
+    Returns:
+        `{path: value}` in the summaries' order.
+
+    Raises:
+        TypeError: for a leaf that is not a summary leaf or a non-numeric or complex
+            value (the message names the path).
+        ValueError: for an invalid name, two values with the same path, or a
+            summary that fails `validate()` (e.g. an empty image batch); the message
+            names the path.
+    """
+    # One fetch of the summary trees first (module outputs and state updates stay on
+    # the device), so that per-iteration views index NumPy arrays on the host.
+    trees = _summary_trees(summaries)
+    # One process: one batched transfer. Several: `to_host` reads replicated arrays
+    # from a local shard and all-gathers arrays split over the processes.
+    fetched = jax.device_get(trees) if jax.process_count() == 1 else to_host(trees)
+    flat = flatten_summaries(_in_order(fetched, trees), where=where)
+    out: dict[str, HostValue] = {}
+    for path, leaf in flat.items():
+        if isinstance(leaf, Summary):
+            try:
+                # Through the class: `leaf.validate` would build an Equinox bound
+                # method (a Module) per call, ~30 µs.
+                type(leaf).validate(leaf)
+            except ValueError as e:
+                raise ValueError(f"`{where}`: the summary at {path!r}: {e}") from e
+        if isinstance(leaf, _MEDIA):
+            field = leaf.counts if isinstance(leaf, HistogramSummary) else leaf.value_
+            _numeric(path, field, where=where)
+            items: Iterator[tuple[str, Any]] = iter([(path, leaf)])
+        else:
+            items = _expand(path, _host_value(leaf), where=where)
+        for sub, value in items:
+            if sub in out:
+                raise _collision(sub, where=where)
+            if not isinstance(value, _MEDIA):
+                value = _numeric(sub, value, where=where)
+            out[sub] = value
+    return out
+
+
+def _summary_trees(summaries: object) -> object:
+    """`summaries` with each `OutputCollection` replaced by its summaries mapping."""
+    if isinstance(summaries, OutputCollection):
+        return summaries.summaries
+    if isinstance(summaries, Mapping):
+        return {k: _summary_trees(v) for k, v in summaries.items()}
+    return summaries
+
+
+def _in_order(host: Any, like: Any) -> Any:
+    """`host` with its mappings in the key order of `like` (`to_host` sorts keys).
+
+    A `FrozenMapping` (a collection's level, checked when it was made) stays one.
+    """
+    if isinstance(like, Mapping) and isinstance(host, Mapping):
+        items = [(k, _in_order(host[k], v)) for k, v in like.items()]
+        return FrozenMapping(items) if isinstance(like, FrozenMapping) else dict(items)
+    return host
+
+
+def _host_value(leaf: Any) -> Any:
+    """What a writer writes for a fetched leaf (NumPy fields): its `value()`.
+
+    The built-in kinds are read on the host (NumPy), without a device round trip; a
+    `CallbackSummary` runs its function on the NumPy arguments.
+    """
+    if isinstance(leaf, WeightedSummary):
+        return leaf.mean
+    if isinstance(leaf, (MinSummary, MaxSummary, SumSummary)):
+        return leaf.value_
+    if isinstance(leaf, MomentsSummary):
+        count = np.asarray(leaf.count)
+        m2 = np.asarray(leaf.m2)
+        return {
+            "count": count,
+            "mean": np.asarray(leaf.mean),
+            "variance": m2 / np.maximum(count, 1).astype(m2.dtype),
+            "min": np.asarray(leaf.min_),
+            "max": np.asarray(leaf.max_),
+            "nonfinite": np.asarray(leaf.nonfinite),
+        }
+    if isinstance(leaf, Summary):
+        return type(leaf).value(leaf)
+    return leaf
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSummaries:
+    """One step's summaries on the host, ready to write (`AbstractWriter.fetch`).
+
+    Attributes:
+        step: the step, an int in `[0, 2**63)`.
+        values: `{path: value}` from `fetch_summaries`: NumPy arrays, and
+            `ImageSummary` / `AudioSummary` / `HistogramSummary` objects with NumPy
+            fields.
+    """
+
+    step: int
+    values: Mapping[str, HostValue]
+
+
+def is_writing_process() -> bool:
+    """Return whether this process writes files: process 0 (`jax.process_index()`)."""
+    return jax.process_index() == 0
+
+
 _W = TypeVar("_W", bound="AbstractWriter")
 
 
@@ -172,11 +275,61 @@ class AbstractWriter(abc.ABC):
     `eqxctx.functional`, a `MethodRunner` output or a `SummaryAccumulator`) after
     each step. They read each leaf's `Summary.value()` (raw arrays as they are) on
     the host.
+
+    A write has two halves. `fetch` (on every process: it may be a collective)
+    checks the step, validates the summaries, fetches them with `eqxctx.to_host` and
+    runs the writer's own `check`; `write_host` (only on process 0) writes the files.
+    `write` runs both; `AsyncWriter` runs `write_host` on a background thread. A new
+    writer implements `write_host`, `flush` and `close` (and `check`, to refuse
+    what it cannot write before anything is written).
     """
 
-    @abc.abstractmethod
     def write(self, step: Step, summaries: Summaries) -> None:
-        """Write the summaries of one step."""
+        """Write the summaries of one step (files only on process 0).
+
+        Every process of a multi-process run must call `write` with the same
+        summaries (see `fetch`); only process 0 writes.
+
+        Args:
+            step: the step number, an int in `[0, 2**63)`.
+            summaries: an `OutputCollection` (its `summaries` are written) or a nested
+                mapping of summary leaves and `OutputCollection`s (`{"train": coll}`
+                writes `train/...`).
+
+        Raises:
+            TypeError: for a non-integer step, a leaf that is not a summary leaf, or
+                a non-numeric value (the message names its path).
+            ValueError: for a step out of range, an invalid summary (naming its
+                path), a value this writer cannot write (see `check`) or a write
+                after `close()`.
+            eqxctx.OutputConflictError: for two paths that this writer would write
+                under one name (TensorBoard's tag sanitizing).
+        """
+        host = self.fetch(step, summaries)
+        if is_writing_process():
+            self.write_host(host)
+
+    def fetch(self, step: Step, summaries: Summaries) -> HostSummaries:
+        """Check, validate and fetch one step's summaries to the host; write nothing.
+
+        Runs on every process (`eqxctx.to_host` all-gathers arrays split over
+        processes). Raises as `write` does.
+        """
+        where = f"{type(self).__name__}.write"
+        checked = check_step(step, where=where)
+        host = HostSummaries(checked, fetch_summaries(summaries, where=where))
+        self.check(host)
+        return host
+
+    def check(self, host: HostSummaries) -> None:  # noqa: B027 - optional hook
+        """Raise if `host` cannot be written (e.g. the writer is closed).
+
+        Called by `fetch` on every process, before anything is written.
+        """
+
+    @abc.abstractmethod
+    def write_host(self, host: HostSummaries) -> None:
+        """Write one fetched step (called on process 0 only)."""
 
     @abc.abstractmethod
     def flush(self) -> None:

@@ -6,14 +6,10 @@ from typing import IO, Any, Literal
 
 import numpy as np
 
-from ._base import (
-    AbstractWriter,
-    Step,
-    Summaries,
-    check_step,
-    flatten_summaries,
-    host_values,
-)
+from eqxctx._statistics import HistogramSummary
+from eqxctx._summary import AudioSummary, ImageSummary
+
+from ._base import AbstractWriter, HostSummaries, HostValue, is_writing_process
 
 
 def json_value(arr: np.ndarray) -> Any:
@@ -37,6 +33,41 @@ def json_value(arr: np.ndarray) -> Any:
     return arr.astype(np.float64).tolist()
 
 
+def nonempty_span(counts: np.ndarray) -> tuple[int, int]:
+    """Return `(first, last + 1)` of the non-zero buckets of `counts` ((0, 0): none)."""
+    (nonzero,) = np.nonzero(np.asarray(counts).reshape(-1))
+    if not nonzero.size:
+        return 0, 0
+    return int(nonzero[0]), int(nonzero[-1]) + 1
+
+
+def histogram_json(h: HistogramSummary) -> dict[str, Any]:
+    """Return `{"edges": [...], "counts": [...]}` of the non-empty bucket span.
+
+    The buckets from the first to the last non-empty one, with their `k + 1` edges
+    (exact float64); `{"edges": [], "counts": []}` if no value was counted.
+    Stacked histograms (counts `[..., bins]`) give nested lists of counts over
+    the span of all of them.
+    """
+    counts = np.asarray(h.counts)
+    first, stop = nonempty_span(counts.sum(axis=tuple(range(counts.ndim - 1))))
+    if first == stop:
+        return {"edges": [], "counts": []}
+    return {
+        "edges": list(h.edges[first : stop + 1]),
+        "counts": counts[..., first:stop].tolist(),
+    }
+
+
+def record_value(value: HostValue) -> Any:
+    """Return what `JsonlWriter` writes for one fetched value."""
+    if isinstance(value, HistogramSummary):
+        return histogram_json(value)
+    if isinstance(value, (ImageSummary, AudioSummary)):
+        return json_value(np.asarray(value.value_))
+    return json_value(value)
+
+
 class JsonlWriter(AbstractWriter):
     """Write summaries as JSON lines: one JSON object per `write(step, summaries)`.
 
@@ -46,8 +77,16 @@ class JsonlWriter(AbstractWriter):
     arrays as they are): a number for a shape-`()` value, nested lists of numbers
     (shape preserved) otherwise. Booleans become 0/1; NaN and infinities are written
     as `NaN` / `Infinity` / `-Infinity`, as Python's `json` module does (and reads
-    back). Every leaf is written, including images and audio (as nested lists).
-    Each line is flushed as it is written, so the file can be read during training.
+    back). Every leaf is written, including images and audio (as nested lists). A
+    `MomentsSummary` is written as `path/count`, `path/mean`, `path/variance`,
+    `path/min`, `path/max`, `path/nonfinite`; a `HistogramSummary` as one object
+    `{"edges": [...], "counts": [...]}` holding the buckets from the first to the
+    last non-empty one (`k` counts, `k + 1` edges; both lists empty when nothing was
+    counted). Each line is flushed as it is written, so the file can be read during
+    training.
+
+    In a multi-process run, create the writer and call `write` on every process
+    (after `jax.distributed.initialize`): only process 0 opens and writes the file.
 
     Read it back with `[json.loads(line) for line in open(path)]` or
     `pandas.read_json(path, lines=True)`.
@@ -79,40 +118,36 @@ class JsonlWriter(AbstractWriter):
                 f"`JsonlWriter(mode=...)`: expected 'a', 'w' or 'x', got {mode!r}."
             )
         self.path = os.fspath(path)
-        parent = os.path.dirname(self.path)
-        if parent:
-            os.makedirs(parent, exist_ok=True)
-        self._file: IO[str] | None = open(self.path, mode, encoding="utf-8")  # noqa: SIM115
+        self._closed = False
+        self._file: IO[str] | None = None
+        if is_writing_process():
+            parent = os.path.dirname(self.path)
+            if parent:
+                os.makedirs(parent, exist_ok=True)
+            self._file = open(self.path, mode, encoding="utf-8")  # noqa: SIM115
 
-    def write(self, step: Step, summaries: Summaries) -> None:
-        """Append one line `{"step": step, path: value, ...}` and flush it.
-
-        Args:
-            step: the step number, a non-negative `int`.
-            summaries: an `OutputCollection` (its `summaries` are written) or a nested
-                mapping of summary leaves (arrays of any rank and a numeric dtype,
-                Python numbers, `Summary` objects, `IterationSummaries`) and
-                `OutputCollection`s (`{"train": coll}` writes `train/...`). JAX arrays
-                are fetched to the host.
+    def check(self, host: HostSummaries) -> None:
+        """Refuse a closed writer and a top-level summary named `"step"`.
 
         Raises:
-            TypeError: for a non-integer step, a leaf that is not a summary leaf, or
-                a non-numeric value (the message names its path).
-            ValueError: for a negative step, a summary named `"step"` at the top
-                level, or a write after `close()`.
+            ValueError: after `close()`, or for a summary path `"step"`, which
+                would clash with the step number.
         """
         where = "JsonlWriter.write"
-        step = check_step(step, where=where)
-        if self._file is None:
+        if self._closed:
             raise ValueError(f"`{where}`: the writer for {self.path!r} is closed.")
-        values = host_values(flatten_summaries(summaries, where=where), where=where)
-        if "step" in values:
+        if "step" in host.values:
             raise ValueError(
                 f"`{where}`: a summary path is 'step', which would clash with the "
                 "step number; nest it under a child (e.g. `{'train': summaries}`)."
             )
-        record: dict[str, Any] = {"step": step}
-        record.update((path, json_value(arr)) for path, arr in values.items())
+
+    def write_host(self, host: HostSummaries) -> None:
+        """Append one line `{"step": step, path: value, ...}` and flush it."""
+        if self._file is None:
+            return
+        record: dict[str, Any] = {"step": host.step}
+        record.update((path, record_value(v)) for path, v in host.values.items())
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
@@ -123,6 +158,7 @@ class JsonlWriter(AbstractWriter):
 
     def close(self) -> None:
         """Close the file; closing twice is allowed."""
+        self._closed = True
         if self._file is not None:
             self._file.close()
             self._file = None

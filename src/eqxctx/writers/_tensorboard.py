@@ -1,22 +1,25 @@
-"""TensorBoardWriter: summaries as TensorBoard event files, through tensorboardX."""
+"""TensorBoardWriter: summaries as TensorBoard event files (tensorboardX's protos)."""
 
+import functools
 import io
+import itertools
 import os
+import re
+import socket
+import struct
+import time
 import wave
-from typing import Any
+import zlib
+from typing import IO, Any
 
 import numpy as np
 
-from eqxctx._summary import AudioSummary, HistogramSummary, ImageSummary
+from eqxctx._errors import OutputConflictError
+from eqxctx._statistics import HistogramSummary, tensorflow_edges
+from eqxctx._summary import AudioSummary, ImageSummary
 
-from ._base import (
-    AbstractWriter,
-    Step,
-    Summaries,
-    check_step,
-    flatten_summaries,
-    host_values,
-)
+from ._base import AbstractWriter, HostSummaries, is_writing_process
+from ._jsonl import nonempty_span
 
 
 _MISSING = (
@@ -25,6 +28,17 @@ _MISSING = (
     "`pip install tensorboardX`), or write JSON lines with `eqxctx.writers."
     "JsonlWriter`, which needs nothing else."
 )
+
+#: tensorboardX's `_clean_tag`: characters other than these become "_".
+_INVALID_TAG_CHARACTERS = re.compile(r"[^-/\w.]")
+_DT_STRING = 7  # tensorflow/core/framework/types.proto
+_DBL_MAX = float(np.finfo(np.float64).max)
+
+
+@functools.lru_cache(maxsize=65536)  # the same paths every step
+def tag_of(path: str) -> str:
+    """Return the TensorBoard tag of a summary path (tensorboardX's `_clean_tag`)."""
+    return _INVALID_TAG_CHARACTERS.sub("_", path).lstrip("/")
 
 
 def _images_nhwc(images: np.ndarray) -> np.ndarray:
@@ -37,18 +51,41 @@ def _images_nhwc(images: np.ndarray) -> np.ndarray:
         return images.astype(np.uint8) * np.uint8(255)
     if np.issubdtype(images.dtype, np.integer):
         return np.clip(images, 0, 255).astype(np.uint8)
-    scaled = np.clip(images.astype(np.float32), 0.0, 1.0) * np.float32(255.0)
+    floats = np.nan_to_num(images.astype(np.float32), nan=0.0)
+    scaled = np.clip(floats, 0.0, 1.0) * np.float32(255.0)
     return np.round(scaled).astype(np.uint8)
+
+
+def png_bytes(image: np.ndarray) -> bytes:
+    """Encode `uint8[height, width, channels]` (1, 3 or 4 channels) as a PNG."""
+    height, width, channels = image.shape
+    color_type = {1: 0, 3: 2, 4: 6}[channels]  # gray, RGB, RGBA
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = zlib.crc32(kind + data) & 0xFFFFFFFF
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
+
+    rows = image.reshape(height, width * channels)
+    raw = np.concatenate([np.zeros((height, 1), np.uint8), rows], axis=1)  # filter 0
+    header = struct.pack(">IIBBBBB", width, height, 8, color_type, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(raw.tobytes()))
+        + chunk(b"IEND", b"")
+    )
 
 
 def wav_bytes(audio: np.ndarray, sample_rate: int) -> bytes:
     """Encode `audio` (`[time]` or `[time, channels]`, in [-1, 1]) as 16-bit WAV.
 
-    Values outside [-1, 1] are clipped.
+    Scaled like TensorFlow's `tf.audio.encode_wav`: `round(x * 32768)` clipped to
+    `[-32768, 32767]` (NaN as 0).
     """
     if audio.ndim == 1:
         audio = audio[:, None]
-    pcm = np.round(np.clip(audio.astype(np.float64), -1.0, 1.0) * 32767.0)
+    samples = np.nan_to_num(audio.astype(np.float64), nan=0.0, posinf=1.0, neginf=-1.0)
+    pcm = np.clip(np.round(samples * 32768.0), -32768, 32767)
     buffer = io.BytesIO()
     with wave.open(buffer, "wb") as wav:
         wav.setnchannels(audio.shape[1])
@@ -58,26 +95,70 @@ def wav_bytes(audio: np.ndarray, sample_rate: int) -> bytes:
     return buffer.getvalue()
 
 
+class _EventFile:
+    """One TFRecord event file of its own, never an existing one (opened "xb")."""
+
+    def __init__(self, logdir: str, event_pb2: Any, crc: Any):
+        os.makedirs(logdir, exist_ok=True)
+        self._event_pb2 = event_pb2
+        self._crc = crc
+        # tensorboardX names files by the second and opens them "wb": two writers
+        # in one second truncated each other. Here a counter makes the name unique.
+        stamp = f"{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}"
+        for k in itertools.count():
+            path = os.path.join(logdir, f"events.out.tfevents.{stamp}.{k}")
+            try:
+                self.file: IO[bytes] = open(path, "xb")  # noqa: SIM115
+            except FileExistsError:
+                continue
+            self.path = path
+            break
+        self.write(
+            self._event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2")
+        )
+
+    def write(self, event: Any) -> None:
+        data = event.SerializeToString()
+        header = struct.pack("<Q", len(data))
+        self.file.write(header + struct.pack("<I", self._crc(header)))
+        self.file.write(data + struct.pack("<I", self._crc(data)))
+
+
 class TensorBoardWriter(AbstractWriter):
-    """Write summaries as TensorBoard event files (tensorboardX's `SummaryWriter`).
+    """Write summaries as TensorBoard event files (with tensorboardX's protos).
 
     The tags are the keys that `JsonlWriter` writes ("/"-joined paths of
     `OutputCollection.flatten("summaries")`, with `.../iter0/...` for the iterations
     of a scan), and every leaf is written as its `Summary.value()`:
 
     - `ImageSummary` (`[batch, height, width]` or `[batch, height, width,
-      channels]`): an image grid (`add_images`). Floating values are clipped to
-      [0, 1]; `uint8` values are used as they are.
+      channels]`): one PNG per batch entry under one tag, in TensorBoard's image
+      format (`tf.summary.image`; a slider picks the entry). Floating values are
+      clipped to [0, 1]; `uint8` values are used as they are.
     - `AudioSummary` (`[time]` or `[time, channels]`, in [-1, 1]): audio at its
-      `sample_rate`, encoded as 16-bit WAV (values outside [-1, 1] are clipped).
-    - `HistogramSummary` (any shape): a histogram of all its finite values.
+      `sample_rate`, encoded as 16-bit WAV scaled like TensorFlow's
+      `tf.audio.encode_wav` (`x * 32768`, clipped to the int16 range).
+    - `HistogramSummary`: a histogram of its counts over the buckets from the first
+      to the last non-empty one (`num` is exact; `sum` and `sum_squares` are
+      estimated from the bucket centers). One with no count is skipped.
+    - `MomentsSummary`: the scalars `path/count`, `path/mean`, `path/variance`,
+      `path/min`, `path/max`, `path/nonfinite`.
     - any other value of shape `()` (a raw array, a Python number, a
-      `WeightedSummary`'s mean, a `MinSummary`, ...): a scalar (stored as float32).
-    - any other value of higher rank: a histogram of its finite values.
+      `WeightedSummary`'s mean, a `MinSummary`, ...): a scalar (stored as float32;
+      NaN and infinities are written as they are, without a message).
+    - any other value of higher rank: a histogram of its finite values in
+      TensorFlow's default buckets (exact `min`, `max`, `num`, `sum`); one with no
+      finite value is skipped.
 
-    A histogram with no finite value is skipped. Tags are used as they are when they
-    contain only letters, digits and `-_./` (always true for eqxctx child names);
-    tensorboardX replaces other characters with `_`.
+    Tags are used as they are when they contain only letters, digits and `-_./`
+    (always true for eqxctx child names); other characters become `_`, as
+    tensorboardX does. Two paths that get one tag raise `OutputConflictError`.
+
+    Each writer writes one event file of its own,
+    `events.out.tfevents.{time}.{host}.{pid}.{k}`, and never opens an existing one:
+    several writers on one `logdir` (even in the same second) keep all their events.
+    In a multi-process run, create the writer and call `write` on every process
+    (after `jax.distributed.initialize`): only process 0 creates and writes a file.
 
     tensorboardX is imported when the writer is made; install it with eqxctx's
     `tensorboard` extra. Follows AXLearn's `SummaryWriter`
@@ -85,13 +166,15 @@ class TensorBoardWriter(AbstractWriter):
     `tf.summary`.
 
     Args:
-        logdir: the folder for the event files (created if missing).
-        max_queue: events buffered before a write to disk.
-        flush_secs: seconds between automatic flushes.
+        logdir: the folder for the event file (created if missing).
+        max_queue: events buffered before they are written to disk.
+        flush_secs: the longest time (seconds) between a write and the next flush,
+            checked at each write.
 
     Raises:
         ImportError: if tensorboardX is not installed (the message names the
             `tensorboard` extra).
+        OSError: if the folder or the file cannot be created.
     """
 
     def __init__(
@@ -102,75 +185,158 @@ class TensorBoardWriter(AbstractWriter):
         flush_secs: int = 120,
     ):
         try:
-            import tensorboardX
-            from tensorboardX.proto import summary_pb2
+            import tensorboardX  # pyright: ignore[reportUnusedImport]  # noqa: F401
+            from tensorboardX.proto import event_pb2, summary_pb2, tensor_pb2
+            from tensorboardX.record_writer import masked_crc32c
         except ImportError as e:
             raise ImportError(_MISSING) from e
         self.logdir = os.fspath(logdir)
-        self._proto = summary_pb2
-        self._writer: Any = tensorboardX.SummaryWriter(
-            logdir=self.logdir, max_queue=max_queue, flush_secs=flush_secs
-        )
+        self._event_pb2 = event_pb2
+        self._summary_pb2 = summary_pb2
+        self._tensor_pb2 = tensor_pb2
+        self._max_queue = max_queue
+        self._flush_secs = flush_secs
+        self._pending = 0
+        self._last_flush = time.monotonic()
+        self._closed = False
+        self._file: _EventFile | None = None
+        if is_writing_process():
+            self._file = _EventFile(self.logdir, event_pb2, masked_crc32c)
 
-    def write(self, step: Step, summaries: Summaries) -> None:
-        """Write the summaries of one step as TensorBoard events.
+    @property
+    def path(self) -> str | None:
+        """The event file's path (None on processes other than 0)."""
+        return None if self._file is None else self._file.path
 
-        Args:
-            step: the step number (`global_step`), a non-negative `int`.
-            summaries: an `OutputCollection` (its `summaries` are written) or a nested
-                mapping of summary leaves and `OutputCollection`s (`{"train": coll}`
-                writes `train/...`). JAX arrays are fetched to the host.
+    def check(self, host: HostSummaries) -> None:
+        """Refuse a closed writer and two paths that get one tag.
 
         Raises:
-            TypeError: for a non-integer step, a leaf that is not a summary leaf, or
-                a non-numeric value (the message names its path).
-            ValueError: for a negative step or a write after `close()`.
+            ValueError: after `close()`.
+            eqxctx.OutputConflictError: if two summary paths get the same tag after
+                sanitizing (e.g. `"a b"` and `"a_b"`); the message names both.
         """
         where = "TensorBoardWriter.write"
-        step = check_step(step, where=where)
-        if self._writer is None:
+        if self._closed:
             raise ValueError(f"`{where}`: the writer for {self.logdir!r} is closed.")
-        flat = flatten_summaries(summaries, where=where)
-        values = host_values(flat, where=where)
-        for tag, value in values.items():
-            self._write_one(tag, flat.get(tag), value, step)
+        seen: dict[str, str] = {}
+        for path in host.values:
+            tag = tag_of(path)
+            if tag in seen:
+                raise OutputConflictError(
+                    f"`{where}`: the summaries {seen[tag]!r} and {path!r} both get "
+                    f"the TensorBoard tag {tag!r} (characters other than letters, "
+                    "digits and -_./ become '_'); rename one of them so that no "
+                    "value is lost."
+                )
+            seen[tag] = path
 
-    def _write_one(self, tag: str, leaf: Any, value: np.ndarray, step: int) -> None:
-        if isinstance(leaf, ImageSummary):
-            images = _images_nhwc(value)
-            self._writer.add_images(tag, images, step, dataformats="NHWC")
-        elif isinstance(leaf, AudioSummary):
-            self._write_audio(tag, value, leaf.sample_rate, step)
-        elif isinstance(leaf, HistogramSummary) or value.ndim > 0:
+    def write_host(self, host: HostSummaries) -> None:
+        """Write one step as one event with every value."""
+        if self._file is None:
+            return
+        summary = self._summary_pb2.Summary
+        values: list[Any] = []
+        for path, value in host.values.items():
+            proto = self._value(tag_of(path), value)
+            if proto is not None:
+                values.append(proto)
+        event = self._event_pb2.Event(
+            wall_time=time.time(), step=host.step, summary=summary(value=values)
+        )
+        self._file.write(event)
+        self._pending += 1
+        elapsed = time.monotonic() - self._last_flush
+        if self._pending >= self._max_queue or elapsed >= self._flush_secs:
+            self.flush()
+
+    def _value(self, tag: str, value: Any) -> Any:
+        summary = self._summary_pb2.Summary
+        if isinstance(value, ImageSummary):
+            return self._images(tag, np.asarray(value.value_))
+        if isinstance(value, AudioSummary):
+            audio = np.asarray(value.value_)
+            proto = summary.Audio(
+                sample_rate=float(value.sample_rate),
+                num_channels=1 if audio.ndim == 1 else audio.shape[1],
+                length_frames=audio.shape[0],
+                encoded_audio_string=wav_bytes(audio, value.sample_rate),
+                content_type="audio/wav",
+            )
+            return summary.Value(tag=tag, audio=proto)
+        if isinstance(value, HistogramSummary):
+            histo = self._histogram(np.asarray(value.counts), value.edges, None)
+        elif value.ndim > 0:
             finite = value.astype(np.float64).ravel()
             finite = finite[np.isfinite(finite)]
-            if finite.size:
-                self._writer.add_histogram(tag, finite, step)
+            edges = tensorflow_edges()
+            histo = self._histogram(np.histogram(finite, edges)[0], edges, finite)
         else:
-            self._writer.add_scalar(tag, float(value), step)
+            return summary.Value(tag=tag, simple_value=float(value))
+        return None if histo is None else summary.Value(tag=tag, histo=histo)
 
-    def _write_audio(
-        self, tag: str, audio: np.ndarray, sample_rate: int, step: int
-    ) -> None:
-        # tensorboardX's `add_audio` needs the soundfile package; WAV is in stdlib.
-        summary = self._proto.Summary
-        proto = summary.Audio(
-            sample_rate=float(sample_rate),
-            num_channels=1 if audio.ndim == 1 else audio.shape[1],
-            length_frames=audio.shape[0],
-            encoded_audio_string=wav_bytes(audio, sample_rate),
-            content_type="audio/wav",
+    def _images(self, tag: str, images: np.ndarray) -> Any:
+        """TensorBoard's image format: a string tensor `[width, height, *pngs]`."""
+        nhwc = _images_nhwc(images)
+        _, height, width, _ = nhwc.shape
+        strings = [str(width).encode(), str(height).encode()]
+        strings += [png_bytes(image) for image in nhwc]
+        tensor = self._tensor_pb2.TensorProto(
+            dtype=_DT_STRING,
+            tensor_shape={"dim": [{"size": len(strings)}]},
+            string_val=strings,
         )
-        event = summary(value=[summary.Value(tag=tag, audio=proto)])
-        self._writer.file_writer.add_summary(event, step)
+        plugin = self._summary_pb2.SummaryMetadata.PluginData(plugin_name="images")
+        metadata = self._summary_pb2.SummaryMetadata(plugin_data=plugin)
+        return self._summary_pb2.Summary.Value(
+            tag=tag, metadata=metadata, tensor=tensor
+        )
+
+    def _histogram(
+        self, counts: np.ndarray, edges: tuple[float, ...], values: np.ndarray | None
+    ) -> Any:
+        """A `HistogramProto` of the non-empty bucket span (None if no count).
+
+        TensorBoard's format: `bucket_limit[i]` is bucket i's right edge; `min`
+        and `max` are the outer edges. Infinite edges are written as ±DBL_MAX, as
+        TensorFlow does.
+        """
+        counts = counts.reshape(-1, counts.shape[-1]).sum(axis=0)
+        first, stop = nonempty_span(counts)
+        if first == stop:
+            return None
+        span = np.clip(np.asarray(edges[first : stop + 1]), -_DBL_MAX, _DBL_MAX)
+        kept = counts[first:stop].astype(np.float64)
+        if values is None:
+            left, right = span[:-1], span[1:]
+            # A bucket open to ±DBL_MAX is represented by its finite edge.
+            middle = np.where(right >= _DBL_MAX, left, (left + right) / 2)
+            centers = np.where(left <= -_DBL_MAX, right, middle)
+            low, high = float(span[0]), float(span[-1])
+            total, squares = float(kept @ centers), float(kept @ centers**2)
+        else:
+            low, high = float(values.min()), float(values.max())
+            total, squares = float(values.sum()), float(values @ values)
+        return self._summary_pb2.HistogramProto(
+            min=low,
+            max=high,
+            num=float(kept.sum()),
+            sum=total,
+            sum_squares=squares,
+            bucket_limit=span[1:].tolist(),
+            bucket=kept.tolist(),
+        )
 
     def flush(self) -> None:
-        """Write pending events to disk."""
-        if self._writer is not None:
-            self._writer.flush()
+        """Write buffered events to disk."""
+        if self._file is not None:
+            self._file.file.flush()
+        self._pending = 0
+        self._last_flush = time.monotonic()
 
     def close(self) -> None:
         """Flush and close the event file; closing twice is allowed."""
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        self._closed = True
+        if self._file is not None:
+            self._file.file.close()
+            self._file = None

@@ -1,0 +1,162 @@
+"""Writing summaries every step: AsyncWriter vs a synchronous writer vs no writing.
+
+The loop is the demo's training step (`eqxctx.demo`: 4 scanned residual blocks, Adam;
+per step 2 weighted scalars, 2 weighted scalars and a `MomentsSummary` per layer, and a
+`HistogramSummary` of the logits: 59 values), at the demo's size (width 64, batch 64)
+and at width 256, batch 256. Each round runs
+`STEPS` steps per variant, interleaved, and times the whole loop including the final
+`block_until_ready` and the writers' `close` (so nothing is left unwritten):
+
+- none: the steps only;
+- async: `AsyncWriter(MultiWriter(JsonlWriter, TensorBoardWriter), defer_fetch=True)`;
+- async (no defer): the same with `defer_fetch=False`;
+- sync: `MultiWriter(JsonlWriter, TensorBoardWriter)` writing on the training thread.
+
+Ratios are variant / none, each the minimum over the rounds, from one run. A second
+table gives the host bytes that one write fetches for a 1M-element float32 tensor as a
+raw array and as `HistogramSummary`s (the counts only), with the device time (the
+minimum of 7 calls). Usage:
+
+    .venv/bin/python benchmarks/bench_writers.py [--quick]
+"""
+
+import argparse
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import eqxctx
+from eqxctx.demo._data import load_digits_split, train_batches
+from eqxctx.demo._model import Classifier
+from eqxctx.demo._train import make_train_step
+from eqxctx.writers import (
+    AbstractWriter,
+    AsyncWriter,
+    JsonlWriter,
+    MultiWriter,
+    TensorBoardWriter,
+    fetch_summaries,
+)
+
+
+def _writers(logdir: str) -> AbstractWriter:
+    return MultiWriter(JsonlWriter(f"{logdir}/s.jsonl"), TensorBoardWriter(logdir))
+
+
+#: (width, batch size): the demo's defaults, and a step ~10x longer.
+CONFIGS = ((64, 64), (256, 256))
+
+VARIANTS: dict[str, Callable[[str], AbstractWriter | None]] = {
+    "none": lambda logdir: None,
+    "async": lambda logdir: AsyncWriter(_writers(logdir), defer_fetch=True),
+    "async (no defer)": lambda logdir: AsyncWriter(_writers(logdir)),
+    "sync": _writers,
+}
+
+
+def make_loop(
+    steps: int, width: int, batch_size: int
+) -> Callable[[AbstractWriter | None], float]:
+    """Return `loop(writer) -> seconds` running `steps` demo training steps."""
+    train, _ = load_digits_split(seed=0)
+    key = jax.random.PRNGKey(0)
+    model = Classifier(num_layers=4, width=width, dropout=0.1, key=key)
+    optimizer = optax.adam(3e-3)
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+    step_fn = make_train_step(optimizer)
+    batches = train_batches(train, batch_size=batch_size, seed=0)
+    data = [next(batches) for _ in range(steps)]
+    key = jax.random.PRNGKey(1)
+
+    def loop(writer: AbstractWriter | None) -> float:
+        m, s = model, opt_state
+        start = time.perf_counter()
+        for step, batch in enumerate(data):
+            m, s, summaries = step_fn(m, s, batch, jax.random.fold_in(key, step))
+            if writer is not None:
+                writer.write(step, {"train": summaries})
+        jax.block_until_ready(m)
+        if writer is not None:
+            writer.close()
+        return time.perf_counter() - start
+
+    loop(None)  # compile
+    return loop
+
+
+def bench_loop(steps: int, rounds: int, width: int, batch: int) -> dict[str, float]:
+    loop = make_loop(steps, width, batch)
+    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    for _ in range(rounds):
+        for name, make in VARIANTS.items():
+            with tempfile.TemporaryDirectory() as logdir:
+                times[name].append(loop(make(logdir)))
+    return {name: min(ts) for name, ts in times.items()}
+
+
+def fetched_bytes(summaries: dict[str, Any]) -> int:
+    """Bytes of the NumPy arrays that one write fetches (`fetch_summaries`)."""
+    values = fetch_summaries(summaries, where="bench")
+    total = 0
+    for value in values.values():
+        leaves = jax.tree_util.tree_leaves(value)
+        total += sum(np.asarray(leaf).nbytes for leaf in leaves)
+    return total
+
+
+def bench_histogram(size: int) -> list[tuple[str, int, float]]:
+    x = jax.random.normal(jax.random.PRNGKey(0), (size,), jnp.float32)
+    cases: dict[str, Callable[[jax.Array], Any]] = {
+        "raw array": lambda x: x,
+        "HistogramSummary(x, bins=30, range=(-5, 5))": lambda x: (
+            eqxctx.HistogramSummary(x, bins=30, range=(-5.0, 5.0))
+        ),
+        "HistogramSummary(x) (TF's 1,550 buckets)": eqxctx.HistogramSummary,
+        "MomentsSummary(x)": eqxctx.MomentsSummary,
+    }
+    rows = []
+    for name, make in cases.items():
+        fn = jax.jit(make)
+        out = jax.block_until_ready(fn(x))
+        best = float("inf")
+        for _ in range(7):  # the minimum: this machine is shared and noisy
+            start = time.perf_counter()
+            jax.block_until_ready(fn(x))
+            best = min(best, time.perf_counter() - start)
+        device_ms = best * 1e3
+        rows.append((name, fetched_bytes({"x": out}), device_ms))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    steps, rounds = (30, 2) if args.quick else (100, 7)
+    print(
+        f"jax {jax.__version__}, {jax.devices()[0].platform}, {steps} steps x {rounds}"
+    )
+    print("\n| model | writer | loop (ms/step) | ratio to none |")
+    print("|---|---|--:|--:|")
+    for width, batch in CONFIGS:
+        best = bench_loop(steps, rounds, width, batch)
+        for name, t in best.items():
+            ratio = t / best["none"]
+            label = f"width {width}, batch {batch}"
+            print(f"| {label} | {name} | {t / steps * 1e3:.2f} | {ratio:.3f}x |")
+    header = "| summary of a 1M-element float32 tensor | bytes per write | device ms |"
+    print(f"\n{header}")
+    print("|---|--:|--:|")
+    for name, nbytes, ms in bench_histogram(1_000_000):
+        print(f"| {name} | {nbytes:,} | {ms:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,321 @@
+"""HistogramSummary and MomentsSummary against numpy.histogram and float64 NumPy."""
+
+from typing import Any
+
+import hypothesis.extra.numpy as hnp
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+import eqxctx
+from eqxctx import Context, HistogramSummary, MomentsSummary
+from eqxctx._statistics import tensorflow_edges
+
+
+values = hnp.arrays(
+    st.sampled_from([np.float32, np.int32, np.float16]),
+    hnp.array_shapes(min_dims=0, max_dims=3, max_side=6),
+    elements={"min_value": -100, "max_value": 100, "allow_nan": False},
+)
+
+
+def np_histogram(x: np.ndarray, edges: tuple[float, ...]) -> np.ndarray:
+    """The reference: numpy.histogram with the edges rounded to float32."""
+    with np.errstate(over="ignore"):
+        e32 = np.asarray(edges, np.float64).astype(np.float32)
+    return np.histogram(np.asarray(x).astype(np.float32), bins=e32)[0]
+
+
+@given(
+    x=values,
+    lo=st.integers(-50, 0),
+    width=st.integers(1, 100),
+    bins=st.integers(1, 12),
+)
+def test_histogram_equals_numpy(x: np.ndarray, lo: int, width: int, bins: int) -> None:
+    h = HistogramSummary(x, bins=bins, range=(lo, lo + width))
+    np.testing.assert_allclose(h.edges, np.linspace(lo, lo + width, bins + 1))
+    got = np.asarray(h.counts)
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np_histogram(x, h.edges))
+    jitted = jax.jit(lambda v: HistogramSummary(v, bins=bins, range=(lo, lo + width)))
+    np.testing.assert_array_equal(jitted(x).counts, got)
+
+
+def test_histogram_edge_rules_and_explicit_edges() -> None:
+    x = np.asarray([-1.0, 0.0, 0.5, 1.0, 1.5, 3.0, 4.0, np.nan, np.inf], np.float32)
+    h = HistogramSummary(x, edges=[0.0, 1.0, 2.0, 3.0])
+    # [0,1) [1,2) [2,3]: 3.0 is in the closed last bucket; -1, 4, NaN, inf are not.
+    assert h.counts.tolist() == [2, 2, 1]
+    assert h.bins == 3
+    ref = np.histogram(x[np.isfinite(x)], bins=[0.0, 1.0, 2.0, 3.0])[0]
+    assert h.counts.tolist() == ref.tolist()
+
+
+def test_histogram_default_edges_are_tensorflows() -> None:
+    edges = tensorflow_edges()
+    assert len(edges) == 1551
+    assert (edges[0], edges[-1], edges[775], edges[776]) == (-np.inf, np.inf, 0, 1e-12)
+    np.testing.assert_allclose(edges[777] / edges[776], 1.1)
+    assert edges[-2] < 1e20 <= edges[-2] * 1.1
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=1000) * 10.0 ** rng.integers(-8, 8, size=1000)).astype(
+        np.float32
+    )
+    x[:3] = [np.inf, -np.inf, 0.0]
+    h = HistogramSummary(jnp.asarray(x))
+    assert h.edges is edges
+    np.testing.assert_array_equal(h.counts, np_histogram(x, edges))
+    assert int(h.counts.sum()) == 1000  # every non-NaN value is in a bucket
+
+
+@given(chunks=st.lists(values, min_size=1, max_size=5))
+def test_histogram_accumulate_adds_counts(chunks: list[np.ndarray]) -> None:
+    made = [HistogramSummary(c, bins=7, range=(-60.0, 60.0)) for c in chunks]
+    acc = made[0]
+    for h in made[1:]:
+        acc = acc.accumulate(h)
+    everything = np.concatenate([np.ravel(c).astype(np.float32) for c in chunks])
+    np.testing.assert_array_equal(acc.counts, np_histogram(everything, acc.edges))
+
+
+def test_histogram_errors() -> None:
+    x = jnp.arange(3.0)
+    with pytest.raises(ValueError, match=r"bins=5\)`: fixed edges need a range"):
+        HistogramSummary(x, bins=5)
+    with pytest.raises(ValueError, match="either `edges` or `bins`/`range`"):
+        HistogramSummary(x, edges=[0, 1], range=(0, 1))
+    with pytest.raises(ValueError, match="low < high"):
+        HistogramSummary(x, range=(1, 1))
+    with pytest.raises(ValueError, match="low < high"):
+        HistogramSummary(x, range=(0, np.inf))
+    with pytest.raises(ValueError, match="positive int"):
+        HistogramSummary(x, bins=0, range=(0, 1))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        HistogramSummary(x, edges=[0.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="strictly increasing, also when rounded"):
+        HistogramSummary(x, edges=[1.0, 1.0 + 1e-12])
+    with pytest.raises(ValueError, match="at least 2 edges"):
+        HistogramSummary(x, edges=[0.0])
+    with pytest.raises(TypeError, match="complex"):
+        HistogramSummary(jnp.asarray([1j]))
+    a = HistogramSummary(x, bins=3, range=(0, 3))
+    with pytest.raises(
+        ValueError, match=r"edges differ \(3 buckets from 0.0 to 3.0 vs"
+    ):
+        a.accumulate(HistogramSummary(x, bins=4, range=(0, 3)))
+    with pytest.raises(ValueError, match="expected a HistogramSummary"):
+        a.accumulate(eqxctx.SumSummary(1.0))
+    stacked = jax.vmap(lambda v: HistogramSummary(v, bins=3, range=(0, 3)))(
+        jnp.ones((2, 3))
+    )
+    with pytest.raises(ValueError, match="counts of shapes"):
+        a.accumulate(stacked)
+
+
+# -- moments -------------------------------------------------------------------------
+
+
+def reference_moments(x: np.ndarray) -> dict[str, float]:
+    x64 = np.asarray(x, np.float64).ravel()
+    return {
+        "count": x64.size,
+        "mean": float(np.mean(x64)),
+        "variance": float(np.var(x64)),
+        "min": float(np.min(x64)),
+        "max": float(np.max(x64)),
+        "nonfinite": int(np.sum(~np.isfinite(x64))),
+    }
+
+
+def check_moments(m: MomentsSummary, x: np.ndarray) -> None:
+    got = {k: float(v) for k, v in m.value().items()}
+    want = reference_moments(x)
+    assert got["count"] == want["count"]
+    assert got["nonfinite"] == want["nonfinite"]
+    assert (got["min"], got["max"]) == (want["min"], want["max"])
+    scale = max(1.0, float(np.max(np.abs(x))))
+    np.testing.assert_allclose(got["mean"], want["mean"], rtol=1e-5, atol=1e-5 * scale)
+    np.testing.assert_allclose(
+        got["variance"], want["variance"], rtol=1e-4, atol=1e-5 * scale**2
+    )
+
+
+nonempty = hnp.arrays(
+    st.sampled_from([np.float32, np.int32, np.float16]),
+    hnp.array_shapes(min_dims=0, max_dims=2, max_side=6),
+    elements={"min_value": -1000, "max_value": 1000, "allow_nan": False},
+)
+
+
+def combine(parts: list[MomentsSummary], split: list[int]) -> MomentsSummary:
+    """Accumulate `parts` as a tree: split at `split[0]`, recurse on both halves."""
+    if len(parts) == 1:
+        return parts[0]
+    at = 1 + split[0] % (len(parts) - 1)
+    left = combine(parts[:at], split[1:] or [0])
+    right = combine(parts[at:], split[1:] or [0])
+    return left.accumulate(right)
+
+
+@given(
+    chunks=st.lists(nonempty, min_size=1, max_size=6),
+    split=st.lists(st.integers(0, 10), min_size=1, max_size=6),
+    shift=st.sampled_from([0.0, 1e4]),
+)
+def test_moments_equal_float64_numpy_in_any_grouping(
+    chunks: list[np.ndarray], split: list[int], shift: float
+) -> None:
+    # A large common offset (shift) is where a sum-of-squares formula cancels.
+    chunks = [(c.astype(np.float32) + np.float32(shift)) for c in chunks]
+    parts = [MomentsSummary(c) for c in chunks]
+    everything = np.concatenate([c.ravel() for c in chunks])
+    check_moments(combine(parts, split), everything)
+    check_moments(jax.jit(lambda ps: combine(ps, split))(parts), everything)
+
+
+def test_moments_single_dtypes_and_empty() -> None:
+    x = np.asarray([[1, -7], [3, 4]], np.int32)
+    m = MomentsSummary(x)
+    check_moments(m, x)
+    assert (m.min_.dtype, m.mean.dtype) == (jnp.int32, jnp.float32)
+    b = MomentsSummary(np.asarray([True, False, True]))
+    assert {k: float(v) for k, v in b.value().items()}["mean"] == pytest.approx(2 / 3)
+    bf = MomentsSummary(jnp.asarray([1.5, -2.0], jnp.bfloat16))
+    assert bf.max_.dtype == jnp.bfloat16
+    assert float(bf.max_) == 1.5
+    empty = MomentsSummary(np.zeros((0, 3), np.float32))
+    value = {k: float(v) for k, v in empty.value().items()}
+    assert value == {
+        "count": 0.0,
+        "mean": 0.0,
+        "variance": 0.0,
+        "min": np.inf,
+        "max": -np.inf,
+        "nonfinite": 0.0,
+    }
+    # The empty summary is an identity.
+    check_moments(empty.accumulate(m).accumulate(empty), x)
+    with pytest.raises(TypeError, match="complex"):
+        MomentsSummary(np.asarray([1j]))
+    with pytest.raises(ValueError, match="expected a MomentsSummary"):
+        m.accumulate(HistogramSummary(x))
+
+
+def test_moments_non_finite_values_are_counted_and_propagate() -> None:
+    x = np.asarray([1.0, np.nan, np.inf, -np.inf, 2.0], np.float32)
+    value = MomentsSummary(x).value()
+    assert int(value["nonfinite"]) == 3
+    assert int(value["count"]) == 5
+    for k in ("mean", "variance", "min", "max"):
+        assert np.isnan(value[k]), k  # NaN anywhere gives NaN, as in NumPy
+    acc = MomentsSummary(np.ones(3, np.float32)) + MomentsSummary(x[2:3])
+    assert int(acc.nonfinite) == 1
+    assert not np.isfinite(acc.value()["mean"])
+    assert (float(acc.max_), float(acc.min_)) == (np.inf, 1.0)
+
+
+# -- inside scan, vmap and the runner ----------------------------------------------
+
+
+def _stats_body(carry: Any, x: jax.Array, ctx: Context) -> tuple[Any, None, Context]:
+    ctx = ctx.add_summary("hist", HistogramSummary(x, bins=4, range=(0.0, 8.0)))
+    ctx = ctx.add_summary("moments", MomentsSummary(x))
+    return carry, None, ctx
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_statistics_in_scan_per_iteration_and_merged(reverse: bool) -> None:
+    xs = np.random.default_rng(1).uniform(0, 8, size=(5, 7)).astype(np.float32)
+
+    def run(merge: bool) -> dict[str, Any]:
+        _, _, coll = jax.jit(
+            lambda xs: eqxctx.scan_in_context(
+                _stats_body,
+                context=Context.root(),
+                carry=0,
+                xs=xs,
+                reverse=reverse,
+                merge_summaries=merge,
+            )
+        )(xs)
+        return coll.flatten("summaries")
+
+    per = run(False)
+    for i in range(5):
+        np.testing.assert_array_equal(
+            per[f"iter{i}/hist"].counts, np_histogram(xs[i], per[f"iter{i}/hist"].edges)
+        )
+        check_moments(per[f"iter{i}/moments"], xs[i])
+    merged = run(True)
+    assert set(merged) == {"iter/hist", "iter/moments"}
+    np.testing.assert_array_equal(
+        merged["iter/hist"].counts, np_histogram(xs, merged["iter/hist"].edges)
+    )
+    check_moments(merged["iter/moments"], xs)
+
+
+def test_statistics_in_vmap_per_example_and_merged() -> None:
+    xs = np.random.default_rng(2).uniform(0, 8, size=(3, 6)).astype(np.float32)
+
+    def body(x: jax.Array, ctx: Context) -> tuple[None, Context]:
+        _, _, ctx = _stats_body(None, x, ctx)
+        return None, ctx
+
+    for merge in (False, True):
+        _, coll = eqxctx.vmap_in_context(
+            body, context=Context.root(), xs=jnp.asarray(xs), merge_summaries=merge
+        )
+        flat = coll.flatten("summaries")
+        if merge:
+            np.testing.assert_array_equal(
+                flat["iter/hist"].counts, np_histogram(xs, flat["iter/hist"].edges)
+            )
+            check_moments(flat["iter/moments"], xs)
+        else:
+            for i in range(3):
+                check_moments(flat[f"iter{i}/moments"], xs[i])
+                counts = flat[f"iter{i}/hist"].counts
+                np.testing.assert_array_equal(
+                    counts, np_histogram(xs[i], (0, 2, 4, 6, 8))
+                )
+
+
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 (simulated) devices")
+def test_statistics_from_the_runner_and_accumulated_over_batches() -> None:
+    import equinox as eqx
+
+    class Stats(eqx.Module):
+        scale: jax.Array
+
+        def __call__(
+            self, batch: dict[str, jax.Array], ctx: Context
+        ) -> tuple[jax.Array, Context]:
+            y = batch["x"] * self.scale
+            ctx = ctx.add_summary("hist", HistogramSummary(y, bins=5, range=(-4, 4)))
+            ctx = ctx.add_summary("moments", MomentsSummary(y))
+            return y, ctx
+
+    mesh = jax.make_mesh((2,), ("data",))
+    runner = eqxctx.MethodRunner.create(
+        Stats(jnp.float32(2.0)),
+        lambda m, b, ctx: m(b, ctx),
+        mesh=mesh,
+        prng_key=jax.random.PRNGKey(0),
+    )
+    rng = np.random.default_rng(3)
+    batches = [{"x": rng.normal(size=(8, 3)).astype(np.float32)} for _ in range(3)]
+    acc = eqxctx.SummaryAccumulator()
+    for out in eqxctx.run_batches(runner, batches):
+        counts = out.summaries["hist"].counts
+        assert isinstance(counts, jax.Array)
+        assert counts.sharding.is_fully_replicated
+        acc = acc.update(out.summaries)
+    flat = acc.flatten()
+    y = np.concatenate([b["x"] for b in batches]) * np.float32(2.0)
+    np.testing.assert_array_equal(
+        flat["hist"].counts, np_histogram(y, flat["hist"].edges)
+    )
+    check_moments(flat["moments"], y)

@@ -1,0 +1,211 @@
+"""AsyncWriter and MultiWriter: order, errors, bounded queue, deferred fetch."""
+
+import json
+import re
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqxctx
+from eqxctx.writers import (
+    AbstractWriter,
+    AsyncWriter,
+    HostSummaries,
+    JsonlWriter,
+    MultiWriter,
+    TensorBoardWriter,
+)
+from tb_events import scalars
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+class Recorder(AbstractWriter):
+    """Records what it is asked to write; optionally fails or waits."""
+
+    def __init__(self, *, fail_at: int | None = None, gate: Any = None):
+        self.steps: list[int] = []
+        self.values: list[dict[str, Any]] = []
+        self.flushes = 0
+        self.closed = False
+        self.fail_at = fail_at
+        self.gate = gate
+        self.thread_names: set[str] = set()
+        self.attempts = 0
+
+    def write_host(self, host: HostSummaries) -> None:
+        self.thread_names.add(threading.current_thread().name)
+        self.attempts += 1
+        if self.gate is not None:
+            self.gate.wait()
+        if host.step == self.fail_at:
+            raise OSError(f"disk full at {host.step}")
+        self.steps.append(host.step)
+        self.values.append(dict(host.values))
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("defer_fetch", [False, True])
+def test_async_writes_everything_in_order(tmp_path: Path, defer_fetch: bool) -> None:
+    inner = MultiWriter(JsonlWriter(tmp_path / "s.jsonl"), TensorBoardWriter(tmp_path))
+    with AsyncWriter(inner, max_pending=3, defer_fetch=defer_fetch) as w:
+        moments = eqxctx.MomentsSummary(jnp.arange(4.0))
+        for step in range(50):
+            w.write(step, {"loss": jnp.float32(step), "m": moments})
+    lines = read_jsonl(tmp_path / "s.jsonl")
+    assert [line["step"] for line in lines] == list(range(50))
+    assert [line["loss"] for line in lines] == [float(s) for s in range(50)]
+    assert [line["m/mean"] for line in lines] == [1.5] * 50
+    tb = scalars(str(tmp_path))
+    assert {k: v for k, v in tb.items() if k[1] == "loss"} == {
+        (s, "loss"): float(s) for s in range(50)
+    }
+
+
+def test_async_writes_on_a_background_thread_and_flushes() -> None:
+    inner = Recorder()
+    w = AsyncWriter(inner)
+    w.write(0, {"x": 1.0})
+    w.flush()
+    assert inner.steps == [0]
+    assert inner.flushes == 1
+    assert inner.thread_names == {"eqxctx-AsyncWriter"}
+    w.close()
+    w.close()  # twice is fine
+    assert inner.closed
+    with pytest.raises(ValueError, match="closed"):
+        w.write(1, {"x": 1.0})
+
+
+def test_async_background_error_raises_on_the_next_call() -> None:
+    inner = Recorder(fail_at=2)
+    w = AsyncWriter(inner)
+    for step in range(3):
+        w.write(step, {"x": float(step)})
+    while inner.attempts < 3:  # the thread tried step 2 and failed
+        time.sleep(0.01)
+    with pytest.raises(OSError, match="disk full at 2") as info:
+        w.write(3, {"x": 3.0})
+    assert "failed writing step 2 with Recorder" in "".join(info.value.__notes__)
+    with pytest.raises(ValueError, match=r"failed at step 2.*close this writer"):
+        w.write(200, {"x": 1.0})
+    w.close()  # the error was raised already
+    assert inner.steps == [0, 1]  # nothing after the failed step
+    assert inner.closed
+
+
+@pytest.mark.parametrize("where", ["flush", "close"])
+def test_async_background_error_raises_on_flush_and_close(where: str) -> None:
+    w = AsyncWriter(Recorder(fail_at=0))
+    w.write(0, {"x": 1.0})
+    with pytest.raises(OSError, match="disk full at 0"):
+        getattr(w, where)()
+    w.close()
+
+
+def test_async_bounded_queue_blocks_instead_of_growing() -> None:
+    gate = threading.Event()
+    inner = Recorder(gate=gate)
+    w = AsyncWriter(inner, max_pending=2)
+    done: list[int] = []
+
+    def loop() -> None:
+        for step in range(6):
+            w.write(step, {"x": float(step)})
+            done.append(step)
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    time.sleep(0.5)
+    # One step in the worker (waiting at the gate) and two queued: the 4th waits.
+    assert done == [0, 1, 2]
+    assert thread.is_alive()
+    gate.set()
+    thread.join(timeout=10)
+    assert done == list(range(6))
+    w.close()
+    assert inner.steps == list(range(6))
+
+
+def test_async_defer_fetch_fetches_one_step_late() -> None:
+    fetched: list[float] = []
+
+    def record(x: Any) -> Any:
+        fetched.append(float(x))
+        return x
+
+    inner = Recorder()
+    w = AsyncWriter(inner, defer_fetch=True)
+    w.write(0, {"x": eqxctx.CallbackSummary(record, jnp.float32(0))})
+    assert fetched == []  # step 0 waits for the next write
+    w.write(1, {"x": eqxctx.CallbackSummary(record, jnp.float32(1))})
+    assert fetched == [0.0]
+    w.flush()  # fetches the deferred step
+    assert fetched == [0.0, 1.0]
+    assert inner.steps == [0, 1]
+    w.write(2, {"x": 2.0})
+    w.close()  # writes the deferred step
+    assert inner.steps == [0, 1, 2]
+
+
+def test_async_errors_on_the_calling_thread() -> None:
+    w = AsyncWriter(Recorder())
+    with pytest.raises(ValueError, match="step must be >= 0"):
+        w.write(-1, {"x": 1.0})
+    with pytest.raises(TypeError, match="'summaries/x'"):
+        w.write(0, {"x": "text"})
+    w.close()
+    with pytest.raises(ValueError, match="max_pending"):
+        AsyncWriter(Recorder(), max_pending=0)
+
+
+def test_multi_writer_checks_all_before_writing_any(tmp_path: Path) -> None:
+    jsonl = JsonlWriter(tmp_path / "s.jsonl")
+    tb = TensorBoardWriter(tmp_path)
+    with MultiWriter(jsonl, tb) as w:
+        with pytest.raises(eqxctx.OutputConflictError, match="'a b'"):
+            w.write(0, {"a b": 1.0, "a_b": 2.0})  # TensorBoard refuses it
+        w.write(1, {"x": np.float32(0.5)})
+    assert read_jsonl(tmp_path / "s.jsonl") == [{"step": 1, "x": 0.5}]
+    assert scalars(str(tmp_path)) == {(1, "x"): 0.5}
+    with pytest.raises(ValueError, match="at least one writer"):
+        MultiWriter()
+
+
+def test_multi_writer_closes_all_and_raises_the_first_error() -> None:
+    class Failing(Recorder):
+        def close(self) -> None:
+            super().close()
+            raise OSError("close failed")
+
+    a, b = Failing(), Recorder()
+    with pytest.raises(OSError, match="close failed"):
+        MultiWriter(a, b).close()
+    assert a.closed
+    assert b.closed
+
+
+def test_writers_doc_examples_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    doc = Path(__file__).parent.parent / "docs" / "api" / "writers.md"
+    blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), re.DOTALL)
+    assert len(blocks) == 2
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda: str(tmp_path))
+    exec(compile("\n".join(blocks), str(doc), "exec"), {})
+    assert [line["step"] for line in read_jsonl(tmp_path / "async.jsonl")] == [0, 1, 2]
+    assert len(read_jsonl(tmp_path / "summaries.jsonl")) == 3
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 2
