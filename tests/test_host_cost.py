@@ -537,3 +537,110 @@ def test_the_shared_empty_mapping_keeps_nothing_alive() -> None:
     assert first.flatten("summaries") == {"a": 1.0}
     assert second.flatten("summaries") == {"b": 2.0}
     assert OutputCollection.empty().flatten("summaries") == {}
+
+
+# -- regressions from a tester round ---------------------------------------------------
+
+
+def test_iterating_a_mapping_never_sees_later_entries() -> None:
+    ctx = (
+        Context.root().add_summary("loss", jnp.ones(3)).add_summary("acc", jnp.ones(3))
+    )
+    for k, v in ctx.collection.summaries.items():
+        ctx = ctx.add_summary(k + "_mean", jnp.mean(v))
+    assert list(ctx.collection.summaries) == ["loss", "acc", "loss_mean", "acc_mean"]
+    ctx = Context.root().add_summary("loss", 1.0)
+    for k in ctx.collection.summaries:  # terminates: sees only "loss"
+        ctx = ctx.add_summary(k + "_x", 2.0)
+    assert list(ctx.collection.summaries) == ["loss", "loss_x"]
+
+
+def test_accumulating_host_values_is_exact() -> None:
+    acc = SummaryAccumulator()
+    for _ in range(2):
+        acc = acc.update({"n": np.int64(2**40), "x": np.float64(0.1), "p": True})
+    flat = acc.flatten()
+    assert flat["n"] == 2**41
+    assert flat["n"].dtype == np.int64  # pyright: ignore[reportAttributeAccessIssue]
+    assert flat["x"] == np.float64(0.1) + np.float64(0.1)
+    assert flat["p"] == 2
+    assert SummaryAccumulator().update({"n": 2**31}).update({"n": 1}).flatten()[
+        "n"
+    ] == (2**31 + 1)
+
+
+def test_a_kept_version_keeps_no_later_values_alive() -> None:
+    import gc
+    import weakref
+
+    base = Context.root().add_summary("lr", 0.1).add_module_output("cfg", 1.0)
+    refs = []
+    for step in range(3):
+        big = np.full(1000, float(step), np.float32)
+        refs.append(weakref.ref(big))
+        _, ctx = base.call(
+            "model", lambda c, big=big: (None, c.add_module_output("h", big))
+        )
+        del ctx, big
+        gc.collect()
+    # The last step's output may live until `base` is extended again; no older one.
+    assert [r() is None for r in refs[:-1]] == [True, True]
+    del base
+    gc.collect()
+    assert refs[-1]() is None
+
+
+def test_collections_made_outside_jit_keep_no_tracers() -> None:
+    g = Context.root().add_summary("cfg", 1.0)
+
+    @jax.jit
+    def f(x: jax.Array) -> jax.Array:
+        return g.add_summary("x", x * 2).collection.summaries["x"]
+
+    with jax.checking_leaks():
+        np.testing.assert_array_equal(f(jnp.ones(3)), 2 * np.ones(3))
+    assert g.collection.flatten("summaries") == {"cfg": 1.0}
+
+
+def test_tree_at_replaces_levels() -> None:
+    import equinox as eqx
+
+    c = OutputCollection.empty().add_summary("a", 1.0)
+    c = c.add_child("k", OutputCollection.empty().add_summary("v", 2.0))
+    new = eqx.tree_at(lambda c: c.summaries["k"], c, {"v": 5.0})
+    assert float(new.flatten("summaries")["k/v"]) == 5.0
+    assert c.flatten("summaries")["k/v"] == 2.0
+
+
+def test_leaves_from_tree_map_are_checked_where_they_enter() -> None:
+    bad = jax.tree_util.tree_map(
+        lambda x: "text", OutputCollection.empty().add_summary("a", 1.0)
+    )
+    for attempt in (
+        lambda: OutputCollection(bad.summaries, {}, {}),
+        lambda: OutputCollection.empty().add_child("k", bad),
+        lambda: Context.root().merge(bad),
+        lambda: Context.root().call("k", lambda c: (0, c.replace_collection(bad))),
+    ):
+        with pytest.raises(TypeError, match=r"summaries/.*a"):
+            attempt()
+
+
+def test_a_derived_key_is_remembered_outside_traces(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    folds: list[int] = []
+    real = jax.random.fold_in
+
+    def counting(key: Any, data: Any) -> Any:
+        folds.append(1)
+        return real(key, data)
+
+    monkeypatch.setattr(jax.random, "fold_in", counting)
+    ctx = Context.root(prng_key=jax.random.PRNGKey(0)).child("a").child("b")
+    first = ctx.prng_key
+    assert len(folds) == 2
+    for _ in range(3):
+        np.testing.assert_array_equal(jax.tree_util.tree_leaves(ctx)[0], first)
+        np.testing.assert_array_equal(ctx.prng_key, first)
+    assert len(folds) == 2  # derived once, remembered

@@ -32,3 +32,13 @@ def test_every_public_name_has_a_docstring() -> None:
 def test_core_names_are_exported() -> None:
     for name in ("Context", "OutputCollection", "OutputConflictError", "functional"):
         assert name in public_names()
+
+
+def test_branch_and_loop_names_are_exported() -> None:
+    for name in (
+        "cond_in_context",
+        "switch_in_context",
+        "while_in_context",
+        "fori_in_context",
+    ):
+        assert name in public_names()

@@ -14,9 +14,17 @@ from ._combinators import (
     vmap_in_context as vmap_in_context,
 )
 from ._context import Context as Context
+from ._control import (
+    cond_in_context as cond_in_context,
+    switch_in_context as switch_in_context,
+)
 from ._errors import OutputConflictError as OutputConflictError
 from ._functional import functional as functional
 from ._iterations import IterationSummaries as IterationSummaries
+from ._loops import (
+    fori_in_context as fori_in_context,
+    while_in_context as while_in_context,
+)
 from ._partition import DataPartition as DataPartition
 from ._repeat import (
     propagate_repeated_output_collections as propagate_repeated_output_collections,

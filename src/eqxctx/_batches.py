@@ -165,6 +165,12 @@ def _accumulate_same_layout(a: SummaryTree, b: SummaryTree) -> FrozenMapping | N
         np.shape(x) != np.shape(y) for x, y in zip(leaves_a, leaves_b, strict=True)
     ):
         return None
+    # Only JAX arrays: NumPy and Python values are added as they are, on the host
+    # (a jitted step would turn int64 into int32 and `True + True` into `True`).
+    if not all(isinstance(x, jax.Array) for x in leaves_a) or not all(
+        isinstance(x, jax.Array) for x in leaves_b
+    ):
+        return None
     out = _step(treedef)(leaves_a, leaves_b)
     return _out_treedef(treedef, len(out)).unflatten(out)
 

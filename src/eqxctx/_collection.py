@@ -33,7 +33,7 @@ from ._leaves import (
     validate_child_name,
     validate_leaf_name,
 )
-from ._mapping import EMPTY, FrozenMapping, from_dicts, to_dicts
+from ._mapping import EMPTY, FrozenMapping
 from ._typing import Leaf, PathPredicate, Tree
 
 
@@ -187,6 +187,7 @@ class OutputCollection:
             OutputConflictError: if `name` is already a child or a leaf of any kind.
         """
         validate_child_name(name, where="add_child")
+        _check_levels(child, name)
         if name_in_use(self, name):
             raise OutputConflictError(
                 f"`add_child`: {name!r} is already present in this collection "
@@ -206,6 +207,7 @@ class OutputCollection:
                 (a scan's per-iteration children count as children). The message
                 names the path.
         """
+        _check_levels(other, "")
         _check_merge(self, other)
         return _make(
             *(
@@ -286,6 +288,26 @@ class OutputCollection:
         kinds = prune_kinds(dict(zip(KINDS, _trees(self), strict=True)), drop)
         return _make(*(kinds.get(kind, EMPTY) for kind in KINDS))
 
+    def merge_iterations(self) -> "OutputCollection":
+        """Return a collection with every per-iteration summaries entry accumulated.
+
+        Each scan's or vmap's per-iteration summaries (`{prefix}0` … `{prefix}{N-1}`)
+        become the merged child `{prefix}` that `merge_summaries=True` would have
+        given: accumulated in index order (`Summary.accumulate`, `+` for raw
+        arrays), on the device, in one compiled program; nested scans are merged
+        from the inside out. So one scan gives both the per-layer view (`self`) and
+        the whole-stack view (the result). `self` is unchanged.
+        """
+        # `_repeat` sits above the collection (it builds collections).
+        from ._repeat import merge_iteration_summaries
+
+        summaries = merge_iteration_summaries(self.summaries)
+        if summaries is self.summaries:
+            return self
+        return _make(
+            freeze(summaries, "summaries"), self.state_updates, self.module_outputs
+        )
+
     def is_empty(self) -> bool:
         """Return whether no kind has any leaf (empty children do not count)."""
         return not any(has_leaf(t) for t in _trees(self))
@@ -320,6 +342,19 @@ def _make(
     return out
 
 
+def _check_levels(coll: OutputCollection, path: str) -> None:
+    """Check the leaves of a collection made by unflattening, once (else O(1))."""
+    for kind, tree in zip(KINDS, _trees(coll), strict=True):
+        if not tree.checked:
+            freeze(tree, f"{kind}/{path}" if path else kind)
+
+
+def check_collection(coll: OutputCollection) -> OutputCollection:
+    """Return `coll` after checking its leaves if they were not (see `freeze`)."""
+    _check_levels(coll, "")
+    return coll
+
+
 def _trees(
     coll: OutputCollection,
 ) -> tuple[FrozenMapping, FrozenMapping, FrozenMapping]:
@@ -331,20 +366,20 @@ _EMPTY = _make(EMPTY, EMPTY, EMPTY)
 _KEYS = tuple(jax.tree_util.GetAttrKey(kind) for kind in KINDS)
 
 
-# The levels flatten as `dict`s (see `to_dicts`): same leaves, order and `DictKey`
-# paths as the mappings themselves, flattened by JAX in C++.
+# The levels are PyTree nodes themselves (not converted to dicts), so that
+# `eqx.tree_at` can replace a level: it finds nodes by identity.
 
 
 def _flatten_with_keys(coll: OutputCollection) -> tuple[list[Any], None]:
-    return list(zip(_KEYS, map(to_dicts, _trees(coll)), strict=True)), None
+    return list(zip(_KEYS, _trees(coll), strict=True)), None
 
 
 def _flatten(coll: OutputCollection) -> tuple[tuple[Any, ...], None]:
-    return tuple(map(to_dicts, _trees(coll))), None
+    return _trees(coll), None
 
 
 def _unflatten(_: None, children: Any) -> OutputCollection:
-    return _make(*map(from_dicts, children))
+    return _make(*children)
 
 
 jax.tree_util.register_pytree_with_keys(
@@ -500,7 +535,7 @@ def summary_tree(summaries: object, *, where: str) -> FrozenMapping:
         OutputConflictError: if an entry is also a reserved per-iteration child.
     """
     if isinstance(summaries, OutputCollection):
-        tree = summaries.summaries
+        tree = freeze(summaries.summaries, "summaries")
     elif isinstance(summaries, Mapping):
         tree = freeze(_summaries_of(summaries), "summaries")
     else:

@@ -418,6 +418,7 @@ def vmap_in_context(
     drop_output: Callable[[str], bool] | None = None,
     child_name_prefix: str = "iter",
     merge_summaries: bool = False,
+    axis_name: str | None = None,
 ) -> tuple[Y, OutputCollection]:
     """Run `fn` over a mapped axis of `xs` with `jax.vmap`, collecting outputs.
 
@@ -438,6 +439,8 @@ def vmap_in_context(
         drop_output: prunes each example's collection (see `scan_in_context`).
         child_name_prefix: the children's prefix, matching `^[a-z][a-z0-9_]*$`.
         merge_summaries: accumulate summaries instead of per-example children.
+        axis_name: passed to `jax.vmap`, so that collectives over the mapped axis
+            (`jax.lax.pmean(x, axis_name)`, `psum`, ...) work in the body.
 
     Returns:
         `(ys, collection)`: the `y_i` stacked along a new leading axis N and the
@@ -477,7 +480,9 @@ def vmap_in_context(
 
     index = jnp.arange(n, dtype=jnp.uint32)
     with jax.named_scope(prefix):
-        ys, stacked = jax.vmap(body, in_axes=(in_axes, 0), axis_size=n)(xs, index)
+        ys, stacked = jax.vmap(
+            body, in_axes=(in_axes, 0), axis_size=n, axis_name=axis_name
+        )(xs, index)
     return ys, propagate(
         stacked, child_name_prefix=prefix, merge_summaries=merge_summaries, length=n
     )

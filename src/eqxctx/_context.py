@@ -14,10 +14,12 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
 from ._collection import (
     OutputCollection,
     add_leaf,
+    check_collection,
     name_in_use,
     validate_child_name,
     with_child,
@@ -177,7 +179,11 @@ class Context:
         names = self._key_names
         if not names:
             return self._base_key
-        return _derive(self._base_key, names)
+        key = _derive(self._base_key, names)
+        if not isinstance(key, Tracer):  # concrete: remember it (a tracer would leak)
+            _SET["_base_key"](self, key)
+            _SET["_key_names"](self, ())
+        return key
 
     @classmethod
     def root(
@@ -261,8 +267,13 @@ class Context:
         return _with(self, add_leaf(self.collection, "module_outputs", name, value))
 
     def replace_collection(self, collection: OutputCollection) -> "Context":
-        """Return a new context whose collection is `collection`."""
-        return _with(self, collection)
+        """Return a new context whose collection is `collection`.
+
+        Raises:
+            TypeError: if a leaf of `collection` is not a valid leaf (a collection
+                made by `jax.tree_util` functions is checked here, once).
+        """
+        return _with(self, check_collection(collection))
 
     def merge(self, collection: OutputCollection) -> "Context":
         """Return a new context whose collection is merged with `collection`.

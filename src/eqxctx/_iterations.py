@@ -205,6 +205,8 @@ def freeze(tree: object, path: str) -> FrozenMapping:
             `IterationSummaries` entry in the same mapping.
     """
     if isinstance(tree, FrozenMapping):
+        if not tree.checked:  # made by unflattening: any leaves, checked once here
+            _check_frozen(tree, path)
         return tree
     if not isinstance(tree, Mapping):
         raise TypeError(f"`OutputCollection`: {path!r} must be a mapping, got {tree!r}")
@@ -221,6 +223,24 @@ def freeze(tree: object, path: str) -> FrozenMapping:
             check_leaf(value, sub)
         pairs.append((key, value))
     out = FrozenMapping(pairs)
+    _check_reserved(out, path)
+    return out
+
+
+def _check_frozen(tree: FrozenMapping, path: str) -> None:
+    for key, value in tree.items_list():
+        sub = f"{path}/{key}"
+        if isinstance(value, FrozenMapping):
+            freeze(value, sub)
+        elif isinstance(value, IterationSummaries):
+            freeze(value.stacked, sub)
+        else:
+            check_leaf(value, sub)
+    _check_reserved(tree, path)
+    tree.mark_checked()
+
+
+def _check_reserved(out: FrozenMapping, path: str) -> None:
     for key, span in out.spans():
         clash = out.numbered_below(key, span)
         if clash is not None:
@@ -229,7 +249,6 @@ def freeze(tree: object, path: str) -> FrozenMapping:
                 f"per-iteration child of a scan's per-iteration summaries at {path}. "
                 + PREFIX_HINT
             )
-    return out
 
 
 # -- flatten -------------------------------------------------------------------------

@@ -13,11 +13,13 @@ digits of `name`, and `numbered_below(prefix, n)` looks up the names already pre
 that are `prefix` followed by a number.
 """
 
+import itertools
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeAlias
 
 import jax
+from jax.core import Tracer
 
 
 # Insertion checks "is this version the newest?" and appends under one lock, so that
@@ -39,7 +41,16 @@ def _numbered_splits(key: str) -> Iterator[tuple[str, int]]:
 class _Log:
     """The entries of every version of one mapping, in insertion order."""
 
-    __slots__ = ("index", "keys", "numbered", "numbered_upto", "spans", "values")
+    __slots__ = (
+        "checked",
+        "index",
+        "keys",
+        "numbered",
+        "numbered_upto",
+        "spans",
+        "traced",
+        "values",
+    )
 
     def __init__(self) -> None:
         self.keys: list[str] = []
@@ -50,6 +61,13 @@ class _Log:
         # scan's entry asks), up to `numbered_upto` keys.
         self.numbered: dict[str, list[tuple[int, int]]] = {}
         self.numbered_upto = 0
+        # Whether a value is a tracer: a log of concrete values (a collection made
+        # outside `jax.jit`) is never extended in place with one, so no collection
+        # that outlives a trace holds its tracers.
+        self.traced = False
+        # Whether every leaf was checked where it entered (see `freeze`); logs built
+        # by unflattening are not.
+        self.checked = True
 
     def append(self, key: str, value: Any, span: int) -> None:
         pos = len(self.keys)
@@ -58,6 +76,8 @@ class _Log:
         self.index[key] = pos
         if span:
             self.spans[key] = (pos, span)
+        if not self.traced and isinstance(value, Tracer):
+            self.traced = True
 
     def numbers(self) -> dict[str, Any]:
         """Return the index of numbered keys, brought up to date (amortized O(1))."""
@@ -135,8 +155,9 @@ class FrozenMapping(Mapping[str, Any]):
         return pos is not None and pos < self._n
 
     def __iter__(self) -> Iterator[str]:
-        keys = self._log.keys
-        return iter(keys if len(keys) == self._n else keys[: self._n])
+        # `islice`: entries appended to the shared log later never show up, also
+        # while iterating.
+        return itertools.islice(self._log.keys, self._n)
 
     def __len__(self) -> int:
         return self._n
@@ -176,6 +197,16 @@ class FrozenMapping(Mapping[str, Any]):
         return FrozenMapping(
             [(k, copy.deepcopy(v, memo)) for k, v in self.items_list()]
         )
+
+    @property
+    def checked(self) -> bool:
+        """Whether every leaf was checked where it entered (not after unflattening)."""
+        return self._log.checked
+
+    def mark_checked(self) -> None:
+        """Record that every leaf of this version has been checked (`freeze` does)."""
+        if len(self._log.keys) == self._n:
+            self._log.checked = True
 
     # -- reserved numbered names -------------------------------------------------
 
@@ -217,21 +248,26 @@ class FrozenMapping(Mapping[str, Any]):
         """
         log, n = self._log, self._n
         with _LOCK:
-            if len(log.keys) == n:  # the newest version: append in place
+            if len(log.keys) == n and (log.traced or not isinstance(value, Tracer)):
+                # The newest version: append in place.
                 log.keys.append(key)
                 log.values.append(value)
                 log.index[key] = n
                 if type(value) not in _no_span and (span := _span_of(value)):
                     log.spans[key] = (n, span)
+                if isinstance(value, Tracer):
+                    log.traced = True
                 out = object.__new__(FrozenMapping)
                 out._log = log
                 out._n = n + 1
                 out._sorted = None
                 return out
-        # A branch: another version already extends this one; copy, then append.
-        new = _Log()
-        for k, v in zip(log.keys[:n], log.values[:n], strict=True):
-            new.append(k, v, _span_of(v))
+            if len(log.keys) != n:
+                # `self` is extended a second time (a branch): it is being kept and
+                # reused. From now on it reads a sealed copy of its own entries, so
+                # it keeps nothing added after it alive, and is always copied.
+                self._log = _copy(log, n, seal=True)
+        new = _copy(log, n, seal=False)
         new.append(key, value, _span_of(value))
         return _version(new, n + 1)
 
@@ -241,6 +277,21 @@ class FrozenMapping(Mapping[str, Any]):
         for key, value in pairs:
             out = out.inserted(key, value)
         return out
+
+
+def _copy(log: _Log, n: int, *, seal: bool) -> _Log:
+    """A new log with the first `n` entries of `log` (sealed: never appended to)."""
+    new = _Log()
+    new.keys = log.keys[:n]
+    new.values = log.values[:n]
+    new.index = {k: i for i, k in enumerate(new.keys)}
+    new.spans = {k: v for k, v in log.spans.items() if v[0] < n}
+    new.traced = log.traced
+    new.checked = log.checked
+    if seal:  # one entry past every version: insertion always takes the branch path
+        new.keys.append("")
+        new.values.append(None)
+    return new
 
 
 def _version(log: _Log, n: int) -> FrozenMapping:
@@ -294,6 +345,9 @@ def _unflatten(keys: Keys, children: Iterable[Any]) -> FrozenMapping:
         span = _span_of(value)
         if span:
             log.spans[keys[i]] = (i, span)
+        if isinstance(value, Tracer):
+            log.traced = True
+    log.checked = False  # leaves of any kind; `freeze` checks them when they enter
     out = _version(log, len(keys))
     out._sorted = keys  # pyright: ignore[reportPrivateUsage]
     return out
@@ -302,33 +356,3 @@ def _unflatten(keys: Keys, children: Iterable[Any]) -> FrozenMapping:
 jax.tree_util.register_pytree_with_keys(
     FrozenMapping, _flatten_with_keys, _unflatten, _flatten
 )
-
-
-def to_dicts(m: FrozenMapping) -> dict[str, Any]:
-    """Return `m` as nested `dict`s (nested `FrozenMapping`s converted too).
-
-    A collection flattens its levels as `dict`s, which JAX flattens in C++ (one
-    Python callback per level otherwise, at every transformation boundary).
-    """
-    log = m._log  # pyright: ignore[reportPrivateUsage]
-    n = m._n  # pyright: ignore[reportPrivateUsage]
-    return {
-        k: to_dicts(v) if type(v) is FrozenMapping else v
-        for k, v in zip(log.keys[:n], log.values[:n], strict=True)
-    }
-
-
-def from_dicts(d: Any) -> FrozenMapping:
-    """The inverse of `to_dicts` (no checks: JAX unflattens with arbitrary leaves)."""
-    if type(d) is FrozenMapping:
-        return d
-    keys = list(d)
-    log = _Log()
-    log.keys = keys
-    log.values = values = [from_dicts(v) if type(v) is dict else v for v in d.values()]
-    log.index = {k: i for i, k in enumerate(keys)}
-    for i, value in enumerate(values):
-        span = _span_of(value)
-        if span:
-            log.spans[keys[i]] = (i, span)
-    return _version(log, len(keys))

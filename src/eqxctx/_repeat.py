@@ -5,7 +5,8 @@ except that per-iteration summaries stay stacked in one `IterationSummaries` ent
 instead of being sliced into `N` children inside the compiled program.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -318,3 +319,69 @@ def propagate_repeated_output_collections(
     return assemble(
         repeated, prefix=child_name_prefix, length=length, merged_summaries=merged
     )
+
+
+def _merge_entries(tree: SummaryTree) -> SummaryTree:
+    """`tree` with every `IterationSummaries` replaced by its accumulation."""
+    out: dict[str, Leaf] = {}
+    for key, value in tree.items():
+        if isinstance(value, IterationSummaries):
+            outer = _outer_axes(value)  # of the entry as made, before inner merges
+            inner = _merge_entries(value.stacked)
+
+            def fold(t: SummaryTree, n: int = value.length) -> SummaryTree:
+                return fold_stacked(t, n)
+
+            for _ in range(outer):
+                fold = jax.vmap(fold)
+            out[key] = fold(inner) if value.length else EMPTY
+        elif isinstance(value, Mapping):
+            out[key] = _merge_entries(value)
+        else:
+            out[key] = value
+    return out
+
+
+def _fold_all(entries: list[Any]) -> list[Any]:
+    return [_merge_entries({"_": e})["_"] for e in entries]
+
+
+# One program for all the folds of a collection (jitted once per layout).
+_fold_all_jit = jax.jit(_fold_all)
+
+
+def _collect(tree: SummaryTree, found: list[Any]) -> None:
+    for value in tree.values():
+        if isinstance(value, IterationSummaries):
+            found.append(value)
+        elif isinstance(value, Mapping):
+            _collect(value, found)
+
+
+def _replace(tree: SummaryTree, merged: Iterator[Any]) -> SummaryTree:
+    out: dict[str, Leaf] = {}
+    for key, value in tree.items():
+        if isinstance(value, IterationSummaries):
+            out[key] = next(merged)
+        elif isinstance(value, Mapping):
+            out[key] = _replace(value, merged)
+        else:
+            out[key] = value
+    return out
+
+
+def merge_iteration_summaries(summaries: SummaryTree) -> SummaryTree:
+    """Return `summaries` with every per-iteration entry accumulated (in one program).
+
+    Each `IterationSummaries` under `prefix` becomes the mapping under `prefix` that
+    `merge_summaries=True` gives: its iterations accumulated in index order (one
+    reduction per leaf, see `fold_stacked`), inner entries first. Only the entries go
+    through `jax.jit` (one call for all), so leaves outside them are unchanged (Python
+    numbers stay Python numbers); so is `summaries`. Returns `summaries` itself when
+    it holds no entry.
+    """
+    entries: list[Any] = []
+    _collect(summaries, entries)
+    if not entries:
+        return summaries
+    return _replace(summaries, iter(_fold_all_jit(entries)))

@@ -54,6 +54,18 @@ class Summary(eqx.Module):
     def accumulate(self, other: Any) -> "Summary":
         """Return the accumulation of `self` and `other`; both are unchanged."""
 
+    def identity(self) -> "Summary | None":
+        """Return this kind's identity with `self`'s shapes and dtypes, or None.
+
+        The identity leaves any accumulation unchanged: `s.identity().accumulate(s)`
+        equals `s` (up to rounding for a weighted mean). Branches that do not add a
+        summary (`cond_in_context`) and loops that run zero times
+        (`while_in_context`) report it. The default is None: the kind has no
+        identity (media kinds keep their first value, so nothing can stand in for a
+        missing one). Override it in a new kind that has one.
+        """
+        return None
+
 
 class WeightedSummary(Summary):
     """A weighted mean, e.g. a loss averaged over a number of examples.
@@ -119,6 +131,10 @@ class WeightedSummary(Summary):
     def __add__(self, other: "WeightedSummary") -> "WeightedSummary":
         return self.accumulate(other)
 
+    def identity(self) -> "WeightedSummary":
+        """Return weight 0 (mean 0): it adds nothing to a weighted mean."""
+        return WeightedSummary(jnp.zeros_like(self.mean), jnp.zeros_like(self.weight))
+
 
 class MinSummary(Summary):
     """An elementwise minimum (AXLearn's `MinSummary`).
@@ -137,6 +153,10 @@ class MinSummary(Summary):
     def accumulate(self, other: "MinSummary") -> "MinSummary":
         """Return the elementwise minimum of both."""
         return MinSummary(jnp.minimum(self.value_, other.value_))
+
+    def identity(self) -> "MinSummary":
+        """Return the dtype's maximum (+inf for floats, True for booleans)."""
+        return MinSummary(jnp.full_like(self.value_, _extreme(self.value_, True)))
 
 
 class MaxSummary(Summary):
@@ -157,6 +177,10 @@ class MaxSummary(Summary):
         """Return the elementwise maximum of both."""
         return MaxSummary(jnp.maximum(self.value_, other.value_))
 
+    def identity(self) -> "MaxSummary":
+        """Return the dtype's minimum (-inf for floats, False for booleans)."""
+        return MaxSummary(jnp.full_like(self.value_, _extreme(self.value_, False)))
+
 
 class SumSummary(Summary):
     """An elementwise sum.
@@ -175,6 +199,21 @@ class SumSummary(Summary):
     def accumulate(self, other: "SumSummary") -> "SumSummary":
         """Return the elementwise sum of both."""
         return SumSummary(self.value_ + other.value_)
+
+    def identity(self) -> "SumSummary":
+        """Return 0."""
+        return SumSummary(jnp.zeros_like(self.value_))
+
+
+def _extreme(x: Array, largest: bool) -> Any:
+    """Return the largest (or smallest) value of `x`'s dtype (±inf for floats)."""
+    dtype = x.dtype
+    if dtype == jnp.bool_:
+        return largest
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return np.inf if largest else -np.inf
+    info = jnp.iinfo(dtype)
+    return info.max if largest else info.min
 
 
 class _KeepFirst(Summary):

@@ -1,0 +1,192 @@
+"""Branches with contexts: cond_in_context and switch_in_context.
+
+`jax.lax.cond` / `switch` whose branches add outputs, reconciled by each summary's
+identity (`_reconcile.py`). The loops are in `_loops.py`.
+"""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jaxtyping import ArrayLike, PyTree
+
+from ._collection import OutputCollection, validate_child_name
+from ._context import (
+    Context,
+    check_path,
+    check_returns_context,
+    fold_in_name,
+    is_shape_only,
+    iteration_context,
+)
+from ._reconcile import fill_collection, union_collections
+from ._typing import R
+
+
+def check_result(result: object, ctx: Context, what: str) -> tuple[Any, Context]:
+    """Return `(out, ctx')`, checking it is a pair whose context has `ctx`'s path."""
+    out, got = check_returns_context(result, what)
+    check_path(got, ctx, what)
+    return out, got
+
+
+def _branch_context(context: Context, name: str, shape_only: bool) -> Context:
+    key = fold_in_name(context.prng_key, name)
+    return iteration_context(context, name, key, shape_only=shape_only)
+
+
+def _run_branches(
+    dispatch: Callable[[list[Callable[..., Any]]], tuple[Any, OutputCollection]],
+    branches: Sequence[Callable[..., Any]],
+    operands: tuple[Any, ...],
+    names: tuple[str, ...],
+    context: Context,
+    child_name: str,
+    where: str,
+) -> tuple[Any, OutputCollection]:
+    def run(j: int, ops: tuple[Any, ...], shape_only: bool) -> tuple[Any, Any]:
+        ctx = _branch_context(context, child_name, shape_only)
+        result = branches[j](*ops, ctx)
+        out, ctx = check_result(result, ctx, f"{where}: {names[j]}")
+        return out, ctx.collection
+
+    if is_shape_only(context):
+        # Inside an outer shape-only pass nothing is computed: trace every branch once
+        # and lay out branch 0's outputs (the structure is what matters).
+        results = [run(j, operands, True) for j in range(len(branches))]
+        spec = union_collections([c for _, c in results], names, child_name, where)
+        out, coll = results[0][0], fill_collection(spec, results[0][1])
+    else:
+        # The union's structure is needed before `jax.lax.switch`: one abstract
+        # evaluation of each branch (no FLOPs, nothing in the program).
+        colls = [
+            jax.eval_shape(lambda *ops, j=j: run(j, ops, True)[1], *operands)
+            for j in range(len(branches))
+        ]
+        spec = union_collections(colls, names, child_name, where)
+
+        def wrapped(j: int) -> Callable[..., tuple[Any, OutputCollection]]:
+            def branch(*ops: Any) -> tuple[Any, OutputCollection]:
+                out, coll = run(j, ops, False)
+                return out, fill_collection(spec, coll)
+
+            return branch
+
+        with jax.named_scope(child_name):
+            out, coll = dispatch([wrapped(j) for j in range(len(branches))])
+    return out, OutputCollection.empty().add_child(child_name, coll)
+
+
+def cond_in_context(
+    pred: ArrayLike,
+    true_fn: Callable[..., tuple[R, Context]],
+    false_fn: Callable[..., tuple[R, Context]],
+    *operands: PyTree,
+    context: Context,
+    child_name: str = "cond",
+) -> tuple[R, OutputCollection]:
+    """Run `true_fn` or `false_fn` with `jax.lax.cond`, collecting their outputs.
+
+    The branch taken runs as `fn(*operands, ctx) -> (out, ctx)` in a child context
+    `child_name` (path `(*context.path, child_name)`, key
+    `fold_in(context.prng_key, seed(child_name))`, AXLearn's child seed). The returned
+    collection holds child `child_name`; merge it with `ctx.merge(collection)`.
+
+    The branches may add different outputs. The child holds their union: an entry in
+    both branches with the same kind, shape and dtype comes from the branch taken; a
+    summary added in one branch only is filled, when the other is taken, with its
+    kind's identity (`Summary.identity`: `WeightedSummary` weight 0, `MinSummary` the
+    dtype's maximum, `MaxSummary` its minimum, `SumSummary` 0), so averaging over
+    steps stays exact. Per-iteration summaries (a branch that scans) count as
+    summaries. Under `jax.vmap` with a batched `pred`, both branches run and each
+    example selects its own, as with `jax.lax.cond`.
+
+    Args:
+        pred: a scalar boolean (or integer: nonzero is true), concrete or traced.
+        true_fn: the branch for a true `pred`.
+        false_fn: the branch for a false `pred`.
+        *operands: the branches' inputs (traced), as in `jax.lax.cond`.
+        context: the calling context (its key, path and training flag are used).
+        child_name: the child's name, matching `^[a-z][a-z0-9_]*$`.
+
+    Returns:
+        `(out, collection)`: the branch's output and the construct's collection.
+
+    Raises:
+        ValueError: at trace time: an invalid `child_name`; a raw-array or media
+            summary, module output or state update that one branch adds and the
+            other does not, or an entry whose kind, shape or dtype differs between
+            the branches (the message names the path and the branches, and the fix);
+            a branch returning a context with another path.
+        TypeError: if a branch does not return `(out, ctx)`, or the branches' `out`
+            differ in structure (`jax.lax.cond`'s error).
+
+    References:
+        `jax.lax.cond`.
+
+    Examples:
+        >>> from eqxctx import WeightedSummary
+        >>> def big(x, ctx):
+        ...     return x, ctx.add_summary("big", WeightedSummary(x, 1.0))
+        >>> def small(x, ctx):
+        ...     return -x, ctx
+        >>> out, coll = cond_in_context(False, big, small, 2.0, context=Context.root())
+        >>> float(out), float(coll.flatten("summaries")["cond/big"].weight)
+        (-2.0, 0.0)
+    """
+    name = validate_child_name(child_name, where="cond_in_context(child_name=...)")
+    return _run_branches(
+        lambda fns: jax.lax.cond(pred, fns[1], fns[0], *operands),
+        [false_fn, true_fn],
+        operands,
+        ("false_fn", "true_fn"),
+        context,
+        name,
+        "`cond_in_context`",
+    )
+
+
+def switch_in_context(
+    index: ArrayLike,
+    branches: Sequence[Callable[..., tuple[R, Context]]],
+    *operands: PyTree,
+    context: Context,
+    child_name: str = "switch",
+) -> tuple[R, OutputCollection]:
+    """Run `branches[index]` with `jax.lax.switch`, collecting the outputs.
+
+    As `cond_in_context` (child context, union of the branches' outputs, identities
+    for summaries a branch does not add), over any number of branches.
+
+    Args:
+        index: a scalar integer, concrete or traced; clamped to
+            `[0, len(branches) - 1]` as in `jax.lax.switch`.
+        branches: the branches, each `fn(*operands, ctx) -> (out, ctx)`.
+        *operands: the branches' inputs (traced).
+        context: the calling context.
+        child_name: the child's name, matching `^[a-z][a-z0-9_]*$`.
+
+    Returns:
+        `(out, collection)`: the branch's output and the construct's collection.
+
+    Raises:
+        ValueError: as `cond_in_context` (messages name branches as `branches[j]`),
+            or for an empty `branches`.
+        TypeError: as `cond_in_context`.
+
+    References:
+        `jax.lax.switch`.
+    """
+    name = validate_child_name(child_name, where="switch_in_context(child_name=...)")
+    fns = list(branches)
+    if not fns:
+        raise ValueError("`switch_in_context`: `branches` must not be empty.")
+    return _run_branches(
+        lambda wrapped: jax.lax.switch(index, wrapped, *operands),
+        fns,
+        operands,
+        tuple(f"branches[{j}]" for j in range(len(fns))),
+        context,
+        name,
+        "`switch_in_context`",
+    )

@@ -1,0 +1,231 @@
+"""Structure reconciliation of branch outputs, and summary identities.
+
+The branches of a `cond_in_context` / `switch_in_context` may add different outputs;
+`jax.lax.switch` needs one structure. The result is the union: an entry present in
+every branch (same kind, shape, dtype) is selected from the branch taken; a summary
+missing from some branches is filled there with its kind's identity
+(`Summary.identity`); anything else that is missing, or that differs between
+branches, raises `ValueError` naming the path and the branches.
+
+Trees here are plain nested dicts of *specs*: leaves with `.shape` and `.dtype`
+(`jax.ShapeDtypeStruct`s from `jax.eval_shape`, or tracers), `Summary` objects with
+such leaves, and `_Entry` for an `IterationSummaries`.
+"""
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._collection import OutputCollection
+from ._iterations import IterationSummaries
+from ._leaves import KINDS
+from ._summary import Summary
+from ._typing import Leaf, Tree
+
+
+class _Entry:
+    """The spec of an `IterationSummaries`: its length, outer axes and stacked tree."""
+
+    __slots__ = ("length", "outer", "stacked")
+
+    def __init__(self, length: int, outer: int, stacked: dict[str, Any]):
+        self.length = length
+        self.outer = outer
+        self.stacked = stacked
+
+
+def _dtype(x: Any) -> Any:
+    dtype = getattr(x, "dtype", None)
+    return jnp.result_type(x) if dtype is None else dtype
+
+
+def _signature(leaf: Leaf) -> tuple[Any, ...]:
+    """Kind, structure, shapes and dtypes of a leaf (weak types ignored)."""
+    leaves, treedef = jax.tree_util.tree_flatten(leaf)
+    kind = type(leaf).__name__ if isinstance(leaf, Summary) else "array"
+    return (
+        kind,
+        treedef,
+        tuple((tuple(np.shape(x)), _dtype(x)) for x in leaves),
+    )
+
+
+def _describe(leaf: Leaf) -> str:
+    kind, _, arrays = _signature(leaf)
+    shapes = ", ".join(f"{dtype}{list(shape)}" for shape, dtype in arrays)
+    return f"{kind}({shapes})"
+
+
+def _spec_of(value: Any) -> Any:
+    """Turn a collection level into a spec tree (dicts, leaves and `_Entry`s)."""
+    if isinstance(value, IterationSummaries):
+        leaves = jax.tree_util.tree_leaves(value.stacked)
+        outers = {np.ndim(x) - n for x, n in zip(leaves, value.ndims, strict=True)}
+        return _Entry(value.length, min(outers, default=0), _spec_of(value.stacked))
+    if isinstance(value, Mapping):
+        return {k: _spec_of(v) for k, v in value.items()}
+    return value
+
+
+def has_identity(leaf: Leaf) -> bool:
+    """Whether `leaf` (a spec) is a `Summary` whose kind has an identity."""
+    if not isinstance(leaf, Summary):
+        return False
+    out = jax.eval_shape(lambda: identity_of(leaf))
+    return out is not None
+
+
+def identity_of(spec: Leaf) -> Any:
+    """Return the identity of a `Summary` spec (None if none), or zeros for an array."""
+    zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(np.shape(s), _dtype(s)), spec)
+    if not isinstance(spec, Summary):
+        return zeros
+    ident = zeros.identity()
+    if ident is None:
+        return None
+    return _cast(ident, spec)
+
+
+def _cast(tree: Any, like: Any) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten(like)
+    got = jax.tree_util.tree_leaves(tree)
+    return treedef.unflatten(
+        [jnp.asarray(x).astype(_dtype(s)) for x, s in zip(got, leaves, strict=True)]
+    )
+
+
+def _unfillable(kind: str, spec: Any, path: str) -> tuple[str, str] | None:
+    """Return `(path, what)` of the first entry that has no identity, else None."""
+    if isinstance(spec, _Entry):
+        return _unfillable(kind, spec.stacked, path)
+    if isinstance(spec, dict):
+        for k, v in spec.items():
+            found = _unfillable(kind, v, f"{path}/{k}")
+            if found is not None:
+                return found
+        return None
+    if kind != "summaries":
+        return path, f"a {kind} entry"
+    if not isinstance(spec, Summary):
+        return path, "a raw-array summary"
+    if not has_identity(spec):
+        return path, f"a {type(spec).__name__} (a kind without an identity)"
+    return None
+
+
+def _union(
+    kind: str,
+    specs: list[Any],
+    path: str,
+    names: tuple[str, ...],
+    where: str,
+) -> Any:
+    """Return the union spec of one entry over the branches (`_MISSING` if absent)."""
+    present = [i for i, s in enumerate(specs) if s is not _MISSING]
+    given = [specs[i] for i in present]
+    first = given[0]
+    missing = [names[i] for i, s in enumerate(specs) if s is _MISSING]
+    if missing:
+        bad = _unfillable(kind, first, path)
+        if bad is not None:
+            at, what = bad
+            has = ", ".join(names[i] for i in present)
+            raise ValueError(
+                f"{where}: {at} is {what} added in {has} but not in "
+                f"{', '.join(missing)}. Only summaries whose kind has an identity "
+                "(WeightedSummary, MinSummary, MaxSummary, SumSummary) can be missing "
+                "from a branch: wrap it in such a kind (e.g. `WeightedSummary(x, 1)` "
+                "for a mean) or add it in every branch."
+            )
+    shapes = {type(s) for s in given}
+    if len(shapes) > 1 or (
+        not isinstance(first, (dict, _Entry))
+        and len({_signature(s) for s in given}) > 1
+    ):
+        listing = "; ".join(f"{names[i]}: {_what(specs[i])}" for i in present)
+        raise ValueError(
+            f"{where}: {path} differs between branches ({listing}). An entry added "
+            "in several branches needs the same kind, shape and dtype in each: cast "
+            "or reshape it, or give the entries different names."
+        )
+    if isinstance(first, dict):
+        keys: dict[str, None] = {}
+        for s in given:
+            keys.update(dict.fromkeys(s))
+        return {
+            k: _union(
+                kind,
+                [s.get(k, _MISSING) if s is not _MISSING else _MISSING for s in specs],
+                f"{path}/{k}",
+                names,
+                where,
+            )
+            for k in keys
+        }
+    if isinstance(first, _Entry):
+        lengths = {s.length for s in given}
+        if len(lengths) > 1:
+            raise ValueError(
+                f"{where}: {path} holds per-iteration summaries of different lengths "
+                f"{sorted(lengths)} in different branches; scan the same number of "
+                "iterations in every branch, or use another child name."
+            )
+        stacked = _union(
+            kind,
+            [s.stacked if s is not _MISSING else _MISSING for s in specs],
+            path + "{i}",
+            names,
+            where,
+        )
+        return _Entry(first.length, first.outer, stacked)
+    return first
+
+
+def _what(spec: Any) -> str:
+    if isinstance(spec, dict):
+        return "a child"
+    if isinstance(spec, _Entry):
+        return f"per-iteration summaries of {spec.length} iterations"
+    return _describe(spec)
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+_MISSING: Any = _Missing()
+
+
+def union_collections(
+    colls: list[OutputCollection], names: tuple[str, ...], prefix: str, where: str
+) -> dict[str, Any]:
+    """Return `{kind: union spec}` of the branches' collections, or raise."""
+    out: dict[str, Any] = {}
+    for kind in KINDS:
+        specs = [_spec_of(getattr(c, kind)) for c in colls]
+        out[kind] = _union(kind, specs, f"{kind}/{prefix}", names, where)
+    return out
+
+
+def _fill(spec: Any, value: Any) -> Any:
+    """Return `value` laid out as `spec`, with identities where it lacks entries."""
+    if isinstance(spec, _Entry):
+        stacked = _fill(spec.stacked, _MISSING if value is _MISSING else value.stacked)
+        leaves = jax.tree_util.tree_leaves(stacked)
+        ndims = tuple(np.ndim(x) - spec.outer for x in leaves)
+        return IterationSummaries(spec.length, stacked, ndims)
+    if isinstance(spec, dict):
+        got: Tree = {} if value is _MISSING else value
+        return {k: _fill(v, got.get(k, _MISSING)) for k, v in spec.items()}
+    if value is _MISSING:
+        return identity_of(spec)
+    return _cast(value, spec)
+
+
+def fill_collection(spec: dict[str, Any], coll: OutputCollection) -> OutputCollection:
+    """Return `coll` in the union layout `spec` (from `union_collections`)."""
+    return OutputCollection(*(_fill(spec[kind], getattr(coll, kind)) for kind in KINDS))
