@@ -1,18 +1,29 @@
-"""Per-call overhead of `MethodRunner.__call__` vs a bare `jax.jit` call.
+"""MethodRunner vs the code it replaces: a bare `jax.jit` call, a hand-written loop.
 
-Both run the same step (split the key, run the method in a root context, return the
-new key, the output and the summaries) on the same PyTree (the model, the key and a
-pre-sharded batch), for models with 10, 100 and 1000 parameter leaves, on 1 and 8
-(simulated CPU) devices. `eqx.filter_jit` on the same step is shown for reference.
+1. Per call: `MethodRunner.__call__` vs `jax.jit` of the same step (split the key,
+   run the method in a root context, return the new key, the output and the
+   summaries) on the same PyTree (the model, the key, the batch), for models with 10,
+   100 and 1000 parameter leaves, on 1 and 8 (simulated CPU) devices, for batches
+   (a) placed with the runner's own sharding (a previous call's `input_batch`),
+   (b) placed by the user as `NamedSharding(mesh, P("data"))` (equivalent, not equal,
+   on an Explicit mesh), (c) NumPy (the `jax.jit` side places it with
+   `jax.make_array_from_process_local_data`, as a hand-written loop would).
+   *blocking*: every call waits for its result; *pipelined*: at most 16 calls in
+   flight, chained through the key.
+2. `run_batches` over 200 batches vs the hand-written loop (place with
+   `jax.make_array_from_process_local_data` if NumPy, call the `jax.jit`, at most 8
+   in flight), for NumPy and device batches.
+3. Padding: 1,000 rows in batches of 64 on 8 devices (the last batch has 40 rows):
+   compilations (the runner's `trace_count`) and the largest difference from the
+   unpadded NumPy result, with `pad_batches=True` and with `batch_sizes=(64,)`.
 
-- blocking: every call waits for its result (`jax.block_until_ready`);
-- pipelined: many calls chained through the key, one block at the end. A runner
-  whose call blocked would show no gain here.
+Variants of one row run interleaved, round after round; each figure is the median of
+the rounds (the machine is shared and noisy), and ratios are taken in the same run.
+Usage:
 
-Each figure is the best of several interleaved rounds (µs per call); ratios are
-runner / jax.jit from the same run. Usage:
+    .venv/bin/python benchmarks/bench_runner.py [--quick] [--rounds N]
 
-    .venv/bin/python benchmarks/bench_runner.py [--quick]
+(`BENCH_MIN=1` reports the minimum of the rounds instead of the median.)
 
 The 8-device figures come from a subprocess started with
 `XLA_FLAGS=--xla_force_host_platform_device_count=8`.
@@ -20,26 +31,50 @@ The 8-device figures come from a subprocess started with
 
 import argparse
 import collections
+import functools
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 
 LEAVES = (10, 100, 1000)
-# Pipelined loops keep at most this many calls in flight (as `run_batches` does):
-# XLA's CPU runtime can deadlock with many multi-device programs in flight.
+#: Interleaved rounds per row (medians are reported); `--rounds` or BENCH_ROUNDS.
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "9"))
+# Pipelined loops keep at most this many calls in flight: XLA's CPU runtime can
+# deadlock with many multi-device programs in flight.
 WINDOW = 16
 
 
-def _measure(devices: int, quick: bool) -> list[dict[str, Any]]:
+def _interleaved(
+    variants: dict[str, Callable[[], Any]], rounds: int, per_round: int
+) -> dict[str, float]:
+    """Median µs per unit of work of each variant over interleaved rounds."""
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for fn in variants.values():
+        fn()  # warm up (compile)
+    gc.disable()  # collections would land on whichever variant runs
+    try:
+        for _ in range(rounds):
+            for name, fn in variants.items():
+                t0 = time.perf_counter()
+                fn()
+                times[name].append((time.perf_counter() - t0) / per_round * 1e6)
+    finally:
+        gc.enable()
+    pick = min if os.environ.get("BENCH_MIN") else statistics.median
+    return {k: pick(v) for k, v in times.items()}
+
+
+def _setup(devices: int, leaves: int) -> dict[str, Any]:
     import equinox as eqx
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     import eqxctx
 
@@ -59,75 +94,159 @@ def _measure(devices: int, quick: bool) -> list[dict[str, Any]]:
         y, ctx = model.predict(batch, ctx)
         return new_key, y, ctx.collection.summaries
 
-    bare = jax.jit(step)
-    filtered = eqx.filter_jit(step)
-    mesh = jax.make_mesh((devices,), ("data",))
-    calls = 200 if quick else 1000
-    rounds = 3 if quick else 7
+    mesh = jax.make_mesh((devices,), ("data",))  # Explicit axes (JAX's default)
+    model = Model(tuple(jnp.full(4, i, jnp.float32) for i in range(leaves)))
+    runner = eqxctx.MethodRunner.create(
+        model, "predict", mesh=mesh, prng_key=jax.random.PRNGKey(0)
+    )
+    return {"runner": runner, "bare": jax.jit(step), "mesh": mesh}
+
+
+def _runner_loop(runner: Any, batch: Any, calls: int, block: bool) -> Any:
+    import jax
+
+    pending: collections.deque[Any] = collections.deque()
+    for _ in range(calls):
+        runner, out = runner(batch)
+        pending.append(out.output_batch)
+        if block or len(pending) > WINDOW:
+            jax.block_until_ready(pending.popleft())
+    return jax.block_until_ready((runner.prng_key, *pending))
+
+
+def _jit_loop(
+    bare: Any,
+    params: Any,
+    key: Any,
+    batches: list[Any],
+    window: int,
+    numpy: Any,
+) -> Any:
+    """Call `bare` on each batch, at most `window` in flight (0: block on each).
+
+    NumPy batches are placed by hand, with the sharding `numpy`.
+    """
+    import jax
+
+    block = window == 0
+    pending: collections.deque[Any] = collections.deque()
+    for batch in batches:
+        if numpy is not None:
+            batch = {"x": jax.make_array_from_process_local_data(numpy, batch["x"])}
+        key, y, _ = bare(params, key, batch)
+        pending.append(y)
+        if block or len(pending) > window:
+            jax.block_until_ready(pending.popleft())
+    return jax.block_until_ready((key, *pending))
+
+
+def _run_batches_loop(runner: Any, batches: list[Any]) -> Any:
+    import jax
+
+    import eqxctx
+
+    out = None
+    for out in eqxctx.run_batches(runner, batches, max_in_flight=8):  # noqa: B007
+        pass
+    return jax.block_until_ready(out)
+
+
+def _per_call(devices: int, quick: bool) -> list[dict[str, Any]]:
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
     rows: list[dict[str, Any]] = []
     for n in LEAVES:
-        model = Model(tuple(jnp.full(4, i, jnp.float32) for i in range(n)))
-        runner = eqxctx.MethodRunner.create(
-            model, "predict", mesh=mesh, prng_key=jax.random.PRNGKey(0)
-        )
-        batch = {"x": np.ones((8 * devices, 4), np.float32)}
-        placed = runner(batch)[1].input_batch
+        s = _setup(devices, n)
+        runner, bare, mesh = s["runner"], s["bare"], s["mesh"]
+        host = {"x": np.ones((8 * devices, 4), np.float32)}
+        own = runner(host)[1].input_batch
+        sharding = NamedSharding(mesh, P("data"))
+        user = {"x": jax.device_put(host["x"], sharding)}
         params, key = runner.params, runner.prng_key
-
-        def run_runner(block: bool, r: Any = runner, placed: Any = placed) -> Any:
-            pending: collections.deque[Any] = collections.deque()
-            for _ in range(calls):
-                r, out = r(placed)
-                pending.append(out.output_batch)
-                if block or len(pending) > WINDOW:
-                    jax.block_until_ready(pending.popleft())
-            return jax.block_until_ready((r.prng_key, *pending))
-
-        def run_jit(
-            fn: Any,
-            block: bool,
-            k: Any = key,
-            params: Any = params,
-            placed: Any = placed,
-        ) -> Any:
-            pending: collections.deque[Any] = collections.deque()
-            for _ in range(calls):
-                k, y, _ = fn(params, k, placed)
-                pending.append(y)
-                if block or len(pending) > WINDOW:
-                    jax.block_until_ready(pending.popleft())
-            return jax.block_until_ready((k, *pending))
-
-        variants = {
-            "runner": run_runner,
-            "jax.jit": lambda block: run_jit(bare, block),
-            "filter_jit": lambda block: run_jit(filtered, block),
-        }
-        for mode, block in (("blocking", True), ("pipelined", False)):
-            best = dict.fromkeys(variants, float("inf"))
-            for fn in variants.values():
-                fn(block)  # warm up (compile)
-            gc.disable()  # collections would land on whichever variant runs
-            for _ in range(rounds):
-                for name, fn in variants.items():
-                    t0 = time.perf_counter()
-                    fn(block)
-                    best[name] = min(best[name], (time.perf_counter() - t0) / calls)
-            gc.enable()
-            rows.append(
-                {
-                    "devices": devices,
-                    "leaves": n,
-                    "mode": mode,
-                    **{k: v * 1e6 for k, v in best.items()},
-                }
-            )
-    rows += _dispatch(runner_cls=eqxctx.MethodRunner, mesh=mesh, quick=quick)
+        calls = (50 if quick else 200) if n < 1000 else (20 if quick else 100)
+        rounds = 3 if quick else ROUNDS
+        kinds = (("a) own", own), ("b) P('data')", user), ("c) NumPy", host))
+        for kind, batch in kinds:
+            numpy = sharding if kind.startswith("c") else None
+            for mode, block in (("blocking", True), ("pipelined", False)):
+                med = _interleaved(
+                    {
+                        "runner": functools.partial(
+                            _runner_loop, runner, batch, calls, block
+                        ),
+                        "jax.jit": functools.partial(
+                            _jit_loop,
+                            bare,
+                            params,
+                            key,
+                            [batch] * calls,
+                            0 if block else WINDOW,
+                            numpy,
+                        ),
+                    },
+                    rounds,
+                    calls,
+                )
+                rows.append(
+                    {
+                        "table": "per_call",
+                        "devices": devices,
+                        "leaves": n,
+                        "batch": kind,
+                        "mode": mode,
+                        **med,
+                    }
+                )
     return rows
 
 
-def _dispatch(runner_cls: Any, mesh: Any, quick: bool) -> list[dict[str, Any]]:
-    """Time until a call returns vs until its result is ready, on a heavy method."""
+def _run_batches(devices: int, quick: bool) -> list[dict[str, Any]]:
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    rows: list[dict[str, Any]] = []
+    count = 50 if quick else 200
+    for n in (10, 100):
+        s = _setup(devices, n)
+        runner, bare, mesh = s["runner"], s["bare"], s["mesh"]
+        sharding = NamedSharding(mesh, P("data"))
+        rng = np.random.default_rng(0)
+        host = [
+            {"x": rng.normal(size=(8 * devices, 4)).astype(np.float32)}
+            for _ in range(count)
+        ]
+        placed = [{"x": jax.device_put(b["x"], sharding)} for b in host]
+        params, key = runner.params, runner.prng_key
+        for kind, batches in (("NumPy", host), ("device", placed)):
+            numpy = sharding if kind == "NumPy" else None
+            med = _interleaved(
+                {
+                    "run_batches": functools.partial(
+                        _run_batches_loop, runner, batches
+                    ),
+                    "by hand": functools.partial(
+                        _jit_loop, bare, params, key, batches, 8, numpy
+                    ),
+                },
+                3 if quick else ROUNDS,
+                count,
+            )
+            rows.append(
+                {
+                    "table": "run_batches",
+                    "devices": devices,
+                    "leaves": n,
+                    "batch": kind,
+                    **med,
+                }
+            )
+    return rows
+
+
+def _padding(devices: int) -> list[dict[str, Any]]:
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -135,99 +254,129 @@ def _dispatch(runner_cls: Any, mesh: Any, quick: bool) -> list[dict[str, Any]]:
 
     import eqxctx
 
-    class Heavy(eqx.Module):
+    class Linear(eqx.Module):
         w: jax.Array
 
         def predict(
-            self, batch: dict[str, jax.Array], ctx: eqxctx.Context
+            self, batch: dict[str, jax.Array], ctx: eqxctx.Context, *, mask: jax.Array
         ) -> tuple[jax.Array, eqxctx.Context]:
-            h = batch["x"]
-            for _ in range(8):
-                h = jnp.tanh(h @ self.w)
-            return h, ctx
+            y = batch["x"] @ self.w
+            n = jnp.sum(mask.astype(jnp.float32))
+            mean = jnp.sum(jnp.where(mask[:, None], y, 0.0)) / (n * y.shape[1])
+            return y, ctx.add_summary("mean", eqxctx.WeightedSummary(mean, n))
 
-    def step(model: Heavy, key: jax.Array, batch: dict[str, jax.Array]) -> Any:
-        new_key, iter_key = jax.random.split(key)
-        y, _ = model.predict(batch, eqxctx.Context.root(prng_key=iter_key))
-        return new_key, y
-
-    devices = mesh.devices.size
-    model = Heavy(jnp.eye(512, dtype=jnp.float32) * 0.5)
-    runner = runner_cls.create(
-        model, "predict", mesh=mesh, prng_key=jax.random.PRNGKey(0)
-    )
-    batch = runner({"x": np.ones((64 * devices, 512), np.float32)})[1].input_batch
-    params, key = runner.params, runner.prng_key
-    bare, filtered = jax.jit(step), eqx.filter_jit(step)
-    calls = {
-        "runner": lambda: runner(batch)[1].output_batch,
-        "jax.jit": lambda: bare(params, key, batch)[1],
-        "filter_jit": lambda: filtered(params, key, batch)[1],
-    }
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(4, 3)).astype(np.float32)
+    x = rng.normal(size=(1000, 4)).astype(np.float32)
+    batches = [{"x": x[i : i + 64]} for i in range(0, 1000, 64)]
+    mesh = jax.make_mesh((devices,), ("data",))
     rows: list[dict[str, Any]] = []
-    for name, call in calls.items():
-        jax.block_until_ready(call())  # compile
-        returned, ready = [], []
-        for _ in range(5 if quick else 20):
-            t0 = time.perf_counter()
-            y = call()
-            t1 = time.perf_counter()
-            jax.block_until_ready(y)
-            t2 = time.perf_counter()
-            returned.append(t1 - t0)
-            ready.append(t2 - t0)
+    sizes: tuple[int, ...] | None
+    for label, sizes in (("pad_batches=True", None), ("batch_sizes=(64,)", (64,))):
+        runner = eqxctx.MethodRunner.create(
+            Linear(jnp.asarray(w)),
+            "predict",
+            mesh=mesh,
+            prng_key=jax.random.PRNGKey(0),
+            pad_batches=True,
+            batch_sizes=sizes,
+            mask_kwarg="mask",
+        )
+        before = runner.trace_count
+        acc = eqxctx.SummaryAccumulator()
+        ys = []
+        for out in eqxctx.run_batches(runner, batches):
+            ys.append(np.asarray(out.output_batch))
+            acc = acc.update(out.summaries)
+        y = np.concatenate(ys)
+        ref = x @ w
         rows.append(
             {
+                "table": "padding",
                 "devices": devices,
-                "variant": name,
-                "returns": sorted(returned)[len(returned) // 2] * 1e6,
-                "ready": sorted(ready)[len(ready) // 2] * 1e6,
+                "variant": label,
+                "compilations": runner.trace_count - before,
+                "rows": len(y),
+                "max_abs_diff": float(np.abs(y - ref).max()),
+                "mean_diff": abs(
+                    float(acc.summaries()["mean"].value()) - float(ref.mean())
+                ),
             }
         )
     return rows
 
 
+def _measure(devices: int, quick: bool) -> list[dict[str, Any]]:
+    rows = _per_call(devices, quick) + _run_batches(devices, quick)
+    if devices > 1:
+        rows += _padding(devices)
+    return rows
+
+
 def _table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| devices | leaves | mode | runner µs | jax.jit µs | filter_jit µs "
-        "| runner / jax.jit | filter_jit / jax.jit |",
-        "|---|---|---|---|---|---|---|---|",
+        "| devices | leaves | batch | mode | runner µs | jax.jit µs "
+        "| runner / jax.jit |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        if "variant" in r:
-            continue
-        lines.append(
-            f"| {r['devices']} | {r['leaves']} | {r['mode']} | {r['runner']:.1f} "
-            f"| {r['jax.jit']:.1f} | {r['filter_jit']:.1f} "
-            f"| {r['runner'] / r['jax.jit']:.2f} "
-            f"| {r['filter_jit'] / r['jax.jit']:.2f} |"
-        )
+        if r["table"] == "per_call":
+            lines.append(
+                f"| {r['devices']} | {r['leaves']} | {r['batch']} | {r['mode']} "
+                f"| {r['runner']:.1f} | {r['jax.jit']:.1f} "
+                f"| {r['runner'] / r['jax.jit']:.2f} |"
+            )
     lines += [
         "",
-        "Dispatch (a method of ~8 matmuls 512x512; median µs): a call that does not",
-        "block returns long before its result is ready.",
-        "",
-        "| devices | variant | call returns after µs | result ready after µs |",
-        "|---|---|---|---|",
+        "| devices | leaves | batches | run_batches µs/batch | by hand µs/batch "
+        "| run_batches / by hand |",
+        "|---|---|---|---|---|---|",
     ]
     for r in rows:
-        if "variant" in r:
+        if r["table"] == "run_batches":
             lines.append(
-                f"| {r['devices']} | {r['variant']} | {r['returns']:.0f} "
-                f"| {r['ready']:.0f} |"
+                f"| {r['devices']} | {r['leaves']} | {r['batch']} "
+                f"| {r['run_batches']:.1f} | {r['by hand']:.1f} "
+                f"| {r['run_batches'] / r['by hand']:.2f} |"
+            )
+    lines += [
+        "",
+        "| devices | padding | compilations | rows out | max abs diff vs NumPy "
+        "| mean summary diff |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["table"] == "padding":
+            lines.append(
+                f"| {r['devices']} | {r['variant']} | {r['compilations']} "
+                f"| {r['rows']} | {r['max_abs_diff']:.1e} | {r['mean_diff']:.1e} |"
             )
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description="Per-call overhead of MethodRunner vs jax.jit."
+        description="MethodRunner vs jax.jit and a hand-written loop."
     )
     parser.add_argument("--quick", action="store_true", help="fewer calls and rounds")
     parser.add_argument("--devices", type=int, help="(internal) measure in-process")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds per row (9)")
+    parser.add_argument(
+        "--only", choices=["per_call", "run_batches", "padding"], help="one part"
+    )
     args = parser.parse_args()
+    if args.rounds is not None:
+        os.environ["BENCH_ROUNDS"] = str(args.rounds)  # read by the subprocesses
     if args.devices is not None:
-        print(json.dumps(_measure(args.devices, args.quick)))
+        if args.only == "per_call":
+            rows = _per_call(args.devices, args.quick)
+        elif args.only == "run_batches":
+            rows = _run_batches(args.devices, args.quick)
+        elif args.only == "padding":
+            rows = _padding(args.devices)
+        else:
+            rows = _measure(args.devices, args.quick)
+        print(json.dumps(rows))
         return
     rows: list[dict[str, Any]] = []
     for devices in (1, 8):
@@ -240,6 +389,8 @@ def main() -> None:
         cmd = [sys.executable, __file__, f"--devices={devices}"]
         if args.quick:
             cmd.append("--quick")
+        if args.only:
+            cmd.append(f"--only={args.only}")
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if out.returncode:
             sys.exit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")

@@ -70,6 +70,24 @@ def run(batch: dict[str, np.ndarray], mesh: Any) -> dict[str, np.ndarray]:
         local = eqxctx.to_host(out.output_batch["y"], gather=False)
         results[f"local_y{call}"] = local
     results["key"] = eqxctx.to_host(runner.prng_key)
+    # Padding: a batch that needs none runs as it is; in a multi-process run one that
+    # would need padding is refused (each process holds a slice), in one process it
+    # is padded.
+    padded = eqxctx.MethodRunner.create(
+        make_model(),
+        "predict",
+        mesh=mesh,
+        prng_key=jax.random.PRNGKey(42),
+        pad_batches=True,
+    )
+    results["padded_y"] = eqxctx.to_host(padded(batch)[1].output_batch["y"])
+    ragged = {k: v[:-1] for k, v in batch.items()}
+    try:
+        padded(ragged)
+        refused = False
+    except ValueError as e:
+        refused = "multi-process" in str(e)
+    results["ragged_as_documented"] = np.asarray(refused == (jax.process_count() > 1))
     return results
 
 

@@ -74,3 +74,5 @@ def test_two_processes_equal_one_process(tmp_path: Path) -> None:
         else:
             np.testing.assert_allclose(two[name], value, rtol=1e-6, err_msg=name)
     np.testing.assert_allclose(two["x0"], worker.make_batch()["x"])
+    np.testing.assert_allclose(two["padded_y"], two["y0"], rtol=1e-6)
+    assert bool(two["ragged_as_documented"])

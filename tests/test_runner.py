@@ -18,7 +18,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import eqxctx
 from eqxctx import Context, DataPartition, MethodRunner
-from eqxctx._step import Settings
+from eqxctx._step import Step
 
 
 pytestmark = pytest.mark.skipif(
@@ -271,13 +271,13 @@ def test_dict_batches_after_a_placed_one_are_checked_leaf_by_leaf(
     assert all(x.sharding == full for x in placed.values())
     ref = first.output_batch
     placements: list[int] = []
-    place_batch = Settings.place_batch
+    place_batch = Step.place_batch
 
-    def counting(self: Settings, batch: Any, flat: Any = None) -> Any:
+    def counting(self: Step, leaves: Any, treedef: Any, lowered: Any = None) -> Any:
         placements.append(1)
-        return place_batch(self, batch, flat)
+        return place_batch(self, leaves, treedef, lowered)
 
-    monkeypatch.setattr(Settings, "place_batch", counting)
+    monkeypatch.setattr(Step, "place_batch", counting)
     wrong = jax.device_put(batch["x"], NamedSharding(mesh, P()))
     variants: list[dict[str, Any]] = [
         dict(placed),  # fast path: passed through
@@ -606,7 +606,7 @@ def test_one_compilation_and_no_retrace() -> None:
         mesh=mesh_1d(),
         prng_key=jax.random.PRNGKey(0),
     )
-    jitted = runner.settings.jitted
+    jitted = runner.step.jitted
     assert cache_size(jitted) == 0
     runner, out = runner(batch)
     for _ in range(3):
@@ -624,7 +624,7 @@ def test_one_compilation_and_no_retrace() -> None:
         prng_key=jax.random.PRNGKey(1),
     )
     assert again.settings == runner.settings
-    assert again.settings.jitted is jitted
+    assert again.step.jitted is jitted
     again(batch)
     assert TRACES == ["compiles"]
     assert cache_size(jitted) == 1

@@ -8,28 +8,18 @@ lowering and compilation" in the JAX docs), applied to the runner's jitted step
 
 from typing import TYPE_CHECKING, Any
 
-import equinox as eqx
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from ._partition import (
-    check_divisible,
-    leaf_spec,
-    named_sharding,
-    path_str,
-    resolve_specs,
-)
-from ._step import Frozen, StaticOut, jit_step
-from ._transfer import to_global
+from ._frozen import Frozen
+from ._partition import leaf_shardings, path_str, resolve_specs
+from ._plan import BatchPlan, batch_rows
+from ._transfer import place
 
 
 if TYPE_CHECKING:
     from ._runner import MethodRunner
-
-
-_setattr = object.__setattr__
-_getattribute = object.__getattribute__
 
 
 def _signature(runner: "MethodRunner") -> list[tuple[Any, Any, Any]]:
@@ -37,86 +27,56 @@ def _signature(runner: "MethodRunner") -> list[tuple[Any, Any, Any]]:
     return [(np.shape(x), jax.typeof(x).dtype, x.sharding) for x in leaves]
 
 
-def _put(x: Any, sharding: Any) -> Any:
-    """`x` with `sharding` (moved only when it has another)."""
-    if isinstance(x, jax.Array) and x.sharding == sharding:
-        return x
-    return jax.device_put(x, sharding)
-
-
-def _new(cls: type[Any], fields: dict[str, Any]) -> Any:
-    """Build an `eqx.Module` from its fields without `__init__`, as its unflatten does.
-
-    `eqx.Module.__init__` walks every leaf of its arguments (Python work per
-    parameter), this costs ~0.3 µs.
-    """
-    self = object.__new__(cls)
-    _setattr(self, "__dict__", fields)
-    return self
-
-
-def _finish(
-    runner: "MethodRunner", result: tuple[Any, Any, StaticOut | None], batch: Any
-) -> tuple["MethodRunner", "MethodRunner.Output"]:
-    """Build the next runner and the output of one call, in O(1) Python work."""
-    new_key, out, extra = result
-    if extra is not None:
-        out = eqx.combine(out, extra.value)
-    # `MethodRunner` is final (never subclassed): `type(runner)` is `MethodRunner`.
-    cls = type(runner)
-    runner_fields = _getattribute(runner, "__dict__").copy()
-    runner_fields["prng_key"] = new_key
-    output_batch, summaries, module_outputs = out
-    output = _new(
-        cls.Output,
-        {
-            "output_batch": output_batch,
-            "input_batch": batch,
-            "summaries": summaries,
-            "module_outputs": module_outputs,
-        },
-    )
-    return _new(cls, runner_fields), output
+def _dtype(x: Any) -> Any:
+    """The dtype of an array, `ShapeDtypeStruct` or Python scalar."""
+    dtype = getattr(x, "dtype", None)
+    return np.result_type(x) if dtype is None else dtype
 
 
 def lower_runner(
     runner: "MethodRunner", batch_spec: Any, **kwargs: Any
 ) -> "LoweredRunner":
-    """Lower `runner`'s step for batches like `batch_spec`; see `MethodRunner.lower`."""
-    settings = runner.settings
+    """Lower `runner`'s step for batches like `batch_spec`; see `MethodRunner.lower`.
+
+    The batch goes through the call's placement rule (`leaf_shardings`, a leaf's own
+    `NamedSharding` first) into a `BatchPlan` that the compiled runner places with.
+    """
+    step = runner.step
+    mesh = step.mesh
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(batch_spec)
+    leaves = [x for _, x in with_path]
     specs = resolve_specs(
-        settings.input_partition, batch_spec, settings.mesh, what="input_partition"
+        step.input_partition, batch_spec, mesh, what="input_partition"
     )
-    leaves, treedef = jax.tree.flatten(batch_spec)
-    with_path = jax.tree_util.tree_flatten_with_path(batch_spec)[0]
-    structs: list[jax.ShapeDtypeStruct] = []
-    for (path, x), spec in zip(with_path, specs, strict=True):
-        shape = tuple(np.shape(x))
-        sharding = getattr(x, "sharding", None)
-        if not isinstance(sharding, NamedSharding):
-            name = path_str(path)
-            s = leaf_spec(spec, len(shape), explicit=settings.explicit, path=name)
-            check_divisible(shape, s, settings.mesh, path=name)
-            sharding = named_sharding(settings.mesh, s)
-        structs.append(
-            jax.ShapeDtypeStruct(shape, np.result_type(x), sharding=sharding)
-        )
-    del leaves
+    shardings: list[Any] = [getattr(x, "sharding", None) for x in leaves]
+    todo = [i for i, s in enumerate(shardings) if not isinstance(s, NamedSharding)]
+    computed = leaf_shardings(
+        [specs[i] for i in todo], [with_path[i] for i in todo], mesh, kind="batch"
+    )
+    for i, s in zip(todo, computed, strict=True):
+        shardings[i] = s
+    structs = [
+        jax.ShapeDtypeStruct(tuple(np.shape(x)), _dtype(x), sharding=s)
+        for x, s in zip(leaves, shardings, strict=True)
+    ]
+    plan = step.plan_from(leaves, treedef, specs, shardings, with_path)
+    mask = None
+    settings = step.settings
+    if settings.pad_batches or settings.mask_kwarg is not None:
+        plan.lowered_rows = batch_rows(leaves, treedef, plan.ranks)
+        if settings.mask_kwarg is not None and plan.lowered_rows is not None:
+            mask = jax.ShapeDtypeStruct(
+                (plan.lowered_rows,), np.bool_, sharding=plan.mask_sharding
+            )
+    batch = treedef.unflatten(structs)
     if kwargs:
-        dynamic, static = eqx.partition(kwargs, eqx.is_array)
-        static_kwargs = Frozen(static, what="a keyword argument")
-    else:
-        dynamic = static_kwargs = None
-    lowered = jit_step.lower(
-        settings,
-        static_kwargs,
-        runner.param_leaves,
-        runner.prng_key,
-        treedef.unflatten(structs),
-        dynamic,
-    )
-    shardings = [x.sharding for x in structs]
-    return LoweredRunner(runner, lowered, static_kwargs, (treedef, shardings))
+        dynamic, static = step.split_kwargs(kwargs)
+        lowered = step.jitted_kwargs.lower(
+            static, runner.param_leaves, runner.prng_key, batch, mask, dynamic
+        )
+        return LoweredRunner(runner, lowered, static, plan)
+    lowered = step.jitted.lower(runner.param_leaves, runner.prng_key, batch, mask)
+    return LoweredRunner(runner, lowered, None, plan)
 
 
 class _Staged:
@@ -126,13 +86,13 @@ class _Staged:
         self,
         runner: "MethodRunner",
         program: Any,
-        static_kwargs: Any,
-        inputs: tuple[Any, list[Any]],
+        static_kwargs: Frozen | None,
+        plan: BatchPlan,
     ):
         self._runner = runner
         self._program = program
         self._static_kwargs = static_kwargs
-        self._inputs = inputs  # the batch's (treedef, shardings) as lowered
+        self._plan = plan  # how the batch is placed, as lowered
 
     def as_text(self) -> str:
         """Return the program as text (lowered: StableHLO; compiled: optimized HLO)."""
@@ -150,7 +110,7 @@ class LoweredRunner(_Staged):
     def compile(self) -> "CompiledRunner":
         """Compile the lowered program; the result is called like the runner."""
         return CompiledRunner(
-            self._runner, self._program.compile(), self._static_kwargs, self._inputs
+            self._runner, self._program.compile(), self._static_kwargs, self._plan
         )
 
 
@@ -202,7 +162,25 @@ class CompiledRunner(_Staged):
                     "shape, dtype or sharding from those this program was compiled "
                     "for; lower and compile it instead."
                 )
-        return CompiledRunner(runner, self._program, self._static_kwargs, self._inputs)
+        return CompiledRunner(runner, self._program, self._static_kwargs, self._plan)
+
+    def cost_analysis(self) -> Any:
+        """Return XLA's cost estimates of the compiled program (`flops`, bytes, ...).
+
+        JAX's `jax.stages.Compiled.cost_analysis()`: a dict of floats (keys such as
+        `"flops"` and `"bytes accessed"`; which keys appear depends on the backend).
+        """
+        return self._program.cost_analysis()
+
+    def memory_analysis(self) -> Any:
+        """Return XLA's memory use of the compiled program (bytes per kind).
+
+        JAX's `jax.stages.Compiled.memory_analysis()`: an object with attributes such
+        as `argument_size_in_bytes`, `output_size_in_bytes`, `temp_size_in_bytes`
+        and `alias_size_in_bytes` (donated buffers reused), or None where the
+        backend does not report it.
+        """
+        return self._program.memory_analysis()
 
     def __call__(
         self, input_batch: Any, **kwargs: Any
@@ -211,39 +189,45 @@ class CompiledRunner(_Staged):
 
         Raises:
             ValueError: if the static keyword arguments differ from the lowered ones,
-                if the batch's structure differs from the lowered one, or if a batch
-                dimension does not divide over its mesh axes.
+                if the batch's structure differs from the lowered one, if a batch
+                dimension does not divide over its mesh axes, or, with padding, if
+                the batch is larger than the lowered batch size.
         """
         runner = self._runner
-        batch = self._place(input_batch)
-        dynamic, static = eqx.partition(kwargs, eqx.is_array) if kwargs else (None, {})
-        static_kwargs = Frozen(static, what="a keyword argument") if kwargs else None
-        if static_kwargs != self._static_kwargs:
+        step = runner.step
+        plan = self._plan
+        leaves, got = jax.tree.flatten(input_batch)
+        if got != plan.treedef:
+            raise ValueError(
+                "`CompiledRunner`: the batch's structure differs from the one given to "
+                f"`MethodRunner.lower` (got {got}, lowered {plan.treedef}); lower "
+                "again for batches of another structure."
+            )
+        batch, mask, padding = step.place_batch(leaves, got, lowered=plan)
+        dynamic, static = step.split_kwargs(kwargs) if kwargs else (None, None)
+        if static != self._static_kwargs:
             raise ValueError(
                 "`CompiledRunner`: the non-array keyword arguments differ from those "
                 "given to `MethodRunner.lower` (Python scalars and other non-arrays "
                 "are static: pass `jnp.asarray(...)` to trace a value); lower again "
                 "for new static arguments."
             )
+        params, key = runner.param_leaves, runner.prng_key
         if dynamic is not None:
-            # As lowered (a call places array kwargs too: `Settings.place_kwargs`).
-            dynamic = jax.tree.map(_put, dynamic, self._program.input_shardings[0][3])
-        result = self._program(runner.param_leaves, runner.prng_key, batch, dynamic)
-        return _finish(runner, result, batch)
-
-    def _place(self, input_batch: Any) -> Any:
-        """Return the batch with the shardings it was lowered with, leaf by leaf."""
-        treedef, shardings = self._inputs
-        with_path, got = jax.tree_util.tree_flatten_with_path(input_batch)
-        if got != treedef:
-            raise ValueError(
-                "`CompiledRunner`: the batch's structure differs from the one given to "
-                f"`MethodRunner.lower` (got {got}, lowered {treedef}); lower again "
-                "for batches of another structure."
+            # Placed as lowered (a call places array kwargs too: `Step.place_kwargs`).
+            flat, kw_def = jax.tree.flatten(dynamic)
+            placed = place(
+                flat,
+                jax.tree.leaves(self._program.input_shardings[0][4]),
+                paths=lambda: [
+                    path_str(p)
+                    for p, _ in jax.tree_util.tree_flatten_with_path(dynamic)[0]
+                ],
+                process_local=False,
             )
-        placed: list[Any] = []
-        for (path, x), s in zip(with_path, shardings, strict=True):
-            if not (isinstance(x, jax.Array) and x.sharding == s):
-                x = to_global(x, s, path=path_str(path))
-            placed.append(x)
-        return treedef.unflatten(placed)
+            dynamic = kw_def.unflatten(placed)
+            result = self._program(params, key, batch, mask, dynamic)
+        else:
+            result = self._program(params, key, batch, mask)
+        new_key, output = step.finish(result, batch, padding)
+        return step.next_runner(runner, params, new_key), output

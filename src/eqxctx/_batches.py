@@ -73,9 +73,13 @@ def run_batches(
                 "`pip install eqxctx[demo]`)."
             ) from e
         batches = tqdm(batches, desc="batches", unit="batch")
+    # The runner's own path (`Step.call`), threading only the key: the successor
+    # runners are never seen, so they are not built.
+    step, params, key = runner.step, runner.param_leaves, runner.prng_key
+    call = step.call
     pending: collections.deque[PyTree] = collections.deque()
     for batch in batches:
-        runner, output = runner(batch, **kwargs)
+        key, output = call(params, key, batch, kwargs)
         if max_in_flight is not None:
             pending.append(output.output_batch)
             if len(pending) > max_in_flight:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 
@@ -324,6 +325,60 @@ def check_divisible(
                 f"(mesh {dict(mesh.shape)}), which does not divide it. "
                 + advice.format(size=size)
             )
+
+
+def leaf_shardings(
+    specs: Sequence[PartitionSpec],
+    with_path: Sequence[tuple[Any, Any]],
+    mesh: Mesh,
+    *,
+    kind: str,
+    rank_rule: bool = True,
+    check: bool = True,
+) -> list[NamedSharding]:
+    """Return the sharding of each leaf from its spec: the one spec-to-sharding rule.
+
+    Used for batches (placed and traced), outputs, parameters and `lower`'s
+    `ShapeDtypeStruct`s alike.
+
+    Args:
+        specs: one spec per leaf (from `resolve_specs` / `resolve_param_specs`).
+        with_path: `(key_path, leaf)` per leaf; leaves are anything with a shape
+            (arrays, tracers, `jax.ShapeDtypeStruct`s, Python scalars).
+        mesh: the mesh.
+        kind: `"batch"`, `"output"` or `"parameter"`, for messages.
+        rank_rule: apply AXLearn's rank rule (`leaf_spec`; batches and outputs)
+            rather than only fitting the spec to the rank (parameters).
+        check: check that each dimension divides over its mesh axes (off for
+            process-local batches, whose global shape `to_global` checks).
+
+    Raises:
+        ValueError: for a spec with non-None entries beyond a leaf's rank, or a
+            dimension that does not divide (naming the leaf, its shape and the axes).
+    """
+    explicit = is_explicit(mesh)
+    out: list[NamedSharding] = []
+    for (path, x), spec in zip(with_path, specs, strict=True):
+        shape = np.shape(x)
+        name = path_str(path)
+        if rank_rule:
+            spec = leaf_spec(spec, len(shape), explicit=explicit, path=name)
+        else:
+            spec = normalize_spec(spec, len(shape), explicit=explicit, path=name)
+        if check:
+            check_divisible(shape, spec, mesh, path=name, what=kind)
+        out.append(named_sharding(mesh, spec))
+    return out
+
+
+def batch_shards(sharding: NamedSharding) -> int:
+    """Return how many shards the leading (batch) axis is split into (1: none)."""
+    spec = sharding.spec
+    if not len(spec):
+        return 1
+    mesh = sharding.mesh
+    assert isinstance(mesh, Mesh)
+    return mesh_axes_size(mesh, spec[0])[1]
 
 
 def _is_spec(x: object) -> bool:

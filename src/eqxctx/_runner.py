@@ -5,66 +5,42 @@ Follows AXLearn's `MethodRunner` and `InferenceRunner.create_method_runner`
 returns `(new_key, outputs, summaries, module_outputs)`, with inputs, outputs and
 parameters under sharding constraints.
 
-Why the hot path looks the way it does (measured in `benchmarks/bench_runner.py`):
-`eqx.filter_jit` partitions every argument into arrays and the rest on every call
-(Python work per leaf; 2-3x the time of `jax.jit` on a small model) and blocks on a
-marker output after every call. The runner keeps filter_jit's semantics (array leaves
-traced, every other leaf static, equal static parts share a compilation) but partitions
-the model once, in `MethodRunner.create`, flattens its array part into a tuple
-(`param_leaves`) and calls a `jax.jit` of the step closed over its hashable settings
-(`_step.Settings`, which also hold the parameters' structure), shared by equal settings.
-A warm call costs JAX's own C++ dispatch plus a constant amount of Python work, and
-never blocks. JAX flattens a tuple of parameters in C++, ~1.7 µs faster than an
-`eqx.Module` (one Python callback per Module node), which pays for the Python work
-(~2.5 µs on one CPU core: ~0.8 µs to check that the batch has the last batch's
-structure, leaf types and shardings — a plain dict by its keys, without flattening it
-— read and compared in C with `map` and list equality, and to copy its containers;
-~0.8 µs to build the next runner and the output without `eqx.Module.__init__`; the rest
-is the method call itself). Measured:
-1.02-1.08x of a bare `jax.jit` call over the model at 10 and 100 parameter leaves.
-The alternative, `eqx.filter_jit(...).lower(...).compile()` cached per input signature,
-needs the signature (shapes, dtypes, shardings of every leaf) computed in Python on
-each call, which grows with the leaf count.
-
-Why the batch check stays in Python: handing it to JAX (`jax.jit(...,
-in_shardings=...)` per batch structure, falling back to `place_batch` when JAX raises
-for a leaf with another sharding) was measured and rejected. `in_shardings` itself
-adds ~0.8 µs to JAX's C++ dispatch (jax 0.10.2, 10 parameter leaves), nearly all that
-the Python check costs; JAX places NumPy leaves itself without handing back the
-placed arrays, so `Output.input_batch` could no longer hold the global arrays actually
-used (outputs that are inputs are copied, not forwarded); the specs depend on each
-leaf's rank (the rank rule), not just the batch structure; and in a multi-process run
-a process-local NumPy leaf must go through `jax.make_array_from_process_local_data`,
-never be taken by `jit` as the global value.
+Why the hot path looks the way it does: `eqx.filter_jit` partitions every argument
+into arrays and the rest on every call (2-3x the time of `jax.jit` on a small model).
+The runner keeps its semantics (array leaves traced, every other leaf static, equal
+static parts share a compilation) but partitions the model once, in `create`, into a
+tuple of parameter leaves (flattened by JAX in C++) and a hashable `Settings`, and
+calls a `jax.jit` of the step that closes over the settings' `Step`. A warm call is
+`Step.prepare` (the batch checked against the last one in C, ~1 µs), JAX's dispatch,
+and `Step.finish` (the next runner rebuilt with `tree_unflatten` from a cached treedef,
+the `Output` dataclass), never blocking. See `docs/architecture.md`.
 """
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import equinox as eqx
 import jax
-import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from ._aot import LoweredRunner, lower_runner
+from ._frozen import Frozen
 from ._partition import (
     DataPartition,
-    check_divisible,
-    is_explicit,
-    named_sharding,
-    normalize_spec,
+    leaf_shardings,
     path_str,
     resolve_param_specs,
     resolve_specs,
 )
-from ._step import Frozen, Settings, jit_step, replicated
+from ._step import Settings, Step
+from ._transfer import place, replicated
 
 
-# Bound once: the hot path calls them on every runner call.
-_setattr = object.__setattr__
-_getattribute = object.__getattribute__
-_flatten = jax.tree_util.default_registry.flatten
-_new = object.__new__
+# Reads a field of the runner without `eqx.Module.__getattribute__` (Python code that
+# wraps methods; ~0.5 µs per read on the hot path). Fields are plain dataclass
+# attributes; nothing is written this way.
+_field = object.__getattribute__
 
 
 def _available_methods(model: Any) -> list[str]:
@@ -117,39 +93,43 @@ class MethodRunner(eqx.Module):
         prng_key: the key that the next call splits: `new_key, iter_key =
             jax.random.split(prng_key)`; `iter_key` is the root context's key and
             `new_key` the returned runner's key (replicated over the mesh).
-        settings: the static part (method, mesh, partitions, the model's non-array
-            part); compared by value.
+        step: the static part: the `Settings` (method, mesh, partitions, the model's
+            non-array part, padding, donation; compared by value) and the compiled
+            step's caches, shared by runners of equal settings.
     """
 
     param_leaves: tuple[Any, ...]
     prng_key: Any
-    settings: Settings = eqx.field(static=True)
+    step: Step = eqx.field(static=True)
 
-    class Output(eqx.Module):
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass(frozen=True)
+    class Output:
         """What one call of a `MethodRunner` returns (AXLearn's `MethodRunner.Output`).
+
+        A frozen dataclass registered as a PyTree (its four fields are children), so
+        it passes through `jax.jit`, `jax.tree.map` and `to_host`.
 
         Attributes:
             output_batch: the method's output, as global arrays with the output
-                partition.
+                partition. With padding, leaves whose leading size is the padded
+                batch size are cut to the real rows (and replicated).
             input_batch: the global input arrays actually used, with the input
-                partition, in new containers (already-placed arrays are passed
-                through); pass them to another runner without a host transfer.
+                partition, in new containers (already-placed arrays, also those
+                placed with an equivalent sharding, are passed through: the same
+                buffers); pass them to another runner without a host transfer. With
+                padding, cut to the real rows like `output_batch`. None with
+                `donate_batch=True` (the step consumed them).
             summaries: the root context's summaries (nested mapping; may hold
                 `IterationSummaries` and `Summary` leaves), replicated.
             module_outputs: the module outputs kept by `drop_module_outputs`
-                (nested mapping), replicated.
+                (nested mapping), replicated; not cut by padding.
         """
 
         output_batch: Any
         input_batch: Any
-        summaries: dict[str, Any]
-        module_outputs: dict[str, Any]
-
-        if not TYPE_CHECKING:
-            # Plain attribute access: an `Output` has no methods for `eqx.Module`'s
-            # `__getattribute__` to wrap, and reading its fields is the hot path of
-            # every loop over batches (~0.5 µs saved per read).
-            __getattribute__ = object.__getattribute__
+        summaries: Mapping[str, Any]
+        module_outputs: Mapping[str, Any]
 
     @classmethod
     def create(
@@ -164,6 +144,10 @@ class MethodRunner(eqx.Module):
         param_partition: Any = None,
         drop_module_outputs: Callable[[str], bool] = lambda path: True,
         is_training: bool = False,
+        pad_batches: bool = False,
+        batch_sizes: Sequence[int] | None = None,
+        mask_kwarg: str | None = None,
+        donate_batch: bool = False,
     ) -> "MethodRunner":
         """Return a runner of `method` on `model`, with parameters placed on `mesh`.
 
@@ -191,6 +175,26 @@ class MethodRunner(eqx.Module):
             drop_module_outputs: `drop(path) -> bool` with paths relative to the
                 module outputs (`"input_stats/x_mean"`); the default drops all.
             is_training: the root context's training flag (static).
+            pad_batches: pad the leading (batch) axis of every batch leaf of rank
+                >= 1 with zero rows up to the next multiple of the number of shards
+                it is split into (the data-parallel device count), or with
+                `batch_sizes` up to the smallest listed size >= the batch; the
+                outputs come back cut to the real rows. A batch that needs no padding
+                is not changed. Each padded size compiles once.
+            batch_sizes: the padded sizes (e.g. `(64, 256, 1024)`), each a multiple
+                of the batch axis' shard count; needs `pad_batches=True`.
+            mask_kwarg: if given, the method is also called with
+                `**{mask_kwarg: mask}`, `mask` a `bool[padded_batch]` that is True for
+                real rows (all True for a batch that needs no padding), split like
+                the batch axis; use it to weight summaries (`WeightedSummary(mean,
+                weight=mask.sum())`).
+            donate_batch: donate the placed batch's buffers to the step (JAX's
+                `donate_argnums`): XLA may reuse them for outputs of the same shape
+                and dtype, and such donated input arrays are deleted after the call
+                (also a batch you placed yourself that is passed through).
+                `Output.input_batch` is then None. Where XLA cannot reuse a donated
+                buffer it keeps it (JAX may warn "Some donated buffers were not
+                usable").
 
         Static callables (`method`, `drop_module_outputs`) compare by identity:
         define them once (e.g. at module level), not as a new lambda per `create`,
@@ -205,8 +209,10 @@ class MethodRunner(eqx.Module):
             ValueError: for `DataPartition.BATCH` on a mesh without a `"data"` or
                 `"fsdp"` axis, a `param_partition` tree that does not match the model,
                 a spec naming a mesh axis the mesh does not have (naming the
-                argument, the leaf and the mesh axes), or a parameter dimension that
-                does not divide over its mesh axes.
+                argument, the leaf and the mesh axes), a parameter dimension that
+                does not divide over its mesh axes, `batch_sizes` that are not
+                positive integers or given without `pad_batches=True`, or a
+                `mask_kwarg` that is not an identifier.
             TypeError: for an unhashable non-array leaf of `model`, a bound method
                 of the model as `method` (pass its name or `type(model).method`), or
                 `prng_key=None`.
@@ -230,33 +236,47 @@ class MethodRunner(eqx.Module):
                 if isinstance(leaf, DataPartition):
                     # Raises early for BATCH on a mesh without data-like axes.
                     resolve_specs(leaf, 0, mesh, what=f"{what}_partition")
+        sizes = _check_padding(pad_batches, batch_sizes, mask_kwarg)
         params, static = eqx.partition(model, eqx.is_array)
         specs = resolve_param_specs(param_partition, params, mesh)
         leaves, treedef = jax.tree.flatten(params)
         with_path = jax.tree_util.tree_flatten_with_path(params)[0]
-        placed: list[Any] = []
-        padded: list[PartitionSpec] = []
-        for (path, x), spec in zip(with_path, specs, strict=True):
-            name = path_str(path)
-            check_divisible(np.shape(x), spec, mesh, path=name, what="parameter")
-            padded.append(
-                normalize_spec(spec, np.ndim(x), explicit=is_explicit(mesh), path=name)
-            )
-            placed.append(jax.device_put(x, named_sharding(mesh, padded[-1])))
-        del leaves
+        shardings = leaf_shardings(
+            specs, with_path, mesh, kind="parameter", rank_rule=False
+        )
+        placed = place(
+            leaves,
+            shardings,
+            paths=lambda: [path_str(p) for p, _ in with_path],
+            process_local=False,
+        )
         settings = Settings(
             method=method,
             mesh=mesh,
-            input_partition=input_partition,
-            output_partition=output_partition,
-            param_specs=tuple(padded),
+            input_partition=Frozen(input_partition, what="input_partition"),
+            output_partition=Frozen(output_partition, what="output_partition"),
+            param_specs=tuple(s.spec for s in shardings),
             static_model=Frozen(static, what="the model"),
             drop_module_outputs=drop_module_outputs,
             is_training=bool(is_training),
             param_treedef=treedef,
+            pad_batches=bool(pad_batches),
+            batch_sizes=sizes,
+            mask_kwarg=mask_kwarg,
+            donate_batch=bool(donate_batch),
         )
-        key = jax.device_put(prng_key, replicated(mesh, prng_key))
-        return cls(tuple(placed), key, settings)
+        (key,) = place(
+            [prng_key],
+            [replicated(mesh, prng_key)],
+            paths=lambda: ["prng_key"],
+            process_local=False,
+        )
+        return cls(tuple(placed), key, Step.of(settings, cls.Output))
+
+    @property
+    def settings(self) -> Settings:
+        """The runner's static configuration (compared by value)."""
+        return self.step.settings
 
     @property
     def params(self) -> Any:
@@ -273,6 +293,26 @@ class MethodRunner(eqx.Module):
         """The device mesh."""
         return self.settings.mesh
 
+    @property
+    def trace_count(self) -> int:
+        """How many times JAX has traced this runner's step (an `int`).
+
+        Counts every trace of the step of this runner's settings, shared by the
+        runners created from equal settings and their successors: a call with a new
+        batch signature (structure, shapes, dtypes, shardings, static keyword
+        arguments) traces once, `lower` traces once, a warm call does not trace.
+        Use it in tests to assert "no recompiles":
+
+            before = runner.trace_count
+            for batch in batches:
+                runner, out = runner(batch)
+            assert runner.trace_count == before  # batches of one signature
+
+        A sharding that is equivalent but not equal to a seen one compiles again
+        without tracing (JAX caches by sharding).
+        """
+        return self.step.traces
+
     def __call__(
         self, input_batch: Any, **kwargs: Any
     ) -> tuple["MethodRunner", "MethodRunner.Output"]:
@@ -282,7 +322,8 @@ class MethodRunner(eqx.Module):
             input_batch: a PyTree of global arrays, or of host-local leaves (NumPy
                 arrays, single-device arrays; in a multi-process run each process
                 passes its own slice of the batch), or a mixture. Leaves are placed
-                by the input partition with `jax.make_array_from_process_local_data`.
+                by the input partition with `jax.make_array_from_process_local_data`;
+                global arrays whose sharding is equivalent to it pass as they are.
             **kwargs: keyword arguments of the method; array leaves are traced, other
                 leaves are static (hashable).
 
@@ -294,87 +335,40 @@ class MethodRunner(eqx.Module):
             ValueError: if a batch or output dimension does not divide over the
                 mesh axes it is split over (naming the leaf, its shape and the axes;
                 outputs are checked when the step is traced), if the input or output
-                partition tree does not match the batch or the output, or if a spec
+                partition tree does not match the batch or the output, if a spec
                 names an unknown mesh axis or has non-None entries beyond a leaf's
-                rank.
+                rank, or, with padding or a mask, if the leaves' leading sizes
+                differ or the batch is larger than the largest of `batch_sizes`
+                (naming the sizes).
             TypeError: if the method does not return `(output_batch, ctx)` (a
                 method returning `(ctx, output)` is told to swap them), or a batch
                 leaf is not an array (a `jax.ShapeDtypeStruct`: use `lower`; an
                 object that is not a registered PyTree), naming the leaf.
         """
-        # The hot path: read the fields once (an `eqx.Module`'s `__getattribute__`
-        # is Python code that wraps methods; it costs ~0.5 µs per access).
-        fields: dict[str, Any] = _getattribute(self, "__dict__")
-        settings: Settings = fields["settings"]
-        # Fast path: the batch has the structure, leaf types and shardings of the
-        # last one (`_step.BatchEntry`), read and compared in C (`map`, list
-        # equality, which tries identity first); a leaf without `.sharding` (NumPy, a
-        # Python scalar) raises AttributeError and goes through `place_batch`. A
-        # plain dict of arrays with the last batch's keys is not even flattened
-        # (~0.4 µs saved). The containers are copied: `Output.input_batch` never
-        # aliases the caller's dict.
-        last = settings.last_batch
-        batch = flat = None
-        if last is not None:
-            last_treedef, signature, expected, keys = last
-            try:
-                if keys is not None and type(input_batch) is dict:
-                    if len(input_batch) == len(keys) and (
-                        list(map(signature, map(input_batch.__getitem__, keys)))
-                        == expected
-                    ):
-                        batch = input_batch.copy()
-                else:
-                    flat = leaves, treedef = _flatten(input_batch)
-                    if treedef == last_treedef and (
-                        list(map(signature, leaves)) == expected
-                    ):
-                        batch = treedef.unflatten(leaves)
-            except (AttributeError, KeyError):
-                pass
-        if batch is None:
-            batch = settings.place_batch(input_batch, flat)
+        # `Step.call`, inlined: each Python frame costs ~0.1 µs of a ~15 µs call.
+        step: Step = _field(self, "step")
+        params = _field(self, "param_leaves")
+        batch, mask, padding = step.prepare(input_batch)
         if kwargs:
-            dynamic, static = eqx.partition(kwargs, eqx.is_array)
-            static_kwargs = Frozen(static, what="a keyword argument")
-            dynamic = settings.place_kwargs(dynamic)
-            result = jit_step(
-                settings,
-                static_kwargs,
-                fields["param_leaves"],
-                fields["prng_key"],
-                batch,
-                dynamic,
+            result = step.run_with_kwargs(
+                params, _field(self, "prng_key"), batch, mask, kwargs
             )
         else:
-            result = settings.jitted(fields["param_leaves"], fields["prng_key"], batch)
-        new_key, out, extra = result
-        if extra is not None:
-            out = eqx.combine(out, extra.value)
-        output_batch, summaries, module_outputs = out
-        runner_fields = fields.copy()
-        runner_fields["prng_key"] = new_key
-        runner = _new(MethodRunner)
-        _setattr(runner, "__dict__", runner_fields)
-        output = _new(_Output)
-        _setattr(
-            output,
-            "__dict__",
-            {
-                "output_batch": output_batch,
-                "input_batch": batch,
-                "summaries": summaries,
-                "module_outputs": module_outputs,
-            },
-        )
-        return runner, output
+            result = step.jitted(params, _field(self, "prng_key"), batch, mask)
+        new_key, output = step.finish(result, batch, padding)
+        rebuild = step.rebuild
+        if rebuild is None:
+            return step.next_runner(self, params, new_key), output
+        return rebuild((params, new_key)), output
 
     def lower(self, batch_spec: Any, **kwargs: Any) -> LoweredRunner:
         """Lower the step for batches like `batch_spec`, ahead of time.
 
         Args:
             batch_spec: a PyTree of `jax.ShapeDtypeStruct` (with or without
-                shardings; without, the input partition's) or of arrays.
+                shardings; without, the input partition's) or of arrays. With
+                `pad_batches=True`, its leading size is the size that smaller
+                batches are padded to by the compiled runner.
             **kwargs: the method's keyword arguments (as for a call).
 
         Returns:
@@ -390,4 +384,30 @@ class MethodRunner(eqx.Module):
         return lower_runner(self, batch_spec, **kwargs)
 
 
-_Output = MethodRunner.Output
+def _check_padding(
+    pad_batches: bool, batch_sizes: Sequence[Any] | None, mask_kwarg: object
+) -> tuple[int, ...] | None:
+    """Return `batch_sizes` sorted, or raise for bad padding arguments."""
+    if mask_kwarg is not None and not (
+        isinstance(mask_kwarg, str) and mask_kwarg.isidentifier()
+    ):
+        raise ValueError(
+            f"`MethodRunner.create(mask_kwarg={mask_kwarg!r})`: pass the name of a "
+            "keyword argument of the method (an identifier), e.g. `'mask'`."
+        )
+    if batch_sizes is None:
+        return None
+    sizes: tuple[Any, ...] = tuple(batch_sizes)
+    if not sizes or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes
+    ):
+        raise ValueError(
+            f"`MethodRunner.create(batch_sizes={batch_sizes!r})`: pass a non-empty "
+            "sequence of positive integers, e.g. `(64, 256, 1024)`."
+        )
+    if not pad_batches:
+        raise ValueError(
+            f"`MethodRunner.create(batch_sizes={batch_sizes!r})`: batch sizes are "
+            "the sizes batches are padded to; pass `pad_batches=True` too."
+        )
+    return tuple(sorted(set(sizes)))

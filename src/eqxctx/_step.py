@@ -1,20 +1,23 @@
-"""The compiled step of `MethodRunner`: its static settings and the traced function.
+"""The runner's step: its settings, its caches, and the path around the program.
 
-`Settings` holds everything static about a runner (the method, the mesh, the
-partitions, the model's non-array leaves), hashed and compared by value, so that equal
-settings share one `jax.jit` (`Settings.jitted`) and its compilations, as equal static
-parts do under `eqx.filter_jit`. `step` is AXLearn's `_jit_run_on_batch`
-(`axlearn/common/inference.py`): split the key, run the method in a root context, and
-constrain inputs, outputs and parameters to their shardings.
+`Settings` is a runner's hashable configuration (the method, the mesh, the
+partitions, the model's non-array leaves, padding and donation), compared by value.
+`Step` is the explicit cache of one `Settings`: its `jax.jit`s, how batches of each
+structure are placed, its trace count. Runners created from equal settings share one
+`Step`, so they share compilations, as equal static parts do under `eqx.filter_jit`.
+`Step.prepare` (place and pad the batch) and `Step.finish` (unpad, build the
+`Output`) are the one path around the compiled program, for a call and
+for a `CompiledRunner` alike, as Equinox's `_jit.py` routes its call and `.lower()`
+through one `_call`. The traced function is in `_traced.py`, batch plans and padding
+in `_plan.py`.
 """
 
 import collections
 import dataclasses
 import functools
-import operator
 import threading
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -22,220 +25,318 @@ import numpy as np
 from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ._collection import OutputCollection
-from ._context import Context, check_returns_context
+from ._frozen import Frozen
+from ._mapping import EMPTY
 from ._partition import (
-    check_divisible,
     is_explicit,
-    leaf_spec,
+    leaf_shardings,
     named_sharding,
-    normalize_spec,
     path_str,
     resolve_specs,
 )
-from ._transfer import constrain, to_global
+from ._plan import (
+    BatchPlan,
+    Padding,
+    batch_rows,
+    make_plan,
+    pad_rows,
+    padded_size,
+    unpad,
+)
+from ._traced import StaticOut, run_step, run_step_without_kwargs
+from ._transfer import (
+    place,
+    replicated,
+    to_global,
+)
 
 
-REPLICATED = PartitionSpec()
-_setattr = object.__setattr__  # sets fields of the frozen `Settings`
 _flatten = jax.tree_util.default_registry.flatten
+_flatten_with_path = jax.tree_util.tree_flatten_with_path
 
 
-class Frozen:
-    """A PyTree of hashable leaves, hashed and compared by value (a static arg)."""
-
-    __slots__ = ("_hash", "leaves", "treedef", "types")
-
-    def __init__(self, tree: Any, *, what: str):
-        leaves, treedef = jax.tree.flatten(tree)
-        self.leaves = tuple(leaves)
-        self.treedef = treedef
-        # `2 == 2.0 == True`: compare types too (of the leaves and of the values in
-        # the treedef, such as `eqx.field(static=True)` fields), or runners of
-        # models that differ only there would share one compiled program (and its
-        # output dtypes).
-        self.types = _value_types(tree)
-        try:
-            self._hash = hash((treedef, self.leaves, self.types))
-        except TypeError as e:
-            raise TypeError(
-                f"`MethodRunner`: {what} has a non-array leaf that is not hashable "
-                f"({e}). Non-array leaves are static (as in `eqx.filter_jit`) and "
-                "must be hashable; turn it into an array or a tuple."
-            ) from None
-
-    def tree(self) -> Any:
-        return self.treedef.unflatten(self.leaves)
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        return self is other or (
-            isinstance(other, Frozen)
-            and self._hash == other._hash
-            and self.treedef == other.treedef
-            and self.types == other.types
-            and self.leaves == other.leaves
-        )
-
-
-def _value_types(x: Any) -> Any:
-    """The types of everything `x` holds, nested like it (for `Frozen`'s equality).
-
-    Walks dataclasses (so `eqx.Module`s, including their `eqx.field(static=True)`
-    fields, which a treedef compares only with `==`), tuples, lists and dicts.
-    """
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return (
-            type(x),
-            tuple(
-                (f.name, _value_types(getattr(x, f.name, None)))
-                for f in dataclasses.fields(x)
-            ),
-        )
-    if isinstance(x, (tuple, list)):
-        return (type(x), tuple(_value_types(v) for v in x))
-    if isinstance(x, dict):
-        return (dict, tuple((k, _value_types(v)) for k, v in x.items()))
-    return type(x)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True)
 class Settings:
-    """The static part of a runner; equal settings share one compiled program."""
+    """The hashable configuration of a runner; equal settings share one `Step`.
+
+    Holds no caches and no arrays: everything here decides what the step computes,
+    and is compared by value (static callables by identity).
+    """
 
     method: Any
     mesh: Mesh
-    input_partition: Any
-    output_partition: Any
+    input_partition: Frozen
+    output_partition: Frozen
+    # One spec per parameter leaf, already fitted to its rank.
     param_specs: tuple[PartitionSpec, ...]
     static_model: Frozen
     drop_module_outputs: Callable[[str], bool]
     is_training: bool
     # The structure of the model's array part (`MethodRunner.param_leaves`).
     param_treedef: Any
-    # Per batch treedef: how batches of that structure are placed and recognized.
-    batch_cache: dict[Any, "BatchEntry"] = dataclasses.field(
-        default_factory=dict[Any, Any]
-    )
-    # The last batch's `(treedef, signature, expected, dict_keys)` (see `BatchEntry`):
-    # `MethodRunner.__call__` passes a batch that matches it straight to the step.
-    last_batch: "tuple[Any, Callable[[Any], Any], list[Any], Any] | None" = None
-    # `jax.jit` of the step without keyword arguments, shared by equal settings.
-    jitted: Callable[..., Any] = dataclasses.field(init=False, repr=False)
-    _key: tuple[Any, ...] = dataclasses.field(init=False, repr=False)
-    _hash: int = dataclasses.field(init=False, repr=False)
+    pad_batches: bool = False
+    batch_sizes: tuple[int, ...] | None = None
+    mask_kwarg: str | None = None
+    donate_batch: bool = False
 
-    def key(self) -> tuple[Any, ...]:
-        return (
-            self.method,
-            self.mesh,
-            Frozen(self.input_partition, what="input_partition"),
-            Frozen(self.output_partition, what="output_partition"),
-            self.param_specs,
-            self.static_model,
-            self.drop_module_outputs,
-            self.is_training,
-            self.param_treedef,
+
+class Step:
+    """The compiled step of one `Settings`, with its caches (an explicit object).
+
+    Runners created from equal settings share one `Step` (`Step.of`), so they share
+    its `jax.jit`s and so their compilations. `prepare` and `finish` are the one path
+    around the compiled program, for `MethodRunner.__call__` and `CompiledRunner`.
+    A `Step` is the runner's static field: it compares and hashes by its settings.
+
+    Attributes:
+        settings: the configuration.
+        traces: how many times the step has been traced (`MethodRunner.trace_count`).
+        plans: per batch treedef, how batches of that structure are placed.
+        last: the plan of the last batch placed, checked first by `prepare`.
+    """
+
+    __slots__ = (
+        "_hash",
+        "donate",
+        "explicit",
+        "input_partition",
+        "jitted",
+        "jitted_kwargs",
+        "last",
+        "masks",
+        "mesh",
+        "mesh_devices",
+        "output_cls",
+        "output_partition",
+        "param_shardings",
+        "plans",
+        "rebuild",
+        "settings",
+        "static_model",
+        "traces",
+    )
+
+    def __init__(self, settings: Settings, output_cls: Any):
+        self.settings = settings
+        self._hash = hash(settings)
+        self.mesh = mesh = settings.mesh
+        self.explicit = is_explicit(mesh)
+        self.mesh_devices = set(mesh.devices.flat)
+        self.input_partition = settings.input_partition.tree()
+        self.output_partition = settings.output_partition.tree()
+        self.static_model = settings.static_model.tree()
+        self.param_shardings = tuple(
+            named_sharding(mesh, s) for s in settings.param_specs
+        )
+        self.traces = 0
+        self.plans: dict[Any, BatchPlan] = {}
+        self.last: BatchPlan | None = None
+        self.masks: dict[tuple[int, NamedSharding], Any] = {}
+        # `unflatten` of the one-level structure of this step's runners: the next
+        # runner is rebuilt from `(param_leaves, prng_key)` through the public PyTree
+        # API (~1 µs; `eqx.Module.__init__` walks every leaf, ~10 µs). Set by the
+        # first `next_runner`.
+        self.rebuild: Callable[[Any], Any] | None = None
+        self.output_cls = output_cls  # `MethodRunner.Output`
+        self.donate = donate = settings.donate_batch
+        # ~1 µs per call saved over `jax.jit(..., static_argnums=...)` on the
+        # settings: the step closes over them.
+        self.jitted = jax.jit(
+            functools.partial(run_step_without_kwargs, self),
+            donate_argnums=(2,) if donate else (),
+        )
+        self.jitted_kwargs = jax.jit(
+            functools.partial(run_step, self),
+            static_argnums=(0,),
+            donate_argnums=(3,) if donate else (),
         )
 
-    def __post_init__(self) -> None:
-        _setattr(self, "_key", self.key())
-        _setattr(self, "_hash", hash(self._key))
-        _setattr(self, "jitted", _jit_for(self))
+    @staticmethod
+    def of(settings: Settings, output_cls: Any) -> "Step":
+        """Return the `Step` of `settings`, shared by equal settings (an LRU).
+
+        `output_cls` is `MethodRunner.Output` (passed in: this module is below the
+        runner's).
+        """
+        with _STEPS_LOCK:
+            step = _STEPS.get(settings)
+            if step is None:
+                step = _STEPS[settings] = Step(settings, output_cls)
+                if len(_STEPS) > _MAX_STEPS:
+                    _STEPS.popitem(last=False)
+            else:
+                _STEPS.move_to_end(settings)
+            return step
 
     def __hash__(self) -> int:
         return self._hash
 
-    def __copy__(self) -> "Settings":
+    def __eq__(self, other: object) -> bool:
+        return self is other or (
+            isinstance(other, Step)
+            and self._hash == other._hash
+            and self.settings == other.settings
+        )
+
+    def __copy__(self) -> "Step":
         return self
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> "Settings":
-        # Immutable and static (its cache only speeds calls up): copies share it,
-        # so a copied runner keeps its compilations and compares equal.
+    def __deepcopy__(self, memo: dict[int, Any]) -> "Step":
+        # Copies share the caches, so a copied runner keeps its compilations.
         del memo
         return self
 
-    def __eq__(self, other: object) -> bool:
-        return self is other or (
-            isinstance(other, Settings)
-            and self._hash == other._hash
-            and self._key == other._key
-        )
+    def __repr__(self) -> str:
+        return f"Step(method={self.settings.method!r}, mesh={dict(self.mesh.shape)})"
 
-    @property
-    def explicit(self) -> bool:
-        return is_explicit(self.mesh)
+    # -- before the program: the batch ---------------------------------------------
 
-    def placed_batch(self, leaves: list[Any], treedef: Any) -> bool:
-        """Return whether the batch's leaves are arrays with the input shardings."""
-        entry = self.batch_cache.get(treedef)
-        if entry is None:
-            return False
-        try:
-            if list(map(entry.signature, leaves)) != entry.expected:
-                return False
-        except AttributeError:  # a host-local leaf: NumPy, Python scalar
-            return False
-        _setattr(self, "last_batch", entry.last(treedef))
-        return True
+    def prepare(self, input_batch: Any) -> tuple[Any, Any, Padding | None]:
+        """Return `(batch, mask, padding)`: the batch placed (and padded) for the step.
 
-    def place_batch(self, batch: Any, flat: tuple[list[Any], Any] | None = None) -> Any:
-        """Return `batch` as global arrays with the input partition (new containers).
+        Fast path: the batch has the structure, leaf types and shardings (and, with
+        padding or a mask, shapes) of the last one (`BatchPlan`), read and compared
+        in C (`map`, list equality, which tries identity first); a plain dict with
+        the last batch's keys is not even flattened. Anything else, and any leaf
+        without `.sharding` (NumPy, a Python scalar: AttributeError), goes through
+        `place_batch`. The containers are new: `Output.input_batch` never aliases
+        the caller's.
+        """
+        last = self.last
+        flat = None
+        if last is not None:
+            try:
+                keys = last.dict_keys
+                if keys is not None and type(input_batch) is dict:
+                    if len(input_batch) == len(keys) and (
+                        list(map(last.signature, map(input_batch.__getitem__, keys)))
+                        == last.expected
+                    ):
+                        return input_batch.copy(), last.mask, None
+                else:
+                    flat = leaves, treedef = _flatten(input_batch)
+                    if treedef == last.treedef and (
+                        list(map(last.signature, leaves)) == last.expected
+                    ):
+                        return treedef.unflatten(leaves), last.mask, None
+            except (AttributeError, KeyError):
+                pass
+        leaves, treedef = flat if flat is not None else _flatten(input_batch)
+        return self.place_batch(leaves, treedef)
 
-        Leaves that are tracers (the runner called inside `jax.jit`, `jax.vmap`, ...)
-        are left to the step, which constrains them to the input partition. `flat`
-        is `batch`'s `(leaves, treedef)` when the caller has flattened it already.
+    def place_batch(
+        self, leaves: list[Any], treedef: Any, lowered: BatchPlan | None = None
+    ) -> tuple[Any, Any, Padding | None]:
+        """Place (and pad) a batch given as its leaves and treedef.
+
+        With `lowered` (a `CompiledRunner`), the leaves get the lowered shardings and
+        are padded to the lowered batch size.
 
         Raises:
             TypeError: for a leaf that is not an array (naming its path).
-            ValueError: for a dimension that does not divide over its mesh axes.
+            ValueError: for a dimension that does not divide over its mesh axes, or
+                a batch that cannot be padded (see `MethodRunner.create`).
         """
-        leaves, treedef = flat if flat is not None else _flatten(batch)
-        if self.placed_batch(leaves, treedef):
-            return treedef.unflatten(leaves)
-        if any(isinstance(x, Tracer) for x in leaves):
-            return treedef.unflatten(leaves)
-        entry = self.batch_cache.get(treedef)
-        if entry is not None:
-            base = entry.specs
-        else:
-            base = resolve_specs(
-                self.input_partition, batch, self.mesh, what="input_partition"
-            )
-        with_path = jax.tree_util.tree_flatten_with_path(batch)[0]
-        placed: list[Any] = []
-        shardings: list[NamedSharding] = []
-        for (path, x), spec in zip(with_path, base, strict=True):
-            try:
-                spec = leaf_spec(spec, np.ndim(x), explicit=self.explicit)
-            except ValueError:  # name the leaf (computing paths only here)
-                leaf_spec(spec, np.ndim(x), explicit=self.explicit, path=path_str(path))
-                raise
-            s = named_sharding(self.mesh, spec)
-            if not (isinstance(x, jax.Array) and x.sharding == s):
-                x = to_global(x, s, path=path_str(path))
-            placed.append(x)
-            shardings.append(s)
-        if any(isinstance(x, Tracer) for x in placed):
+        settings = self.settings
+        ranks = tuple(map(np.ndim, leaves))
+        plan = lowered
+        if plan is None:
+            plan = self.plans.get(treedef)
+            if plan is None or plan.ranks != ranks:
+                plan = self.plans[treedef] = self.plan(leaves, treedef)
+        padding = None
+        rows = None
+        if settings.pad_batches or settings.mask_kwarg is not None:
+            rows = batch_rows(leaves, treedef, ranks)
+        if rows is not None and settings.pad_batches:
+            size = padded_size(rows, plan, settings.batch_sizes)
+            if size != rows:
+                if jax.process_count() > 1:
+                    raise ValueError(
+                        "`MethodRunner(pad_batches=True)`: a batch of "
+                        f"{rows} rows per process would need padding to {size} in "
+                        "a multi-process run, where each process holds a slice; "
+                        "pad the batches on the host before splitting them."
+                    )
+                leaves = [
+                    pad_rows(x, size) if r else x
+                    for x, r in zip(leaves, ranks, strict=True)
+                ]
+                padding = Padding(rows, size)
+
+        def paths() -> list[str]:
+            tree = treedef.unflatten(leaves)
+            return [path_str(p) for p, _ in _flatten_with_path(tree)[0]]
+
+        placed = place(leaves, plan.shardings, paths=paths, process_local=True)
+        tracing = any(isinstance(x, Tracer) for x in placed)
+        mask = None
+        if rows is not None and settings.mask_kwarg is not None:
+            size = rows if padding is None else padding.size
+            mask = self.mask(rows, size, plan.mask_sharding, tracing=tracing)
+        if lowered is None and not tracing:
             # Host-local leaves placed inside a trace (a runner called in `jax.jit`
-            # on a batch it closes over): nothing to remember for later calls.
-            return treedef.unflatten(placed)
-        # The rank rule maps a leaf of rank r < len(spec) to a shorter spec, whose
-        # sharding an array of another rank can have too: compare ranks as well.
-        by_rank = any(np.ndim(x) < len(b) for x, b in zip(placed, base, strict=True))
-        signature = _SIGNATURE_WITH_RANK if by_rank else _SIGNATURE
-        entry = BatchEntry(
-            base,
-            shardings,
-            _flat_dict_keys(batch, with_path),
-            signature,
-            list(map(signature, placed)),
+            # on a batch it closes over) leave nothing to remember.
+            plan.expected = list(map(plan.signature, placed))
+            if mask is not None and rows is not None:
+                # A batch matching `expected` needs no padding: an all-True mask.
+                size = rows if padding is None else padding.size
+                plan.mask = self.mask(size, size, plan.mask_sharding, tracing=False)
+            self.last = plan
+        return treedef.unflatten(placed), mask, padding
+
+    def plan(self, leaves: list[Any], treedef: Any) -> BatchPlan:
+        """Return how batches with this structure and these leaf ranks are placed.
+
+        Raises:
+            ValueError: if the input partition does not match the batch or names an
+                unknown mesh axis, or a spec has non-None entries beyond a leaf's
+                rank (naming the leaf).
+        """
+        tree = treedef.unflatten(leaves)
+        with_path = _flatten_with_path(tree)[0]
+        specs = resolve_specs(
+            self.input_partition, tree, self.mesh, what="input_partition"
         )
-        self.batch_cache[treedef] = entry
-        _setattr(self, "last_batch", entry.last(treedef))
-        return treedef.unflatten(placed)
+        shardings = leaf_shardings(
+            specs, with_path, self.mesh, kind="batch", check=False
+        )
+        return self.plan_from(leaves, treedef, specs, shardings, with_path)
+
+    def plan_from(
+        self,
+        leaves: list[Any],
+        treedef: Any,
+        specs: list[PartitionSpec],
+        shardings: list[NamedSharding],
+        with_path: list[Any],
+    ) -> BatchPlan:
+        """Return the `BatchPlan` of leaves placed with `shardings` (`make_plan`)."""
+        settings = self.settings
+        return make_plan(
+            leaves,
+            treedef,
+            specs,
+            shardings,
+            with_path,
+            mesh=self.mesh,
+            by_shape=settings.pad_batches or settings.mask_kwarg is not None,
+        )
+
+    def mask(
+        self, rows: int, size: int, sharding: NamedSharding, *, tracing: bool
+    ) -> Any:
+        """Return `bool[size]`, True for the first `rows` rows, placed as `sharding`."""
+        host = np.arange(size) < rows
+        if tracing:
+            return host
+        if rows != size:
+            return to_global(host, sharding, path=str(self.settings.mask_kwarg))
+        mask = self.masks.get((size, sharding))
+        if mask is None:
+            mask = to_global(host, sharding, path=str(self.settings.mask_kwarg))
+            self.masks[(size, sharding)] = mask
+        return mask
 
     def place_kwargs(self, dynamic: Any) -> Any:
         """Replicate array keyword arguments committed to devices off the mesh.
@@ -245,7 +346,7 @@ class Settings:
         the mesh and NumPy arrays pass as they are.
         """
 
-        def place(x: Any) -> Any:
+        def put(x: Any) -> Any:
             if (
                 isinstance(x, jax.Array)
                 and not isinstance(x, Tracer)
@@ -255,208 +356,90 @@ class Settings:
                 return jax.device_put(x, replicated(self.mesh, x))
             return x
 
-        return jax.tree.map(place, dynamic)
+        return jax.tree.map(put, dynamic)
 
-    @functools.cached_property
-    def mesh_devices(self) -> set[Any]:
-        return set(self.mesh.devices.flat)
+    def split_kwargs(self, kwargs: dict[str, Any]) -> tuple[Any, "Frozen"]:
+        """Return the array and the static (frozen) parts of keyword arguments.
 
+        Raises:
+            TypeError: for an unhashable non-array keyword argument.
+            ValueError: for a keyword argument named like `mask_kwarg`.
+        """
+        name = self.settings.mask_kwarg
+        if name is not None and name in kwargs:
+            raise ValueError(
+                f"`MethodRunner(mask_kwarg={name!r})`: the runner passes `{name}` to "
+                "the method itself; do not pass it as a keyword argument."
+            )
+        dynamic, static = eqx.partition(kwargs, eqx.is_array)
+        return dynamic, Frozen(static, what="a keyword argument")
 
-# What `MethodRunner.__call__` compares of each batch leaf with the last batch's: the
-# type (a `jax.Array` subclass, not a PyTree with a `.sharding`), the sharding, and the
-# rank where the rank rule makes it matter. Read in C by `map`.
-_SIGNATURE = operator.attrgetter("__class__", "sharding")
-_SIGNATURE_WITH_RANK = operator.attrgetter("__class__", "sharding", "ndim")
+    # -- the call: prepare, run, finish -------------------------------------------
 
+    def call(
+        self,
+        param_leaves: tuple[Any, ...],
+        prng_key: Any,
+        input_batch: Any,
+        kwargs: dict[str, Any],
+    ) -> tuple[Any, Any]:
+        """Run one batch; return `(new_key, output)`.
 
-class BatchEntry(NamedTuple):
-    """How batches of one structure are placed (`Settings.batch_cache`).
-
-    Attributes:
-        specs: the input spec of each leaf, before the rank rule.
-        shardings: the sharding of each placed leaf.
-        dict_keys: for a plain dict whose values are all leaves, its keys in leaf
-            order (such a batch is checked without flattening it); else None.
-        signature: what is compared of each leaf (`_SIGNATURE...`).
-        expected: `signature` of each placed leaf.
-    """
-
-    specs: list[PartitionSpec]
-    shardings: list[NamedSharding]
-    dict_keys: tuple[Any, ...] | None
-    signature: Callable[[Any], Any]
-    expected: list[Any]
-
-    def last(self, treedef: Any) -> tuple[Any, Callable[[Any], Any], list[Any], Any]:
-        return (treedef, self.signature, self.expected, self.dict_keys)
-
-
-def _flat_dict_keys(batch: Any, with_path: list[Any]) -> tuple[Any, ...] | None:
-    """The keys of a plain dict whose values are all leaves, in leaf order; else None.
-
-    Such a batch (AXLearn's usual input) is checked without flattening it: same keys,
-    same shardings (`MethodRunner.__call__`).
-    """
-    if type(batch) is not dict or len(with_path) != len(batch):
-        return None
-    keys: list[Any] = []
-    for path, _ in with_path:
-        if len(path) != 1 or not isinstance(path[0], jax.tree_util.DictKey):
-            return None
-        keys.append(path[0].key)
-    return tuple(keys)
-
-
-def _constrain_tree(
-    tree: Any, partition: Any, mesh: Mesh, *, what: str, kind: str
-) -> Any:
-    """Constrain every array of `tree` by `partition` (with the rank rule).
-
-    Runs at trace time. Checks that each leaf's dimensions divide over their mesh
-    axes (`kind` is "batch" or "output", for the message): on Auto meshes JAX would
-    silently replicate a leaf that does not divide, on Explicit meshes its error
-    names no leaf.
-    """
-    with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    specs = resolve_specs(partition, tree, mesh, what=what)
-    explicit = is_explicit(mesh)
-    out: list[Any] = []
-    for (path, x), s in zip(with_path, specs, strict=True):
-        if isinstance(x, jax.Array):
-            name = path_str(path)
-            spec = leaf_spec(s, np.ndim(x), explicit=explicit, path=name)
-            check_divisible(np.shape(x), spec, mesh, path=name, what=kind)
-            x = constrain(x, named_sharding(mesh, spec), explicit=explicit)
-        out.append(x)
-    return treedef.unflatten(out)
-
-
-def _replicate(tree: Any, mesh: Mesh) -> Any:
-    explicit = is_explicit(mesh)
-    return jax.tree.map(
-        lambda x: constrain(x, replicated(mesh, x), explicit=explicit), tree
-    )
-
-
-def replicated(mesh: Mesh, x: Any) -> NamedSharding:
-    return named_sharding(
-        mesh, normalize_spec(REPLICATED, np.ndim(x), explicit=is_explicit(mesh))
-    )
-
-
-@jax.tree_util.register_pytree_node_class
-class StaticOut:
-    """Non-array outputs, carried in the output treedef (like `eqx.filter_jit`)."""
-
-    def __init__(self, value: Any):
-        self.value = value
-
-    def tree_flatten(self) -> tuple[tuple[()], Any]:
-        return (), self.value
-
-    @classmethod
-    def tree_unflatten(cls, aux: Any, children: Any) -> "StaticOut":
-        del children
-        return cls(aux)
-
-
-def _step(
-    settings: Settings,
-    static_kwargs: Frozen | None,
-    param_leaves: tuple[Any, ...],
-    prng_key: Any,
-    batch: Any,
-    dynamic_kwargs: Any,
-) -> tuple[Any, Any, StaticOut | None]:
-    """The traced step: AXLearn's `_jit_run_on_batch`."""
-    mesh, explicit = settings.mesh, settings.explicit
-    p_leaves = [
-        constrain(x, named_sharding(mesh, s), explicit=explicit)
-        for x, s in zip(param_leaves, settings.param_specs, strict=True)
-    ]
-    params = settings.param_treedef.unflatten(p_leaves)
-    model = eqx.combine(params, settings.static_model.tree())
-    batch = _constrain_tree(
-        batch, settings.input_partition, mesh, what="input_partition", kind="batch"
-    )
-    new_key, iter_key = jax.random.split(prng_key)
-    new_key = constrain(new_key, replicated(mesh, new_key), explicit=explicit)
-    kwargs: dict[str, Any] = {}
-    if static_kwargs is not None:
-        kwargs = eqx.combine(dynamic_kwargs, static_kwargs.tree())
-    ctx = Context.root(prng_key=iter_key, is_training=settings.is_training)
-    method = settings.method
-    if isinstance(method, str):
-        result = getattr(model, method)(batch, ctx, **kwargs)
-        what = f"`MethodRunner`: method {type(model).__name__}.{method}"
-    else:
-        result = method(model, batch, ctx, **kwargs)
-        what = f"`MethodRunner`: method {getattr(method, '__name__', method)!r}"
-    if (
-        isinstance(result, tuple)
-        and len(result) == 2
-        and isinstance(result[0], Context)
-        and not isinstance(result[1], Context)
-    ):
-        raise TypeError(
-            f"{what} returned `(ctx, output)`; it must return `(output, ctx)` (the "
-            "context last, as in `y, state = layer(x, state)`). Swap the order."
-        )
-    output_batch, ctx = check_returns_context(result, what)
-    output_batch = _constrain_tree(
-        output_batch,
-        settings.output_partition,
-        mesh,
-        what="output_partition",
-        kind="output",
-    )
-    drop = settings.drop_module_outputs
-    pruned = OutputCollection({}, {}, ctx.collection.module_outputs).prune(
-        lambda p: p.startswith("module_outputs/") and drop(p[len("module_outputs/") :])
-    )
-    summaries = _replicate(ctx.collection.summaries, mesh)
-    module_outputs = _replicate(pruned.module_outputs, mesh)
-    dynamic, static = eqx.partition(
-        (output_batch, summaries, module_outputs), eqx.is_array
-    )
-    has_static = any(x is not None for x in jax.tree.leaves(static))
-    # None (an empty PyTree, unflattened in C++) when every output is an array.
-    return new_key, dynamic, StaticOut(static) if has_static else None
-
-
-jit_step = jax.jit(_step, static_argnums=(0, 1))
-
-
-def _step_without_kwargs(
-    settings: Settings, param_leaves: tuple[Any, ...], prng_key: Any, batch: Any
-) -> tuple[Any, Any, StaticOut | None]:
-    return _step(settings, None, param_leaves, prng_key, batch, None)
-
-
-#: The compiled step per settings (LRU): runners re-created from equal settings
-#: share one `jax.jit` and so its compilations.
-_JITS: "collections.OrderedDict[Settings, Callable[..., Any]]" = (
-    collections.OrderedDict()
-)
-_MAX_JITS = 256
-
-
-def _jit_for(settings: "Settings") -> Callable[..., Any]:
-    """Return the `jax.jit` of the step for `settings` without keyword arguments.
-
-    Closing over the settings (instead of passing them as a static argument) saves
-    the static-argument hashing on every call.
-    """
-    with _JITS_LOCK:
-        fn = _JITS.get(settings)
-        if fn is None:
-            fn = jax.jit(functools.partial(_step_without_kwargs, settings))
-            _JITS[settings] = fn
-            if len(_JITS) > _MAX_JITS:
-                _JITS.popitem(last=False)
+        `MethodRunner.__call__` (which inlines it) and `run_batches` (which threads
+        the key through it) run batches this way.
+        """
+        batch, mask, padding = self.prepare(input_batch)
+        if kwargs:
+            result = self.run_with_kwargs(param_leaves, prng_key, batch, mask, kwargs)
         else:
-            _JITS.move_to_end(settings)
-        return fn
+            result = self.jitted(param_leaves, prng_key, batch, mask)
+        return self.finish(result, batch, padding)
+
+    def run_with_kwargs(
+        self,
+        param_leaves: tuple[Any, ...],
+        prng_key: Any,
+        batch: Any,
+        mask: Any,
+        kwargs: dict[str, Any],
+    ) -> tuple[Any, Any, "StaticOut | None"]:
+        """Run the step with the method's keyword arguments (static part static)."""
+        dynamic, static = self.split_kwargs(kwargs)
+        return self.jitted_kwargs(
+            static, param_leaves, prng_key, batch, mask, self.place_kwargs(dynamic)
+        )
+
+    def finish(
+        self,
+        result: tuple[Any, Any, "StaticOut | None"],
+        batch: Any,
+        padding: Padding | None,
+    ) -> tuple[Any, Any]:
+        """Return `(new_key, output)` from the program's result: the one output path."""
+        new_key, out, extra = result
+        if extra is not None:
+            out = eqx.combine(out, extra.value)
+        output_batch, summaries, module_outputs = out
+        if summaries is None:
+            summaries = EMPTY
+        if module_outputs is None:
+            module_outputs = EMPTY
+        if self.donate:
+            batch = None
+        if padding is not None:
+            output_batch, batch = unpad((output_batch, batch), padding, self.mesh)
+        return new_key, self.output_cls(output_batch, batch, summaries, module_outputs)
+
+    def next_runner(self, runner: Any, param_leaves: Any, new_key: Any) -> Any:
+        """Return `runner` with `new_key`, rebuilt through the public PyTree API."""
+        rebuild = self.rebuild
+        if rebuild is None:
+            treedef = jax.tree.structure(runner, is_leaf=lambda x: x is not runner)
+            rebuild = self.rebuild = treedef.unflatten
+        return rebuild((param_leaves, new_key))
 
 
-_JITS_LOCK = threading.Lock()
+#: Steps per settings (LRU): runners re-created from equal settings share one.
+_STEPS: "collections.OrderedDict[Settings, Step]" = collections.OrderedDict()
+_MAX_STEPS = 256
+_STEPS_LOCK = threading.Lock()

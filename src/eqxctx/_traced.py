@@ -1,0 +1,118 @@
+"""The traced step of `MethodRunner`: AXLearn's `_jit_run_on_batch`.
+
+Follows `axlearn/common/inference.py`: split the key, run the method in a root
+context, and constrain inputs, outputs and parameters to their shardings; summaries
+and the kept module outputs come back replicated, non-array outputs in the output
+treedef (`StaticOut`, as `eqx.filter_jit` does). `Step` (`_step.py`) jits these
+functions closed over itself.
+"""
+
+from typing import TYPE_CHECKING, Any
+
+import equinox as eqx
+import jax
+
+from ._collection import OutputCollection
+from ._context import Context, check_returns_context
+from ._frozen import Frozen
+from ._transfer import (
+    constrain,
+    constrain_leaves,
+    constrain_tree,
+    replicate_tree,
+    replicated,
+)
+
+
+if TYPE_CHECKING:
+    from ._step import Step
+
+
+@jax.tree_util.register_pytree_node_class
+class StaticOut:
+    """Non-array outputs, carried in the output treedef (like `eqx.filter_jit`)."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def tree_flatten(self) -> tuple[tuple[()], Any]:
+        return (), self.value
+
+    @classmethod
+    def tree_unflatten(cls, aux: Any, children: Any) -> "StaticOut":
+        del children
+        return cls(aux)
+
+
+def run_step(
+    step: "Step",
+    static_kwargs: Frozen | None,
+    param_leaves: tuple[Any, ...],
+    prng_key: Any,
+    batch: Any,
+    mask: Any,
+    dynamic_kwargs: Any,
+) -> tuple[Any, Any, StaticOut | None]:
+    """The traced step: AXLearn's `_jit_run_on_batch`."""
+    step.traces += 1
+    settings, mesh, explicit = step.settings, step.mesh, step.explicit
+    p_leaves = constrain_leaves(param_leaves, step.param_shardings, explicit=explicit)
+    params = settings.param_treedef.unflatten(p_leaves)
+    model = eqx.combine(params, step.static_model)
+    batch = constrain_tree(
+        batch, step.input_partition, mesh, what="input_partition", kind="batch"
+    )
+    new_key, iter_key = jax.random.split(prng_key)
+    new_key = constrain(new_key, replicated(mesh, new_key), explicit=explicit)
+    kwargs: dict[str, Any] = {}
+    if static_kwargs is not None:
+        kwargs = eqx.combine(dynamic_kwargs, static_kwargs.tree())
+    if settings.mask_kwarg is not None and mask is not None:
+        kwargs[settings.mask_kwarg] = mask
+    ctx = Context.root(prng_key=iter_key, is_training=settings.is_training)
+    method = settings.method
+    if isinstance(method, str):
+        result = getattr(model, method)(batch, ctx, **kwargs)
+        what = f"`MethodRunner`: method {type(model).__name__}.{method}"
+    else:
+        result = method(model, batch, ctx, **kwargs)
+        what = f"`MethodRunner`: method {getattr(method, '__name__', method)!r}"
+    if (
+        isinstance(result, tuple)
+        and len(result) == 2
+        and isinstance(result[0], Context)
+        and not isinstance(result[1], Context)
+    ):
+        raise TypeError(
+            f"{what} returned `(ctx, output)`; it must return `(output, ctx)` (the "
+            "context last, as in `y, state = layer(x, state)`). Swap the order."
+        )
+    output_batch, ctx = check_returns_context(result, what)
+    output_batch = constrain_tree(
+        output_batch,
+        step.output_partition,
+        mesh,
+        what="output_partition",
+        kind="output",
+    )
+    drop = settings.drop_module_outputs
+    pruned = OutputCollection({}, {}, ctx.collection.module_outputs).prune(
+        lambda p: p.startswith("module_outputs/") and drop(p[len("module_outputs/") :])
+    )
+    # An empty mapping comes back as None (`Step.finish` puts the shared empty one
+    # back): JAX unflattens a `FrozenMapping` in Python, ~0.5 µs per call, and the
+    # default `drop_module_outputs` keeps none.
+    summaries = replicate_tree(ctx.collection.summaries, mesh) or None
+    module_outputs = replicate_tree(pruned.module_outputs, mesh) or None
+    dynamic, static = eqx.partition(
+        (output_batch, summaries, module_outputs), eqx.is_array
+    )
+    has_static = any(x is not None for x in jax.tree.leaves(static))
+    # None (an empty PyTree, unflattened in C++) when every output is an array.
+    return new_key, dynamic, StaticOut(static) if has_static else None
+
+
+def run_step_without_kwargs(
+    step: "Step", param_leaves: tuple[Any, ...], prng_key: Any, batch: Any, mask: Any
+) -> tuple[Any, Any, StaticOut | None]:
+    return run_step(step, None, param_leaves, prng_key, batch, mask, None)
