@@ -5,10 +5,6 @@ runtime through `jax.distributed.initialize` with gloo CPU collectives; each fee
 host-local half of the batch. Bounded by a hard timeout.
 """
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -16,47 +12,17 @@ import numpy as np
 import pytest
 
 import _multiprocess_worker as worker
+from helpers import run_two_processes
 
 
 WORKER = Path(__file__).with_name("_multiprocess_worker.py")
 TIMEOUT_S = 120
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_two_processes(out_path: Path) -> None:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = ""  # the workers set 4 devices each themselves
-    env["JAX_PLATFORMS"] = "cpu"
-    port = _free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(port), str(i), str(out_path)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    outputs: list[str] = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=TIMEOUT_S)[0])
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        for p in procs:
-            p.communicate()
-        pytest.fail(f"the two worker processes did not finish in {TIMEOUT_S} s")
-    codes = [p.returncode for p in procs]
-    if worker.NO_COLLECTIVES in codes:
-        pytest.skip(f"this platform has no CPU collectives: {outputs}")
-    assert codes == [0, 0], "\n\n".join(o[-3000:] for o in outputs)
+    run_two_processes(
+        WORKER, out_path, no_collectives=worker.NO_COLLECTIVES, timeout_s=TIMEOUT_S
+    )
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")

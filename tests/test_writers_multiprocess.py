@@ -6,10 +6,6 @@ values of a one-process run on the whole batch.
 """
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +14,7 @@ import numpy as np
 import pytest
 
 import _multiprocess_writers_worker as worker
+from helpers import run_two_processes
 from tb_events import scalars
 
 
@@ -25,39 +22,10 @@ WORKER = Path(__file__).with_name("_multiprocess_writers_worker.py")
 TIMEOUT_S = 120
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_two_processes(logdir: Path) -> None:
-    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
-    port = _free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(port), str(i), str(logdir)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    outputs: list[str] = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=TIMEOUT_S)[0])
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        for p in procs:
-            p.communicate()
-        pytest.fail(f"the two worker processes did not finish in {TIMEOUT_S} s")
-    codes = [p.returncode for p in procs]
-    if worker.NO_COLLECTIVES in codes:
-        pytest.skip(f"this platform has no CPU collectives: {outputs}")
-    assert codes == [0, 0], "\n\n".join(o[-3000:] for o in outputs)
+    run_two_processes(
+        WORKER, logdir, no_collectives=worker.NO_COLLECTIVES, timeout_s=TIMEOUT_S
+    )
 
 
 def _lines(path: Path) -> list[dict[str, Any]]:
