@@ -12,7 +12,7 @@ suite's runtime checker, samples sequence items with `random`, which hypothesis
 forbids inside strategies, and these walks run inside `eqxctx.testing`'s.
 """
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import equinox as eqx
@@ -320,13 +320,6 @@ def _flatten_entry(
                 put(at + rel, obj)
 
 
-def iter_leaves(tree: Tree, sep: str = "/") -> Iterator[tuple[str, Leaf]]:
-    """Yield `(path, leaf)` as `flatten_into` visits them."""
-    out: list[tuple[str, Leaf]] = []
-    flatten_into(lambda p, v: out.append((p, v)), tree, "", sep)
-    return iter(out)
-
-
 def has_leaf(tree: Tree) -> bool:
     """Return whether `tree` has any leaf (per-iteration entries count their leaves)."""
     for value in tree.values():
@@ -459,7 +452,6 @@ __all__ = [
     "flatten_into",
     "freeze",
     "has_leaf",
-    "iter_leaves",
     "materialize_tree",
     "prune_kinds",
 ]
