@@ -33,7 +33,7 @@ from ._leaves import (
     validate_child_name,
     validate_leaf_name,
 )
-from ._mapping import EMPTY, FrozenMapping
+from ._mapping import EMPTY, FrozenMapping, child_in_any, key_in_any, reserved_in
 from ._typing import Leaf, PathPredicate, Tree
 
 
@@ -337,9 +337,14 @@ def _make(
     module_outputs: FrozenMapping,
 ) -> OutputCollection:
     """Build a collection from checked mappings (no walk, no checks)."""
-    out = object.__new__(OutputCollection)
-    _init(out, summaries, state_updates, module_outputs)
+    out = _new(OutputCollection)
+    _set_summaries(out, summaries)
+    _set_state_updates(out, state_updates)
+    _set_module_outputs(out, module_outputs)
     return out
+
+
+_new = object.__new__
 
 
 def _check_levels(coll: OutputCollection, path: str) -> None:
@@ -391,34 +396,25 @@ jax.tree_util.register_pytree_with_keys(
 
 
 def _reserver(coll: OutputCollection, name: str) -> str | None:
-    for tree in _trees(coll):
-        owner = tree.reserver(name)
-        if owner is not None:
-            return owner
-    return None
+    return reserved_in(name, _trees(coll))
 
 
 def name_in_use(coll: OutputCollection, name: str) -> bool:
     """Return whether `name` is a leaf, a child or a reserved child name here."""
-    s, su, mo = coll.summaries, coll.state_updates, coll.module_outputs
-    return (
-        name in s
-        or name in su
-        or name in mo
-        or (name[-1:].isdigit() and _reserver(coll, name) is not None)
-    )
+    return key_in_any(name, (coll.summaries, coll.state_updates, coll.module_outputs))
 
 
 def with_child(
     coll: OutputCollection, name: str, child: OutputCollection
 ) -> OutputCollection:
     """Return `coll` with `child` under `name` (the caller checked `name`)."""
-    s, su, mo = _trees(coll)
-    return _make(
-        s.inserted(name, child.summaries),
-        su.inserted(name, child.state_updates),
-        mo.inserted(name, child.module_outputs),
+    out = _new(OutputCollection)
+    _set_summaries(out, coll.summaries.inserted(name, child.summaries))
+    _set_state_updates(out, coll.state_updates.inserted(name, child.state_updates))
+    _set_module_outputs(
+        out, coll.module_outputs.inserted(name, child.module_outputs)
     )
+    return out
 
 
 def add_leaf(
@@ -430,9 +426,8 @@ def add_leaf(
     """
     if type(name) is not str or not name or "/" in name:
         validate_leaf_name(name, where=ADDERS[kind])
-    check_leaf(value, f"{kind}/{name}")
-    if leaf_type(value) == SUMMARY:
-        value.validate()
+    if check_leaf(value, f"{kind}/{name}") == SUMMARY:
+        value.validate()  # pyright: ignore[reportAttributeAccessIssue]
     s, su, mo = coll.summaries, coll.state_updates, coll.module_outputs
     target = s if kind == "summaries" else su if kind == "state_updates" else mo
     existing = target.get(name, _MISSING)
@@ -442,23 +437,27 @@ def add_leaf(
             f"{kind}/{name}). Each name can be added once per context; use another "
             "name or a child context (`ctx.call`)."
         )
-    if (
-        type(s.get(name)) in _CHILD_TYPES
-        or type(su.get(name)) in _CHILD_TYPES
-        or type(mo.get(name)) in _CHILD_TYPES
-        or (name[-1:].isdigit() and _reserver(coll, name) is not None)
-    ):
+    if child_in_any(name, (s, su, mo), _CHILD_TYPES):
         where = ADDERS[kind]
         raise OutputConflictError(
             f"`{where}`: {name!r} is already a child at this level (path "
             f"{kind}/{name}); leaf names and child names must differ."
         )
     new = target.inserted(name, value)
+    out = _new(OutputCollection)
     if kind == "summaries":
-        return _make(new, su, mo)
-    if kind == "state_updates":
-        return _make(s, new, mo)
-    return _make(s, su, new)
+        _set_summaries(out, new)
+        _set_state_updates(out, su)
+    elif kind == "state_updates":
+        _set_summaries(out, s)
+        _set_state_updates(out, new)
+    else:
+        _set_summaries(out, s)
+        _set_state_updates(out, su)
+        _set_module_outputs(out, new)
+        return out
+    _set_module_outputs(out, mo)
+    return out
 
 
 def _check_merge(mine: OutputCollection, other: OutputCollection) -> None:

@@ -324,7 +324,10 @@ class Context:
             TypeError: if `fn` does not return `(out, Context)`.
         """
         coll = self.collection
-        validate_child_name(name, where="Context.call")
+        if type(name) is not str or name not in _VALID_NAMES:
+            validate_child_name(name, where="Context.call")
+            if len(_VALID_NAMES) < _MAX_VALID_NAMES:
+                _VALID_NAMES[name] = None
         if name_in_use(coll, name):
             raise OutputConflictError(
                 f"`Context.call`: {name!r} is already used in context "
@@ -346,6 +349,10 @@ class Context:
 
 
 _EMPTY = OutputCollection.empty()
+# Child names already validated (a model calls the same names every trace); bounded
+# so that generated names cannot grow it without limit.
+_VALID_NAMES: dict[str, None] = {}
+_MAX_VALID_NAMES = 1 << 16
 # The slots' own setters: faster than `object.__setattr__`, and the class's
 # `__setattr__` (which refuses every assignment) is not involved.
 _SET = {name: Context.__dict__[name].__set__ for name in Context.__slots__}
@@ -383,9 +390,23 @@ def _make(
     shape_only: bool = False,
 ) -> Context:
     """Build a context from checked parts (no walk, no checks)."""
-    out = object.__new__(Context)
-    _init(out, path, base_key, key_names, is_training, collection, shape_only)
+    out = _new(Context)
+    _set_path(out, path)
+    _set_base_key(out, base_key)
+    _set_key_names(out, key_names)
+    _set_is_training(out, is_training)
+    _set_collection(out, collection)
+    _set_shape_only(out, shape_only)
     return out
+
+
+_new = object.__new__
+_set_path = _SET["path"]
+_set_base_key = _SET["_base_key"]
+_set_key_names = _SET["_key_names"]
+_set_is_training = _SET["is_training"]
+_set_collection = _SET["collection"]
+_set_shape_only = _SET["_shape_only"]
 
 
 def _child(parent: Context, name: str, is_training: bool) -> Context:

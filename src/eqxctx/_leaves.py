@@ -84,20 +84,26 @@ def leaf_type(value: object) -> int:
     return found
 
 
-def check_leaf(value: object, path: str) -> None:
-    """Raise `TypeError` naming `path` unless `value` is a valid collection leaf.
+def check_leaf(value: object, path: str) -> int:
+    """Return `value`'s `leaf_type`; raise `TypeError` naming `path` if it is invalid.
 
     Valid leaves are JAX and NumPy arrays of numeric dtypes (bool, integer,
     floating, complex, typed PRNG keys), Python `bool`/`int`/`float`, and `Summary`
     objects. Called once per leaf, where it enters a collection.
     """
-    kind = leaf_type(value)
-    if kind in (SUMMARY, NUMBER):
-        return
+    cls = type(value)
+    kind = _leaf_types.get(cls)
+    if kind is None:
+        kind = leaf_type(value)
+    if kind == SUMMARY or kind == NUMBER:
+        return kind
     if kind == ARRAY:
         dtype = getattr(value, "dtype", None)
-        if dtype is None or _is_numeric(dtype):
-            return
+        if dtype is None:
+            return kind
+        known = _numeric_cache.get(dtype)
+        if known or (known is None and _is_numeric(dtype)):
+            return kind
         raise TypeError(
             f"`OutputCollection`: the array at {path!r} has dtype {dtype}; leaves must "
             "be numeric (bool, int, float, complex). Log text with a "

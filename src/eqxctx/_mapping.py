@@ -13,6 +13,8 @@ digits of `name`, and `numbered_below(prefix, n)` looks up the names already pre
 that are `prefix` followed by a number.
 """
 
+# pyright: reportPrivateUsage=false
+
 import itertools
 import threading
 from collections.abc import Iterable, Iterator, Mapping
@@ -20,6 +22,9 @@ from typing import Any, TypeAlias
 
 import jax
 from jax.core import Tracer
+
+
+_DICT_KEY = jax.tree_util.DictKey
 
 
 # Insertion checks "is this version the newest?" and appends under one lock, so that
@@ -39,7 +44,14 @@ def _numbered_splits(key: str) -> Iterator[tuple[str, int]]:
 
 
 class _Log:
-    """The entries of every version of one mapping, in insertion order."""
+    """The entries of every version of one mapping, in insertion order.
+
+    A log is *open* (made by insertion: `keys` and `values` are lists, `index` is
+    built) or *frozen* (made by unflattening: `keys` is the treedef's sorted tuple,
+    and `index`, `spans` and `traced` are derived the first time a read needs them,
+    so a collection that JAX unflattens and nobody reads costs two objects per
+    level). Inserting into a frozen log opens it first.
+    """
 
     __slots__ = (
         "checked",
@@ -52,43 +64,98 @@ class _Log:
         "values",
     )
 
-    def __init__(self) -> None:
-        self.keys: list[str] = []
-        self.values: list[Any] = []
-        self.index: dict[str, int] = {}
-        self.spans: dict[str, tuple[int, int]] = {}  # key -> (position, span)
-        # prefix -> [(pos, i)] for the keys `prefix{i}`; built lazily (only merging a
-        # scan's entry asks), up to `numbered_upto` keys.
-        self.numbered: dict[str, list[tuple[int, int]]] = {}
+    keys: list[str] | tuple[str, ...]
+    values: list[Any] | tuple[Any, ...]
+    # None until a read needs it (frozen logs only).
+    index: dict[str, int] | None
+    # key -> (position, span) for the entries that reserve numbered names; None
+    # while there are none (or, in a frozen log, before `index` is built).
+    spans: dict[str, tuple[int, int]] | None
+    # prefix -> [(pos, i)] for the keys `prefix{i}`; built lazily (only merging a
+    # scan's entry asks), up to `numbered_upto` keys.
+    numbered: dict[str, list[tuple[int, int]]] | None
+    numbered_upto: int
+    # Whether a value is a tracer: a log of concrete values (a collection made
+    # outside `jax.jit`) is never extended in place with one, so no collection that
+    # outlives a trace holds its tracers. None: not known yet (frozen logs).
+    traced: bool | None
+    # Whether every leaf was checked where it entered (see `freeze`); logs built by
+    # unflattening are not.
+    checked: bool
+
+    # Containers are typed `Any` here: beartype (the test suite's runtime checks)
+    # samples their items with `random`, which hypothesis forbids inside strategies.
+    def __init__(
+        self,
+        keys: Any,
+        values: Any,
+        index: Any,
+        spans: Any = None,
+        traced: bool = False,
+        checked: bool = True,
+    ) -> None:
+        self.keys = keys
+        self.values = values
+        self.index = index
+        self.spans = spans
+        self.numbered = None
         self.numbered_upto = 0
-        # Whether a value is a tracer: a log of concrete values (a collection made
-        # outside `jax.jit`) is never extended in place with one, so no collection
-        # that outlives a trace holds its tracers.
-        self.traced = False
-        # Whether every leaf was checked where it entered (see `freeze`); logs built
-        # by unflattening are not.
-        self.checked = True
+        self.traced = traced
+        self.checked = checked
 
     def append(self, key: str, value: Any, span: int) -> None:
+        """Append to an open log."""
         pos = len(self.keys)
-        self.keys.append(key)
-        self.values.append(value)
-        self.index[key] = pos
+        self.keys.append(key)  # pyright: ignore[reportAttributeAccessIssue]
+        self.values.append(value)  # pyright: ignore[reportAttributeAccessIssue]
+        self.index[key] = pos  # pyright: ignore[reportOptionalSubscript]
         if span:
-            self.spans[key] = (pos, span)
+            self._add_span(key, pos, span)
         if not self.traced and isinstance(value, Tracer):
             self.traced = True
+
+    def _add_span(self, key: str, pos: int, span: int) -> None:
+        if self.spans is None:
+            self.spans = {}
+        self.spans[key] = (pos, span)
+
+    def build_index(self) -> dict[str, int]:
+        """Derive `index`, `spans` and `traced` of a frozen log (once)."""
+        keys, values = self.keys, self.values
+        index = {k: i for i, k in enumerate(keys)}
+        traced = False
+        for i, value in enumerate(values):
+            cls = type(value)
+            if cls not in _no_span and (span := _span_of(value)):
+                self._add_span(keys[i], i, span)
+            if not traced and isinstance(value, Tracer):
+                traced = True
+        self.traced = traced
+        self.index = index
+        return index
+
+    def open(self) -> dict[str, int]:
+        """Make a frozen log appendable; return its index."""
+        index = self.index if self.index is not None else self.build_index()
+        if type(self.keys) is not list:
+            self.keys = list(self.keys)
+        if type(self.values) is not list:
+            self.values = list(self.values)
+        return index
 
     def numbers(self) -> dict[str, Any]:
         """Return the index of numbered keys, brought up to date (amortized O(1))."""
         keys = self.keys
+        numbered = self.numbered
+        if numbered is None:
+            numbered = self.numbered = {}
         for pos in range(self.numbered_upto, len(keys)):
             key = keys[pos]
             if key[-1:].isdigit():
                 for prefix, i in _numbered_splits(key):
-                    self.numbered.setdefault(prefix, []).append((pos, i))
+                    numbered.setdefault(prefix, []).append((pos, i))
         self.numbered_upto = len(keys)
-        return self.numbered
+        return numbered
 
 
 # Element types of sequences in these signatures are `Any`: beartype (the test
@@ -125,10 +192,11 @@ class FrozenMapping(Mapping[str, Any]):
     __slots__ = ("_log", "_n", "_sorted")
 
     def __init__(self, items: Mapping[str, Any] | Pairs = ()):
-        log = _Log()
+        index: dict[str, int] = {}
+        log = _Log([], [], index)
         pairs = items.items() if isinstance(items, Mapping) else items
         for key, value in pairs:
-            if key in log.index:
+            if key in index:
                 raise ValueError(f"`FrozenMapping`: key {key!r} given twice.")
             log.append(key, value, _span_of(value))
         self._log = log
@@ -137,21 +205,30 @@ class FrozenMapping(Mapping[str, Any]):
 
     # -- reading -----------------------------------------------------------------
 
+    # The reads inline `_index` (they run several times per add).
     def __getitem__(self, key: str) -> Any:
-        pos = self._log.index.get(key)
+        log = self._log
+        index = log.index
+        pos = (index if index is not None else log.build_index()).get(key)
         if pos is None or pos >= self._n:
             raise KeyError(key)
-        return self._log.values[pos]
+        return log.values[pos]
 
     def get(self, key: str, default: Any = None) -> Any:
         """Return the value of `key`, or `default` if absent."""
-        pos = self._log.index.get(key)
+        log = self._log
+        index = log.index
+        pos = (index if index is not None else log.build_index()).get(key)
         if pos is None or pos >= self._n:
             return default
-        return self._log.values[pos]
+        return log.values[pos]
 
     def __contains__(self, key: object) -> bool:
-        pos = self._log.index.get(key) if isinstance(key, str) else None
+        log = self._log
+        index = log.index
+        if index is None:
+            index = log.build_index()
+        pos = index.get(key) if type(key) is str else None
         return pos is not None and pos < self._n
 
     def __iter__(self) -> Iterator[str]:
@@ -212,8 +289,13 @@ class FrozenMapping(Mapping[str, Any]):
 
     def reserver(self, name: str) -> str | None:
         """Return the key whose span reserves `name` (`iter` for `iter3`), if any."""
-        spans = self._log.spans
-        if not spans or not name[-1:].isdigit():
+        if not name[-1:].isdigit():
+            return None
+        log = self._log
+        if log.index is None:
+            log.build_index()
+        spans = log.spans
+        if not spans:
             return None
         for prefix, i in _numbered_splits(name):
             found = spans.get(prefix)
@@ -235,7 +317,10 @@ class FrozenMapping(Mapping[str, Any]):
 
     def spans(self) -> Iterator[tuple[str, int]]:
         """Yield `(key, span)` for every entry that reserves numbered names."""
-        for key, (pos, span) in self._log.spans.items():
+        log = self._log
+        if log.index is None:
+            log.build_index()
+        for key, (pos, span) in (log.spans or {}).items():
             if pos < self._n:
                 yield key, span
 
@@ -247,20 +332,37 @@ class FrozenMapping(Mapping[str, Any]):
         O(1) amortized. The caller has checked that `key` is not present.
         """
         log, n = self._log, self._n
+        out = object.__new__(FrozenMapping)
+        out._sorted = None
         with _LOCK:
-            if len(log.keys) == n and (log.traced or not isinstance(value, Tracer)):
+            keys = log.keys
+            if n == 0 and len(keys) != 0:
+                # Adding to an empty version that is not a log's tip (the shared
+                # `EMPTY`): start a log.
+                span = 0 if type(value) in _no_span else _span_of(value)
+                out._log = _Log(
+                    [key],
+                    [value],
+                    {key: 0},
+                    {key: (0, span)} if span else None,
+                    isinstance(value, Tracer),
+                )
+                out._n = 1
+                return out
+            if log.index is None or type(keys) is not list:
+                log.open()
+                keys = log.keys
+            if len(keys) == n and (log.traced or not isinstance(value, Tracer)):
                 # The newest version: append in place.
-                log.keys.append(key)
-                log.values.append(value)
-                log.index[key] = n
+                keys.append(key)  # pyright: ignore[reportAttributeAccessIssue]
+                log.values.append(value)  # pyright: ignore[reportAttributeAccessIssue]
+                log.index[key] = n  # pyright: ignore[reportOptionalSubscript]
                 if type(value) not in _no_span and (span := _span_of(value)):
-                    log.spans[key] = (n, span)
-                if isinstance(value, Tracer):
+                    log._add_span(key, n, span)  # pyright: ignore[reportPrivateUsage]
+                if not log.traced and isinstance(value, Tracer):
                     log.traced = True
-                out = object.__new__(FrozenMapping)
                 out._log = log
                 out._n = n + 1
-                out._sorted = None
                 return out
             if len(log.keys) != n:
                 # `self` is extended a second time (a branch): it is being kept and
@@ -280,17 +382,25 @@ class FrozenMapping(Mapping[str, Any]):
 
 
 def _copy(log: _Log, n: int, *, seal: bool) -> _Log:
-    """A new log with the first `n` entries of `log` (sealed: never appended to)."""
-    new = _Log()
-    new.keys = log.keys[:n]
-    new.values = log.values[:n]
-    new.index = {k: i for i, k in enumerate(new.keys)}
-    new.spans = {k: v for k, v in log.spans.items() if v[0] < n}
-    new.traced = log.traced
-    new.checked = log.checked
+    """A new open log with the first `n` entries of `log` (sealed: never appended to).
+
+    `log` is open (the caller opened it).
+    """
+    keys = list(log.keys[:n])
+    spans = log.spans
+    if spans:
+        spans = {k: v for k, v in spans.items() if v[0] < n} or None
+    new = _Log(
+        keys,
+        list(log.values[:n]),
+        {k: i for i, k in enumerate(keys)},
+        spans,
+        bool(log.traced),
+        log.checked,
+    )
     if seal:  # one entry past every version: insertion always takes the branch path
-        new.keys.append("")
-        new.values.append(None)
+        new.keys.append("")  # pyright: ignore[reportAttributeAccessIssue]
+        new.values.append(None)  # pyright: ignore[reportAttributeAccessIssue]
     return new
 
 
@@ -307,14 +417,64 @@ def _sealed_empty() -> FrozenMapping:
     # The shared empty mapping must never be extended in place (its log would keep
     # the first value ever added to it alive): a log one entry longer than the
     # version makes every insertion take the branch path, which starts a new log.
-    log = _Log()
-    log.keys.append("")
-    log.values.append(None)
-    return _version(log, 0)
+    return _version(_Log([""], [None], {"": 0}), 0)
 
 
 #: The empty mapping, shared (adding to it starts a new log every time).
 EMPTY = _sealed_empty()
+
+
+# The checks of every add and child, over a collection's three levels at once (one
+# call instead of several method calls per level).
+
+#: A collection's three levels (summaries, state updates, module outputs).
+Levels: TypeAlias = tuple[FrozenMapping, FrozenMapping, FrozenMapping]
+
+
+def _reserved(name: str, levels: "Levels") -> str | None:
+    for m in levels:
+        log = m._log
+        if log.index is None:
+            log.build_index()
+        if log.spans:
+            owner = m.reserver(name)
+            if owner is not None:
+                return owner
+    return None
+
+
+def reserved_in(name: str, levels: "Levels") -> str | None:
+    """Return the key of `levels` whose span reserves `name`, if any."""
+    return _reserved(name, levels) if name[-1:].isdigit() else None
+
+
+def key_in_any(name: str, levels: "Levels") -> bool:
+    """Whether `name` is a key of one of `levels`, or reserved by a span of one."""
+    for m in levels:
+        log = m._log
+        index = log.index
+        if index is None:
+            index = log.build_index()
+        pos = index.get(name)
+        if pos is not None and pos < m._n:
+            return True
+    return name[-1:].isdigit() and _reserved(name, levels) is not None
+
+
+def child_in_any(
+    name: str, levels: "Levels", child_types: Any
+) -> bool:
+    """Whether `name` is a child (a value of `child_types`) of one of `levels`, or
+    reserved by a span of one."""
+    for m in levels:
+        log = m._log
+        index = log.index
+        if index is None:
+            index = log.build_index()
+        pos = index.get(name)
+        if pos is not None and pos < m._n and type(log.values[pos]) in child_types:
+            return True
+    return name[-1:].isdigit() and _reserved(name, levels) is not None
 
 
 # Flattening and unflattening run at every transformation boundary, for every level
@@ -322,31 +482,48 @@ EMPTY = _sealed_empty()
 
 
 def _flatten_with_keys(m: FrozenMapping) -> tuple[list[Any], Keys]:
-    keys = m.sorted_keys()
-    log = m._log  # pyright: ignore[reportPrivateUsage]
-    index, values, key_type = log.index, log.values, jax.tree_util.DictKey
+    keys = m._sorted
+    if keys is None:
+        keys = m.sorted_keys()
+    log = m._log
+    values, key_type = log.values, _DICT_KEY
+    if log.keys is keys:  # a frozen log made by unflattening: already sorted
+        return [(key_type(k), v) for k, v in zip(keys, values)], keys  # noqa: B905
+    index = log.index
+    if index is None:
+        index = log.build_index()
     return [(key_type(k), values[index[k]]) for k in keys], keys
 
 
-def _flatten(m: FrozenMapping) -> tuple[list[Any], Keys]:
-    keys = m.sorted_keys()
-    log = m._log  # pyright: ignore[reportPrivateUsage]
-    index, values = log.index, log.values
+def _flatten(m: FrozenMapping) -> tuple[list[Any] | tuple[Any, ...], Keys]:
+    keys = m._sorted
+    if keys is None:
+        keys = m.sorted_keys()
+    log = m._log
+    values = log.values
+    if log.keys is keys:
+        return values, keys
+    index = log.index
+    if index is None:
+        index = log.build_index()
     return [values[index[k]] for k in keys], keys
 
 
 def _unflatten(keys: Keys, children: Iterable[Any]) -> FrozenMapping:
     # No checks: JAX unflattens with arbitrary objects (tracers, sentinels, None).
-    log = _Log()
-    log.keys = list(keys)
-    log.values = list(children)
-    log.index = {k: i for i, k in enumerate(keys)}
-    for i, value in enumerate(log.values):
-        span = _span_of(value)
-        if span:
-            log.spans[keys[i]] = (i, span)
-        if isinstance(value, Tracer):
-            log.traced = True
+    # The log is frozen: its index, spans and tracer flag are derived when a read
+    # needs them, so this costs two objects (JAX unflattens at every boundary).
+    if not keys:
+        return EMPTY
+    values = children if type(children) is tuple else tuple(children)
+    log = object.__new__(_Log)
+    log.keys = keys
+    log.values = values
+    log.index = None
+    log.spans = None
+    log.numbered = None
+    log.numbered_upto = 0
+    log.traced = None
     log.checked = False  # leaves of any kind; `freeze` checks them when they enter
     out = _version(log, len(keys))
     out._sorted = keys  # pyright: ignore[reportPrivateUsage]
