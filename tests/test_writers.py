@@ -563,3 +563,69 @@ def test_tensorboard_non_finite_scalars_are_silent(
     got = scalars(str(tmp_path))
     assert np.isnan(got[(0, "nan")])
     assert got[(0, "inf")] == np.inf
+
+
+# -- the JSON lines writer's float32 conversion -------------------------------------
+
+
+_EDGE_FLOAT32 = [
+    0.1,
+    1 / 3,
+    2.5,
+    2.0**25,
+    2.0**-130,
+    1e-12,
+    9.999999e-13,
+    16777215.0,
+    16777216.0,
+    123456.79,
+    3.4028235e38,
+    -0.0,
+    0.0,
+    1.0,
+    -7.25e-5,
+]
+
+
+@given(
+    hnp.arrays(
+        np.float32,
+        st.integers(0, 64),
+        elements=st.floats(width=32, allow_nan=True, allow_infinity=True),
+    )
+)
+def test_shortest_float32_matches_numpy_shortest_repr(values: np.ndarray) -> None:
+    from eqxctx.writers._jsonl import shortest_float32
+
+    values = np.concatenate([values, np.asarray(_EDGE_FLOAT32, np.float32)])
+    got = shortest_float32(values)
+    want = [float(str(v)) for v in values]
+    # Same decimal (repr), sign of zero and NaN included.
+    assert [repr(g) for g in got] == [repr(w) for w in want]
+
+
+def test_shortest_float32_on_every_float32_near_one() -> None:
+    from eqxctx.writers._jsonl import shortest_float32
+
+    bits = np.arange(0x3F800000 - 20_000, 0x3F800000 + 20_000, dtype=np.uint32)
+    values = bits.view(np.float32)
+    assert shortest_float32(values) == [float(str(v)) for v in values]
+
+
+def test_jsonl_per_iteration_floats_are_shortest(tmp_path: Path) -> None:
+    def body(c: jax.Array, x: jax.Array, ctx: eqxctx.Context) -> Any:
+        return c, None, ctx.add_summary("v", x / 10).add_summary("n", jnp.int32(7))
+
+    _, _, coll = eqxctx.scan_in_context(
+        body, context=eqxctx.Context.root(), carry=jnp.zeros(()), xs=jnp.arange(4.0)
+    )
+    path = tmp_path / "s.jsonl"
+    with JsonlWriter(path) as writer:
+        writer.write(0, coll)
+    record = json.loads(path.read_text())
+    assert record == {
+        "step": 0,
+        **{f"iter{i}/v": float(str(np.float32(i) / np.float32(10))) for i in range(4)},
+        **{f"iter{i}/n": 7 for i in range(4)},
+    }
+    assert '"iter1/v": 0.1,' in path.read_text()

@@ -29,11 +29,10 @@ from ._leaves import (
     SUMMARY,
     Kind,
     check_leaf,
-    leaf_type,
     validate_child_name,
     validate_leaf_name,
 )
-from ._mapping import EMPTY, FrozenMapping, child_in_any, key_in_any, reserved_in
+from ._mapping import EMPTY, FrozenMapping, child_in_any, key_in_any
 from ._typing import Leaf, PathPredicate, Tree
 
 
@@ -395,10 +394,6 @@ jax.tree_util.register_pytree_with_keys(
 # -- checks (each O(1) in what the collection holds) ---------------------------------
 
 
-def _reserver(coll: OutputCollection, name: str) -> str | None:
-    return reserved_in(name, _trees(coll))
-
-
 def name_in_use(coll: OutputCollection, name: str) -> bool:
     """Return whether `name` is a leaf, a child or a reserved child name here."""
     return key_in_any(name, (coll.summaries, coll.state_updates, coll.module_outputs))
@@ -411,9 +406,7 @@ def with_child(
     out = _new(OutputCollection)
     _set_summaries(out, coll.summaries.inserted(name, child.summaries))
     _set_state_updates(out, coll.state_updates.inserted(name, child.state_updates))
-    _set_module_outputs(
-        out, coll.module_outputs.inserted(name, child.module_outputs)
-    )
+    _set_module_outputs(out, coll.module_outputs.inserted(name, child.module_outputs))
     return out
 
 
@@ -427,7 +420,7 @@ def add_leaf(
     if type(name) is not str or not name or "/" in name:
         validate_leaf_name(name, where=ADDERS[kind])
     if check_leaf(value, f"{kind}/{name}") == SUMMARY:
-        value.validate()  # pyright: ignore[reportAttributeAccessIssue]
+        value.validate()
     s, su, mo = coll.summaries, coll.state_updates, coll.module_outputs
     target = s if kind == "summaries" else su if kind == "state_updates" else mo
     existing = target.get(name, _MISSING)

@@ -95,7 +95,7 @@ def check_leaf(value: object, path: str) -> int:
     kind = _leaf_types.get(cls)
     if kind is None:
         kind = leaf_type(value)
-    if kind == SUMMARY or kind == NUMBER:
+    if kind in (SUMMARY, NUMBER):
         return kind
     if kind == ARRAY:
         dtype = getattr(value, "dtype", None)

@@ -358,7 +358,7 @@ class FrozenMapping(Mapping[str, Any]):
                 log.values.append(value)  # pyright: ignore[reportAttributeAccessIssue]
                 log.index[key] = n  # pyright: ignore[reportOptionalSubscript]
                 if type(value) not in _no_span and (span := _span_of(value)):
-                    log._add_span(key, n, span)  # pyright: ignore[reportPrivateUsage]
+                    log._add_span(key, n, span)
                 if not log.traced and isinstance(value, Tracer):
                     log.traced = True
                 out._log = log
@@ -407,9 +407,9 @@ def _copy(log: _Log, n: int, *, seal: bool) -> _Log:
 def _version(log: _Log, n: int) -> FrozenMapping:
     """The version of `log` that holds its first `n` entries."""
     out = object.__new__(FrozenMapping)
-    out._log = log  # pyright: ignore[reportPrivateUsage]
-    out._n = n  # pyright: ignore[reportPrivateUsage]
-    out._sorted = None  # pyright: ignore[reportPrivateUsage]
+    out._log = log
+    out._n = n
+    out._sorted = None
     return out
 
 
@@ -443,11 +443,6 @@ def _reserved(name: str, levels: "Levels") -> str | None:
     return None
 
 
-def reserved_in(name: str, levels: "Levels") -> str | None:
-    """Return the key of `levels` whose span reserves `name`, if any."""
-    return _reserved(name, levels) if name[-1:].isdigit() else None
-
-
 def key_in_any(name: str, levels: "Levels") -> bool:
     """Whether `name` is a key of one of `levels`, or reserved by a span of one."""
     for m in levels:
@@ -461,11 +456,8 @@ def key_in_any(name: str, levels: "Levels") -> bool:
     return name[-1:].isdigit() and _reserved(name, levels) is not None
 
 
-def child_in_any(
-    name: str, levels: "Levels", child_types: Any
-) -> bool:
-    """Whether `name` is a child (a value of `child_types`) of one of `levels`, or
-    reserved by a span of one."""
+def child_in_any(name: str, levels: "Levels", child_types: Any) -> bool:
+    """Whether `name` is a child (of `child_types`) or reserved in one of `levels`."""
     for m in levels:
         log = m._log
         index = log.index
@@ -526,7 +518,7 @@ def _unflatten(keys: Keys, children: Iterable[Any]) -> FrozenMapping:
     log.traced = None
     log.checked = False  # leaves of any kind; `freeze` checks them when they enter
     out = _version(log, len(keys))
-    out._sorted = keys  # pyright: ignore[reportPrivateUsage]
+    out._sorted = keys
     return out
 
 

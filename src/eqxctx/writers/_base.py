@@ -175,11 +175,17 @@ def fetch_summaries(
     fetched = jax.device_get(trees) if jax.process_count() == 1 else to_host(trees)
     flat = flatten_summaries(_in_order(fetched, trees), where=where)
     out: dict[str, HostValue] = {}
+    checked: set[Any] = set()  # dtypes already accepted (one check per dtype)
     for path, leaf in flat.items():
-        if _is_plain(type(leaf)):  # NumPy values and numbers (per-iteration views)
+        cls = type(leaf)
+        if cls is np.ndarray or _is_plain(cls):  # NumPy values, numbers, views
             if path in out:
                 raise _collision(path, where=where)
-            out[path] = _numeric(path, leaf, where=where)
+            arr = leaf if cls is np.ndarray else np.asarray(leaf)
+            if arr.dtype not in checked:
+                _numeric(path, arr, where=where)
+                checked.add(arr.dtype)
+            out[path] = arr
             continue
         if isinstance(leaf, Summary):
             try:

@@ -12,6 +12,65 @@ from eqxctx._summary import AudioSummary, ImageSummary
 from ._base import AbstractWriter, HostSummaries, HostValue, is_writing_process
 
 
+_POW10 = 10.0 ** np.arange(23)
+
+
+def shortest_float32(values: np.ndarray) -> list[float]:
+    """Return each float32 value as the Python float of its shortest decimal.
+
+    The shortest decimal that reads back as the same float32 (`0.1` for
+    `np.float32(0.1)`, not `0.10000000149011612`), as `float(str(np.float32(v)))`
+    gives, for a whole array at once: for values in `[1e-12, 2**24)` the number of
+    digits is found by a vectorized binary search (the nearest decimal with `d`
+    digits reads back for every `d` from the shortest on); zeros, powers of two,
+    other magnitudes and non-finite values take `str` one by one.
+
+    Args:
+        values: an array of any shape; cast to float32 (float16 values are exact).
+
+    Returns:
+        The values in C order, as a flat list of Python floats.
+    """
+    x = np.asarray(values, dtype=np.float32).reshape(-1)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        f = x.astype(np.float64)
+        out = f.copy()
+        a = np.abs(f)
+        # Powers of two have an asymmetric rounding interval: left to `str`.
+        fast = (a >= 1e-12) & (a < 2.0**24) & ((x.view(np.uint32) & 0x7FFFFF) != 0)
+        idx = np.flatnonzero(fast)
+        slow = np.flatnonzero(~fast & np.isfinite(f) & (a != 0))
+        if idx.size:
+            av = a[idx]
+            target = av.astype(np.float32)
+            # Step 0 keeps at most one digit; step 10 at least nine (always enough).
+            k0 = -np.floor(np.log10(av)).astype(np.int64) - 1
+
+            def nearest(step: np.ndarray) -> np.ndarray:
+                # The nearest multiple of 10**-k; exact divisions and products of
+                # exact numbers, so correctly rounded.
+                k = k0 + step
+                scale = _POW10[np.abs(k)]
+                up = k >= 0
+                m = np.rint(np.where(up, av * scale, av / scale))
+                return np.where(up, m / scale, m * scale)
+
+            lo = np.zeros(idx.size, np.int64)
+            hi = np.full(idx.size, 10, np.int64)
+            for _ in range(4):  # ceil(log2(11)) halvings of [0, 10]
+                mid = (lo + hi) >> 1
+                ok = nearest(mid).astype(np.float32) == target
+                hi = np.where(ok, mid, hi)
+                lo = np.where(ok, lo, mid + 1)
+            best = nearest(lo)
+            good = best.astype(np.float32) == target
+            out[idx[good]] = np.copysign(best[good], f[idx[good]])
+            slow = np.concatenate([slow, idx[~good]])
+    for i in slow.tolist():
+        out[i] = float(str(x[i]))
+    return out.tolist()
+
+
 def json_value(arr: np.ndarray) -> Any:
     """Return `arr` as a Python number (rank 0) or nested lists of numbers.
 
@@ -27,8 +86,7 @@ def json_value(arr: np.ndarray) -> Any:
     if arr.dtype.itemsize <= 4:
         if arr.ndim == 0:
             return float(str(np.float32(arr)))
-        # str(np.float32) is the shortest repr that round-trips through float32.
-        short = [float(str(v)) for v in arr.astype(np.float32).ravel()]
+        short = shortest_float32(arr)
         return np.asarray(short, dtype=np.float64).reshape(arr.shape).tolist()
     return arr.astype(np.float64).tolist()
 
@@ -61,11 +119,40 @@ def histogram_json(h: HistogramSummary) -> dict[str, Any]:
 
 def record_value(value: HostValue) -> Any:
     """Return what `JsonlWriter` writes for one fetched value."""
+    if type(value) is np.ndarray:
+        return json_value(value)
     if isinstance(value, HistogramSummary):
         return histogram_json(value)
     if isinstance(value, (ImageSummary, AudioSummary)):
         return json_value(np.asarray(value.value_))
     return json_value(value)
+
+
+def json_record(host: HostSummaries) -> dict[str, Any]:
+    """Return the object `JsonlWriter` writes for one step: `{"step": ..., path: ...}`.
+
+    Scalar floats (per-iteration summaries give thousands) are converted together
+    by `shortest_float32`.
+    """
+    record: dict[str, Any] = {"step": host.step}
+    scalars: list[str] = []
+    values: list[np.ndarray] = []
+    for path, value in host.values.items():
+        if (
+            type(value) is np.ndarray
+            and value.ndim == 0
+            and value.dtype.kind == "f"
+            and value.dtype.itemsize <= 4
+        ):
+            record[path] = None  # keeps the order; filled below
+            scalars.append(path)
+            values.append(value)
+        else:
+            record[path] = record_value(value)
+    if scalars:
+        floats = np.fromiter(values, np.float32, len(values))
+        record.update(zip(scalars, shortest_float32(floats), strict=True))
+    return record
 
 
 class JsonlWriter(AbstractWriter):
@@ -146,9 +233,7 @@ class JsonlWriter(AbstractWriter):
         """Append one line `{"step": step, path: value, ...}` and flush it."""
         if self._file is None:
             return
-        record: dict[str, Any] = {"step": host.step}
-        record.update((path, record_value(v)) for path, v in host.values.items())
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(json.dumps(json_record(host)) + "\n")
         self._file.flush()
 
     def flush(self) -> None:
