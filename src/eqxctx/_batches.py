@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
+from ._checks import check_positive_int_or_none
 from ._collection import OutputCollection, summary_tree
 from ._iterations import flatten_into, freeze, materialize_tree
 from ._mapping import EMPTY, FrozenMapping
@@ -58,7 +59,9 @@ def run_batches(
     Raises:
         ImportError: if `progress=True` and `tqdm` is not installed.
         ValueError: if `max_in_flight` is not positive.
+        TypeError: if `max_in_flight` is neither an int nor None.
     """
+    check_positive_int_or_none(max_in_flight, "run_batches", "max_in_flight")
     if max_in_flight is not None and max_in_flight < 1:
         raise ValueError(
             f"`run_batches(max_in_flight={max_in_flight})`: pass a positive number "

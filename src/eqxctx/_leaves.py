@@ -61,6 +61,14 @@ def _is_numeric(dtype: Any) -> bool:
     return ok
 
 
+# Where summaries are checked: `summaries/...` and a scan's stacked summaries.
+_SUMMARY_PATHS = ("summaries", "IterationSummaries")
+
+
+def _is_key(dtype: Any) -> bool:
+    return bool(jnp.issubdtype(dtype, jax.dtypes.prng_key))
+
+
 # What a leaf's type makes it (whether a value is an array, a number or a `Summary`
 # depends on its type only): looked up once per type.
 SUMMARY, ARRAY, NUMBER, INVALID = 0, 1, 2, 3
@@ -89,14 +97,24 @@ def check_leaf(value: object, path: str) -> None:
 
     Valid leaves are JAX and NumPy arrays of numeric dtypes (bool, integer,
     floating, complex, typed PRNG keys), Python `bool`/`int`/`float`, and `Summary`
-    objects. Called once per leaf, where it enters a collection.
+    objects; typed PRNG keys are refused as summaries (under a `path` starting with
+    `summaries` or `IterationSummaries`: writers log numbers). Called once per leaf,
+    where it enters a collection.
     """
     kind = leaf_type(value)
     if kind in (SUMMARY, NUMBER):
         return
     if kind == ARRAY:
         dtype = getattr(value, "dtype", None)
-        if dtype is None or _is_numeric(dtype):
+        if dtype is None:
+            return
+        if _is_numeric(dtype):
+            if path.startswith(_SUMMARY_PATHS) and _is_key(dtype):
+                raise TypeError(
+                    f"`OutputCollection`: the summary at {path!r} is a typed PRNG key "
+                    f"({dtype}); writers log numbers. Add it as a module output, or "
+                    "summarize `jax.random.key_data(key)`."
+                )
             return
         raise TypeError(
             f"`OutputCollection`: the array at {path!r} has dtype {dtype}; leaves must "
