@@ -128,7 +128,8 @@ class Summary(eqx.Module):
         """Return this kind's identity with `self`'s shapes and dtypes, or None.
 
         The identity leaves any accumulation unchanged: `s.identity().accumulate(s)`
-        equals `s` (up to rounding for a weighted mean). Branches that do not add a
+        equals `s` (up to rounding for a weighted mean,
+        and a mean of zero total weight, which becomes 0). Branches that do not add a
         summary (`cond_in_context`) and loops that run zero times
         (`while_in_context`) report it. The default is None: the kind has no
         identity (media kinds keep their first value, so nothing can stand in for a
