@@ -368,9 +368,9 @@ def test_runner_arguments() -> None:
             with pytest.raises(
                 TypeError, match=r"`run_batches\(max_in_flight=\.\.\.\)`"
             ):
-                list(run_batches(runner, [np.ones(2)], max_in_flight=bad))
+                run_batches(runner, [np.ones(2)], max_in_flight=bad)  # at the call
     with pytest.raises(ValueError, match=r"`run_batches\(max_in_flight=0\)`"):
-        list(run_batches(runner, [np.ones(2)], max_in_flight=0))
+        run_batches(runner, [np.ones(2)], max_in_flight=0)
 
 
 @pytest.mark.parametrize("bad", ["x", 16000.0, None, True])
