@@ -119,9 +119,14 @@ def test_weighted_summary_mixed_dtypes_under_strict_promotion() -> None:
     np.testing.assert_allclose(s.weight, 4.0)
 
 
-def test_weighted_summary_zero_weight_nan_mean_adds_nothing() -> None:
+def test_weighted_summary_zero_weight_nan_mean_is_nan() -> None:
+    # Issue 10 (summary laws): a NaN anywhere gives NaN, also a NaN mean with zero
+    # weight (the 0/0 mean of an empty batch): a broken batch is never hidden.
     empty = WeightedSummary(jnp.float32(jnp.nan), jnp.float32(0))
     s = empty + WeightedSummary(jnp.float32(5), jnp.float32(1))
+    assert np.isnan(s.value())
+    # A finite mean with zero weight adds nothing, and its gradient is finite.
+    s = WeightedSummary(jnp.float32(7), jnp.float32(0)) + WeightedSummary(5.0, 1.0)
     np.testing.assert_allclose(s.value(), 5.0)
     g = jax.grad(
         lambda m: (WeightedSummary(m, jnp.float32(0)) + WeightedSummary(m, 1.0)).value()

@@ -74,7 +74,9 @@ def test_media_summaries_keep_first() -> None:
     second = ImageSummary(jnp.ones((1, 2, 2, 3)))
     assert first.accumulate(second) is first
     audio = AudioSummary(jnp.zeros(8), sample_rate=8000)
-    assert audio.accumulate(AudioSummary(jnp.ones(8))) is audio
+    assert audio.accumulate(AudioSummary(jnp.ones(8), sample_rate=8000)) is audio
+    with pytest.raises(ValueError, match="sample_rate=8000 with one with sample_rate"):
+        audio.accumulate(AudioSummary(jnp.ones(8)))
     assert audio.sample_rate == 8000
     assert AudioSummary(jnp.zeros(8)).sample_rate == 16000
     # Histograms add counts (tests/test_statistics.py).

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
+from ._checks import check_positive_int_or_none
 from ._collection import OutputCollection, summary_tree
 from ._iterations import flatten_into, freeze, materialize_tree
 from ._mapping import EMPTY, FrozenMapping
@@ -52,13 +53,16 @@ def run_batches(
         max_in_flight: the most batches computing at once (None: no bound).
         **kwargs: keyword arguments of the method, for every batch.
 
-    Yields:
-        One `MethodRunner.Output` per batch.
+    Returns:
+        An iterator yielding one `MethodRunner.Output` per batch, computed as it is
+        iterated.
 
     Raises:
-        ImportError: if `progress=True` and `tqdm` is not installed.
-        ValueError: if `max_in_flight` is not positive.
+        ImportError: if `progress=True` and `tqdm` is not installed (at the call).
+        ValueError: if `max_in_flight` is not positive (at the call).
+        TypeError: if `max_in_flight` is neither an int nor None (at the call).
     """
+    check_positive_int_or_none(max_in_flight, "run_batches", "max_in_flight")
     if max_in_flight is not None and max_in_flight < 1:
         raise ValueError(
             f"`run_batches(max_in_flight={max_in_flight})`: pass a positive number "
@@ -73,6 +77,16 @@ def run_batches(
                 "`pip install eqxctx[demo]`)."
             ) from e
         batches = tqdm(batches, desc="batches", unit="batch")
+    # Arguments are checked above, at the call; the loop runs when iterated.
+    return _run(runner, batches, max_in_flight, kwargs)
+
+
+def _run(
+    runner: MethodRunner,
+    batches: Iterable[Batch],
+    max_in_flight: int | None,
+    kwargs: dict[str, PyTree],
+) -> Iterator[MethodRunner.Output]:
     # The runner's own path (`Step.call`), threading only the key: the successor
     # runners are never seen, so they are not built.
     step, params, key = runner.step, runner.param_leaves, runner.prng_key

@@ -183,9 +183,17 @@ class OutputCollection:
 
         Raises:
             ValueError: if `name` does not match `^[a-z][a-z0-9_]*$`.
+            TypeError: if `child` is not an `OutputCollection`.
             OutputConflictError: if `name` is already a child or a leaf of any kind.
         """
         validate_child_name(name, where="add_child")
+        # Typed `OutputCollection`; checked for callers without a type checker.
+        if not isinstance(child, OutputCollection):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise TypeError(
+                f"`add_child({name!r}, child)`: child must be an `OutputCollection`, "
+                f"got {type(child).__name__}; build one with "
+                "`OutputCollection.empty().add_summary(...)` or pass `ctx.collection`."
+            )
         _check_levels(child, name)
         if name_in_use(self, name):
             raise OutputConflictError(
@@ -420,7 +428,11 @@ def add_leaf(
     if type(name) is not str or not name or "/" in name:
         validate_leaf_name(name, where=ADDERS[kind])
     if check_leaf(value, f"{kind}/{name}") == SUMMARY:
-        value.validate()
+        try:
+            value.validate()
+        except ValueError as e:
+            msg = f"`{ADDERS[kind]}`: the summary at {kind}/{name}: {e}"
+            raise ValueError(msg) from e
     s, su, mo = coll.summaries, coll.state_updates, coll.module_outputs
     target = s if kind == "summaries" else su if kind == "state_updates" else mo
     existing = target.get(name, _MISSING)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, PyTree
 
+from ._checks import check_context, check_drop, check_in_axes, note_missing_key
 from ._collection import OutputCollection, validate_child_name
 from ._context import (
     Context,
@@ -49,9 +50,10 @@ def _leaves_with_names(tree: PyTree, root: str) -> list[tuple[str, Leaf]]:
 def _check_array_leaf(name: str, leaf: Leaf, where: str) -> None:
     """Raise for a leaf that is not an array (e.g. a function field of a module)."""
     if not is_array_leaf(leaf):
+        args = "`xs` and `per_iteration` may" if "scan" in where else "`xs` may"
         raise TypeError(
-            f"{where}: {name} is a {type(leaf).__name__}, not an array; `xs` and "
-            "`per_iteration` may hold arrays only (as in `jax.lax.scan` and "
+            f"{where}: {name} is a {type(leaf).__name__}, not an array; {args} "
+            "hold arrays only (as in `jax.lax.scan` and "
             "`jax.vmap`). For a stacked Equinox module (e.g. built with "
             "`eqx.filter_vmap`), pass its arrays, `params, static = "
             "eqx.partition(xs, eqx.is_array)`, and rebuild each one in the body "
@@ -140,8 +142,12 @@ def _check_remat(remat_kwargs: Mapping[str, object] | None) -> dict[str, Any] | 
 def _run_body(
     fn: Callable[..., object], args: tuple[PyTree, ...], what: str, arity: int
 ) -> tuple[PyTree, ...]:
-    result = fn(*args)
     given: Context = args[-1]
+    try:
+        result = fn(*args)
+    except TypeError as e:
+        note_missing_key(e, given, f"{what}: fn")
+        raise
     if (
         not isinstance(result, tuple)
         or len(result) != arity
@@ -244,6 +250,8 @@ def scan_in_context(
         >>> float(c), sorted(coll.flatten("summaries"))
         (3.0, ['iter0/x', 'iter1/x', 'iter2/x'])
     """
+    check_context(context, "scan_in_context")
+    check_drop(drop_output, "scan_in_context")
     prefix = validate_child_name(
         child_name_prefix, where="scan_in_context(child_name_prefix=...)"
     )
@@ -462,6 +470,9 @@ def vmap_in_context(
         >>> sorted(coll.flatten("summaries"))
         ['iter0/x', 'iter1/x']
     """
+    check_context(context, "vmap_in_context")
+    check_drop(drop_output, "vmap_in_context")
+    check_in_axes(in_axes, "vmap_in_context")
     prefix = validate_child_name(
         child_name_prefix, where="vmap_in_context(child_name_prefix=...)"
     )

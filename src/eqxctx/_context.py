@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
 
+from ._checks import note_missing_key
 from ._collection import (
     OutputCollection,
     add_leaf,
@@ -223,7 +224,16 @@ class Context:
         prng_key: PRNGKey | None = _UNSET,
         is_training: bool | np.bool_ = _UNSET,
     ) -> "Context":
-        """Return a child context with an empty collection.
+        """Return a child context with an empty collection (the low-level step).
+
+        `child` records nothing in `self` and reserves no name: two `child("a")`
+        calls, or `child("a")` and a later `call("a", ...)`, give contexts with the
+        same key. Model code should use `ctx.call(name, fn)`, which makes the child,
+        runs `fn` in it and attaches its outputs under `name`. If you make a child
+        by hand, get its outputs back with `ctx.merge(OutputCollection.empty()
+        .add_child(name, child.collection))`; `call`, `add_child` and `merge` all
+        refuse a second child of one name (`OutputConflictError`), also when the
+        first one is empty.
 
         The child's key is `jax.random.fold_in(self.prng_key, seed(name))` with
         AXLearn's seed (`int(md5(name).hexdigest(), 16) % (2**31 - 1)`), so keys match
@@ -237,7 +247,8 @@ class Context:
 
         Raises:
             ValueError: for an invalid name.
-            TypeError: if `is_training` is given and is not a bool.
+            TypeError: if `is_training` is given and is not a bool, or `prng_key` is
+                given and is neither None, a raw `uint32[2]` key nor a typed key.
         """
         validate_child_name(name, where="Context.child")
         training = (
@@ -247,6 +258,7 @@ class Context:
         )
         if prng_key is _UNSET:
             return _child(self, name, training)
+        prng_key = check_prng_key(prng_key, "Context.child")
         return _make(
             (*self.path, name), prng_key, (), training, _EMPTY, self._shape_only
         )
@@ -335,7 +347,11 @@ class Context:
             )
         child = _child(self, name, self.is_training)
         with jax.named_scope(name):
-            result = fn(*args, child, **kwargs)
+            try:
+                result = fn(*args, child, **kwargs)
+            except TypeError as e:
+                note_missing_key(e, child, f"`Context.call({name!r}, fn)`")
+                raise
         if (
             type(result) is not tuple
             or len(result) != 2

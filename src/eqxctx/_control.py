@@ -10,6 +10,7 @@ from typing import Any
 import jax
 from jaxtyping import ArrayLike, PyTree
 
+from ._checks import check_context
 from ._collection import OutputCollection, validate_child_name
 from ._context import (
     Context,
@@ -134,6 +135,7 @@ def cond_in_context(
         >>> float(out), float(coll.flatten("summaries")["cond/big"].weight)
         (-2.0, 0.0)
     """
+    check_context(context, "cond_in_context")
     name = validate_child_name(child_name, where="cond_in_context(child_name=...)")
     return _run_branches(
         lambda fns: jax.lax.cond(pred, fns[1], fns[0], *operands),
@@ -177,6 +179,7 @@ def switch_in_context(
     References:
         `jax.lax.switch`.
     """
+    check_context(context, "switch_in_context")
     name = validate_child_name(child_name, where="switch_in_context(child_name=...)")
     fns = list(branches)
     if not fns:

@@ -6,6 +6,7 @@ from typing import TypeVar
 import numpy as np
 from jaxtyping import PyTree
 
+from ._checks import note_missing_key
 from ._collection import KINDS, OutputCollection
 from ._context import (
     Context,
@@ -78,7 +79,11 @@ def functional(
     prng_key = check_prng_key(prng_key, "functional")
     is_training = check_is_training(is_training, "functional")
     ctx = Context.root(prng_key=prng_key, is_training=is_training)
-    result = fn(*args, ctx, **(kwargs or {}))
+    try:
+        result = fn(*args, ctx, **(kwargs or {}))
+    except TypeError as e:
+        note_missing_key(e, ctx, "`functional(fn)`")
+        raise
     outputs, out_ctx = check_returns_context(result, "`functional(fn)`: fn")
     check_path(out_ctx, ctx, "`functional(fn)`: fn")
     coll = out_ctx.collection

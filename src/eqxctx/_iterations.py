@@ -48,8 +48,10 @@ class IterationSummaries(eqx.Module):
     (`jnp.moveaxis`).
 
     Raises:
-        ValueError: if a leaf of `stacked` has no leading axis of size `length`.
-        TypeError: if a leaf is not a valid summary leaf (naming its path).
+        ValueError: if a leaf of `stacked` has no leading axis of size `length`, or
+            `length` is negative.
+        TypeError: if `length` is not an int, or a leaf is not a valid summary leaf
+            (naming its path).
 
     Attributes:
         length: the number of iterations N, static.
@@ -65,12 +67,23 @@ class IterationSummaries(eqx.Module):
 
     def __init__(
         self,
-        length: int,
+        length: Any,  # an int, checked here with a message naming the argument
         stacked: Tree,
         # `Any`, not `tuple[int, ...] | None`: beartype checks a variadic tuple by
         # sampling it with `random`, which hypothesis forbids inside strategies.
         ndims: Any = None,
     ):
+        if isinstance(length, bool) or not isinstance(length, (int, np.integer)):
+            raise TypeError(
+                "`IterationSummaries(length, stacked)`: length must be an int (the "
+                f"number of iterations), got {type(length).__name__} {length!r}."
+            )
+        if length < 0:
+            raise ValueError(
+                "`IterationSummaries(length, stacked)`: length must be >= 0 (the "
+                f"number of iterations), got {length}."
+            )
+        length = int(length)
         frozen = freeze(stacked, "IterationSummaries.stacked")
         if ndims is None:
             for x in jax.tree_util.tree_leaves(frozen):

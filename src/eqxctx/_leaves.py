@@ -61,6 +61,23 @@ def _is_numeric(dtype: Any) -> bool:
     return ok
 
 
+# Where summaries are checked: `summaries/...` and a scan's stacked summaries.
+_SUMMARY_PATHS = ("summaries", "IterationSummaries")
+
+
+_key_cache: dict[Any, bool] = {}
+
+
+def _is_key(dtype: Any) -> bool:
+    """Whether `dtype` is a typed PRNG key's (cached per dtype)."""
+    known = _key_cache.get(dtype)
+    if known is None:
+        known = bool(jnp.issubdtype(dtype, jax.dtypes.prng_key))
+        with contextlib.suppress(TypeError):  # an unhashable dtype-like object
+            _key_cache[dtype] = known
+    return known
+
+
 # What a leaf's type makes it (whether a value is an array, a number or a `Summary`
 # depends on its type only): looked up once per type.
 SUMMARY, ARRAY, NUMBER, INVALID = 0, 1, 2, 3
@@ -89,7 +106,9 @@ def check_leaf(value: object, path: str) -> int:
 
     Valid leaves are JAX and NumPy arrays of numeric dtypes (bool, integer,
     floating, complex, typed PRNG keys), Python `bool`/`int`/`float`, and `Summary`
-    objects. Called once per leaf, where it enters a collection.
+    objects; typed PRNG keys are refused as summaries (under a `path` starting with
+    `summaries` or `IterationSummaries`: writers log numbers). Called once per leaf,
+    where it enters a collection.
     """
     cls = type(value)
     kind = _leaf_types.get(cls)
@@ -103,6 +122,12 @@ def check_leaf(value: object, path: str) -> int:
             return kind
         known = _numeric_cache.get(dtype)
         if known or (known is None and _is_numeric(dtype)):
+            if _is_key(dtype) and path.startswith(_SUMMARY_PATHS):
+                raise TypeError(
+                    f"`OutputCollection`: the summary at {path!r} is a typed PRNG key "
+                    f"({dtype}); writers log numbers. Add it as a module output, or "
+                    "summarize `jax.random.key_data(key)`."
+                )
             return kind
         raise TypeError(
             f"`OutputCollection`: the array at {path!r} has dtype {dtype}; leaves must "

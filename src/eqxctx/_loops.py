@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax.core import Tracer
 from jaxtyping import ArrayLike
 
+from ._checks import check_context, check_drop
 from ._collection import OutputCollection, validate_child_name
 from ._combinators import scan_in_context
 from ._context import Context, fold_in_name, is_shape_only, iteration_context
@@ -103,6 +104,7 @@ def while_in_context(
         >>> int(x), int(coll.flatten("summaries")["while/n"].value())
         (16, 4)
     """
+    check_context(context, "while_in_context")
     name = validate_child_name(child_name, where="while_in_context(child_name=...)")
     where = "`while_in_context`"
     child_key: PRNGKeys | None = fold_in_name(context.prng_key, name)
@@ -216,6 +218,8 @@ def fori_in_context(
     References:
         `jax.lax.fori_loop`.
     """
+    check_context(context, "fori_in_context")
+    check_drop(drop_output, "fori_in_context")
     lo, hi = _static_int(lower), _static_int(upper)
     if lo is not None and hi is not None:
 

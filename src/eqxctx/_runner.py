@@ -22,9 +22,12 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from ._aot import LoweredRunner, lower_runner
+from ._checks import check_callable
+from ._context import check_is_training, check_prng_key
 from ._frozen import Frozen
 from ._partition import (
     DataPartition,
@@ -143,7 +146,7 @@ class MethodRunner(eqx.Module):
         output_partition: Any = DataPartition.BATCH,
         param_partition: Any = None,
         drop_module_outputs: Callable[[str], bool] = lambda path: True,
-        is_training: bool = False,
+        is_training: bool | np.bool_ = False,
         pad_batches: bool = False,
         batch_sizes: Sequence[int] | None = None,
         mask_kwarg: str | None = None,
@@ -214,14 +217,41 @@ class MethodRunner(eqx.Module):
                 positive integers or given without `pad_batches=True`, or a
                 `mask_kwarg` that is not an identifier.
             TypeError: for an unhashable non-array leaf of `model`, a bound method
-                of the model as `method` (pass its name or `type(model).method`), or
-                `prng_key=None`.
+                of the model as `method` (pass its name or `type(model).method`), a
+                `method` that is neither callable nor a string, a `mesh` that is not
+                a `jax.sharding.Mesh`, a non-callable `drop_module_outputs`, an
+                `is_training` that is not a bool, or a `prng_key` that is None or
+                not a key.
         """
+        where = "MethodRunner.create"
         if prng_key is None:
             raise TypeError(
                 "`MethodRunner.create(prng_key=None)`: the runner needs a key to "
                 "split on every call; pass e.g. `prng_key=jax.random.key(0)`."
             )
+        check_prng_key(prng_key, where)
+        # Typed `Mesh`; checked for callers without a type checker.
+        if not isinstance(mesh, Mesh):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise TypeError(
+                f"`{where}(mesh=...)`: mesh must be a `jax.sharding.Mesh` (e.g. "
+                "`jax.make_mesh((jax.device_count(),), ('data',))`; one device is "
+                f"fine), got {type(mesh).__name__} {mesh!r}."
+            )
+        if not isinstance(method, str):
+            check_callable(
+                method,
+                where,
+                "method",
+                "a function `method(model, batch, ctx)` or "
+                "the name of a method of the model",
+            )
+        check_callable(
+            drop_module_outputs,
+            where,
+            "drop_module_outputs",
+            "a callable `drop(path) -> bool`",
+        )
+        is_training = check_is_training(is_training, where)
         _check_method(model, method)
         if isinstance(method, str) and not callable(getattr(model, method, None)):
             raise AttributeError(

@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, ArrayLike, Float, Int, Shaped
 
-from ._summary import Summary, _extreme  # pyright: ignore[reportPrivateUsage]
+from ._summary import Summary, _extreme, check_same_kind  # pyright: ignore[reportPrivateUsage]
 from ._typing import ArrayValue
 
 
@@ -234,7 +234,7 @@ class HistogramSummary(Summary):
         """Return the counts (the edges are the static field `edges`)."""
         return self.counts
 
-    def accumulate(self, other: Summary) -> "HistogramSummary":
+    def accumulate(self, other: Any) -> "HistogramSummary":
         """Return the histogram with both counts added; both are unchanged.
 
         Raises:
@@ -242,10 +242,8 @@ class HistogramSummary(Summary):
                 shape of its counts differ.
         """
         if not isinstance(other, HistogramSummary):
-            raise ValueError(
-                "`HistogramSummary.accumulate`: expected a HistogramSummary, got "
-                f"{type(other).__name__}."
-            )
+            check_same_kind(self, other, "HistogramSummary.accumulate")
+            raise AssertionError  # pragma: no cover - check_same_kind raised
         if other.edges != self.edges:
             raise ValueError(
                 "`HistogramSummary.accumulate`: the edges differ "
@@ -352,23 +350,15 @@ class MomentsSummary(Summary):
             "nonfinite": self.nonfinite,
         }
 
-    def accumulate(self, other: Summary) -> "MomentsSummary":
+    def accumulate(self, other: Any) -> "MomentsSummary":
         """Return the moments of both sets of values together; both are unchanged.
 
         Raises:
             ValueError: if `other` is not a `MomentsSummary` or its fields have
                 other shapes.
         """
-        where = "`MomentsSummary.accumulate`"
-        if not isinstance(other, MomentsSummary):
-            raise ValueError(
-                f"{where}: expected a MomentsSummary, got {type(other).__name__}."
-            )
-        if jnp.shape(other.count) != jnp.shape(self.count):
-            raise ValueError(
-                f"{where}: summaries of shapes {jnp.shape(self.count)} and "
-                f"{jnp.shape(other.count)}."
-            )
+        check_same_kind(self, other, "MomentsSummary.accumulate")
+        assert isinstance(other, MomentsSummary)
         with jax.numpy_dtype_promotion("standard"):
             dtype = jnp.result_type(self.mean, other.mean)
             count = self.count + other.count
@@ -408,5 +398,5 @@ class MomentsSummary(Summary):
             lambda m: (m.count, m.mean, m.m2, m.min_, m.max_, m.nonfinite), self, new
         )
 
-    def __add__(self, other: "MomentsSummary") -> "MomentsSummary":
+    def __add__(self, other: Any) -> "MomentsSummary":
         return self.accumulate(other)

@@ -6,6 +6,7 @@ Follows AXLearn's `axlearn/common/summary.py` (`Summary`, `ImageSummary`,
 """
 
 import abc
+import dataclasses
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -13,6 +14,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 from jaxtyping import Array, ArrayLike, PyTree
 
 from ._typing import ArrayValue
@@ -23,6 +25,66 @@ _S = TypeVar("_S", bound="_KeepFirst")
 
 def _as_array(x: ArrayLike) -> Array:
     return jnp.asarray(x)
+
+
+def _as_int(x: Any) -> Any:
+    """A NumPy integer as an `int` (a static field); anything else as it is."""
+    return int(x) if isinstance(x, np.integer) else x
+
+
+def _shapes(summary: "Summary") -> str:
+    """Describe the shapes of `summary`'s arrays, e.g. `mean () and weight (3,)`."""
+    parts = [
+        f"{jax.tree_util.keystr(path, simple=True, separator='.')} {np.shape(leaf)}"
+        for path, leaf in jax.tree_util.tree_leaves_with_path(summary)
+    ]
+    return " and ".join(parts) or "no arrays"
+
+
+def _kind(x: object) -> str:
+    if isinstance(x, Summary):
+        name = type(x).__name__
+        return f"{'an' if name[0] in 'AEIOU' else 'a'} {name}"
+    return f"{type(x).__name__} {x!r}"[:80]
+
+
+def check_same_kind(summary: "Summary", other: object, where: str) -> None:
+    """Raise `ValueError` unless `other` is `summary`'s kind with the same shapes.
+
+    AXLearn's rule (`axlearn/common/metrics.py`): two summaries accumulate only if
+    they are of one kind and their arrays have the same shapes (no broadcasting).
+    Static fields (an `AudioSummary`'s sample rate, a `HistogramSummary`'s edges, a
+    `CallbackSummary`'s function) must be equal too.
+    """
+    if type(other) is not type(summary):
+        raise ValueError(
+            f"`{where}`: cannot accumulate {_kind(summary)} with {_kind(other)}; "
+            "accumulate summaries of one kind (log the same kind at a path every "
+            "time)."
+        )
+    assert isinstance(other, Summary)
+    mine, treedef = jax.tree_util.tree_flatten(summary)
+    others, other_def = jax.tree_util.tree_flatten(other)
+    if treedef == other_def and all(
+        np.shape(a) == np.shape(b) for a, b in zip(mine, others, strict=True)
+    ):
+        return
+    static, other_static = _static_fields(summary), _static_fields(other)
+    if static != other_static:
+        raise ValueError(
+            f"`{where}`: cannot accumulate {_kind(summary)} with {static} with one "
+            f"with {other_static}; summaries accumulate only with the same settings."
+        )
+    raise ValueError(
+        f"`{where}`: cannot accumulate {_kind(summary)} of shapes "
+        f"{_shapes(summary)} with one of shapes {_shapes(other)}; summaries "
+        "accumulate only with the same shapes (no broadcasting)."
+    )
+
+
+def _static_fields(summary: "Summary") -> str:
+    fields = [f for f in dataclasses.fields(summary) if f.metadata.get("static")]
+    return ", ".join(f"{f.name}={getattr(summary, f.name)!r}" for f in fields)[:200]
 
 
 class Summary(eqx.Module):
@@ -52,13 +114,22 @@ class Summary(eqx.Module):
 
     @abc.abstractmethod
     def accumulate(self, other: Any) -> "Summary":
-        """Return the accumulation of `self` and `other`; both are unchanged."""
+        """Return the accumulation of `self` and `other`; both are unchanged.
+
+        Every built-in kind requires `other` to be of the same kind with arrays of
+        the same shapes (AXLearn's rule); a NaN in either gives NaN.
+
+        Raises:
+            ValueError: if `other` is another kind (or not a `Summary`), or its
+                arrays have other shapes (the message names both).
+        """
 
     def identity(self) -> "Summary | None":
         """Return this kind's identity with `self`'s shapes and dtypes, or None.
 
         The identity leaves any accumulation unchanged: `s.identity().accumulate(s)`
-        equals `s` (up to rounding for a weighted mean). Branches that do not add a
+        equals `s` (up to rounding for a weighted mean,
+        and a mean of zero total weight, which becomes 0). Branches that do not add a
         summary (`cond_in_context`) and loops that run zero times
         (`while_in_context`) report it. The default is None: the kind has no
         identity (media kinds keep their first value, so nothing can stand in for a
@@ -72,11 +143,17 @@ class WeightedSummary(Summary):
 
     AXLearn's `WeightedScalar`. Accumulating two weighted summaries gives the weighted
     mean of their means, with the weights added. At zero total weight the mean is 0,
-    and neither the value nor its gradient is NaN.
+    and neither the value nor its gradient is NaN. A NaN anywhere (a mean, also one
+    with zero weight, or a weight) gives a NaN mean, so writers never log a
+    plausible number for a broken batch: compute an empty batch's mean as 0 (e.g.
+    `total / jnp.maximum(count, 1)`), not 0/0. Weights must not be negative:
+    `validate()` (run by `add_summary` and the writers) refuses concrete negative
+    weights.
 
     Attributes:
         mean: the mean, any shape, floating dtype (traced).
-        weight: the weight, shape `()` or `mean`'s shape, any real dtype (traced).
+        weight: the weight, shape `()` or `mean`'s shape, any real dtype, not
+            negative (traced).
 
     Examples:
         >>> s = WeightedSummary(2.0, 1.0) + WeightedSummary(5.0, 2.0)
@@ -92,43 +169,64 @@ class WeightedSummary(Summary):
         return self.mean
 
     def validate(self) -> None:
-        """Check that `weight` is a scalar or has `mean`'s shape.
+        """Check that `weight` is a scalar or has `mean`'s shape, and not negative.
 
         Raises:
-            ValueError: if `weight`'s shape is neither `()` nor `mean.shape`.
+            ValueError: if `weight`'s shape is neither `()` nor `mean.shape`, or a
+                concrete (not traced) weight is negative. Traced weights are not
+                checked.
         """
         if self.weight.shape not in ((), self.mean.shape):
             raise ValueError(
                 f"`WeightedSummary(mean, weight)`: weight has shape {self.weight.shape}"
                 f", expected () or the mean's shape {self.mean.shape}."
             )
+        weight = self.weight
+        if not isinstance(weight, Tracer) and bool(np.any(weight < 0)):
+            raise ValueError(
+                "`WeightedSummary(mean, weight)`: weights must not be negative, got "
+                f"{np.asarray(weight)!r}; a weight counts examples (use 0 to add "
+                "nothing)."
+            )
 
-    def accumulate(self, other: "WeightedSummary") -> "WeightedSummary":
+    def accumulate(self, other: Any) -> "WeightedSummary":
         """Return the weighted mean of both means, with the weights added.
 
-        Mixed dtypes (a bfloat16 mean with a float32 one, integer weights with float
-        ones) are promoted as under JAX's standard promotion, also when
-        `jax_numpy_dtype_promotion="strict"` is set. A side with zero weight adds
-        nothing, even if its mean is NaN (the 0/0 mean of an empty batch).
+        The mean is `(m1 * w1 + m2 * w2) / (w1 + w2)`, computed with the weights
+        scaled by the larger one, so weights near the dtype's maximum do not
+        overflow; at zero total weight it is 0. A NaN mean (even one with zero
+        weight) or a NaN weight gives a NaN mean. Mixed dtypes (a bfloat16 mean with
+        a float32 one, integer weights with float ones) are promoted as under JAX's
+        standard promotion, also when `jax_numpy_dtype_promotion="strict"` is set.
+
+        Raises:
+            ValueError: if `other` is not a `WeightedSummary`, or its mean or weight
+                has another shape.
         """
+        check_same_kind(self, other, "WeightedSummary.accumulate")
         with jax.numpy_dtype_promotion("standard"):
             dtype = jnp.result_type(self.mean, other.mean)
             if not jnp.issubdtype(dtype, jnp.floating):
                 dtype = jnp.float32
             w1 = self.weight.astype(dtype)
             w2 = other.weight.astype(dtype)
-            total = w1 + w2
+            m1 = self.mean.astype(dtype)
+            m2 = other.mean.astype(dtype)
+            # Scaled by the larger weight: no overflow of `m * w` or `w1 + w2`.
+            scale = jnp.maximum(w1, w2)
+            positive = scale > 0
+            safe_scale = jnp.where(positive, scale, jnp.ones_like(scale))
+            a, b = w1 / safe_scale, w2 / safe_scale
+            numerator = m1 * a + m2 * b  # NaN for a NaN mean or weight (0 * NaN)
             # Double `where`s: no NaN in the value or its gradient at zero weight.
-            m1 = jnp.where(w1 > 0, self.mean.astype(dtype), 0)
-            m2 = jnp.where(w2 > 0, other.mean.astype(dtype), 0)
-            numerator = m1 * w1 + m2 * w2
-            positive = total > 0
-            safe_total = jnp.where(positive, total, jnp.ones_like(total))
-            mean = jnp.where(positive, numerator / safe_total, 0).astype(dtype)
+            denominator = jnp.where(positive, a + b, jnp.ones_like(scale))
+            broken = jnp.isnan(numerator) | jnp.isnan(scale)
+            mean = jnp.where(positive, numerator / denominator, 0)
+            mean = jnp.where(broken, jnp.nan, mean).astype(dtype)
             weight = self.weight + other.weight
         return WeightedSummary(mean, weight)
 
-    def __add__(self, other: "WeightedSummary") -> "WeightedSummary":
+    def __add__(self, other: Any) -> "WeightedSummary":
         return self.accumulate(other)
 
     def identity(self) -> "WeightedSummary":
@@ -150,8 +248,13 @@ class MinSummary(Summary):
         """Return the minimum."""
         return self.value_
 
-    def accumulate(self, other: "MinSummary") -> "MinSummary":
-        """Return the elementwise minimum of both."""
+    def accumulate(self, other: Any) -> "MinSummary":
+        """Return the elementwise minimum of both.
+
+        Raises:
+            ValueError: if `other` is not a `MinSummary` or has another shape.
+        """
+        check_same_kind(self, other, "MinSummary.accumulate")
         return MinSummary(jnp.minimum(self.value_, other.value_))
 
     def identity(self) -> "MinSummary":
@@ -173,8 +276,13 @@ class MaxSummary(Summary):
         """Return the maximum."""
         return self.value_
 
-    def accumulate(self, other: "MaxSummary") -> "MaxSummary":
-        """Return the elementwise maximum of both."""
+    def accumulate(self, other: Any) -> "MaxSummary":
+        """Return the elementwise maximum of both.
+
+        Raises:
+            ValueError: if `other` is not a `MaxSummary` or has another shape.
+        """
+        check_same_kind(self, other, "MaxSummary.accumulate")
         return MaxSummary(jnp.maximum(self.value_, other.value_))
 
     def identity(self) -> "MaxSummary":
@@ -196,8 +304,13 @@ class SumSummary(Summary):
         """Return the sum."""
         return self.value_
 
-    def accumulate(self, other: "SumSummary") -> "SumSummary":
-        """Return the elementwise sum of both."""
+    def accumulate(self, other: Any) -> "SumSummary":
+        """Return the elementwise sum of both.
+
+        Raises:
+            ValueError: if `other` is not a `SumSummary` or has another shape.
+        """
+        check_same_kind(self, other, "SumSummary.accumulate")
         return SumSummary(self.value_ + other.value_)
 
     def identity(self) -> "SumSummary":
@@ -219,9 +332,14 @@ def _extreme(x: Array, largest: bool) -> Any:
 class _KeepFirst(Summary):
     """Accumulation keeps the first value (media summaries are not averaged)."""
 
-    def accumulate(self: _S, other: _S) -> _S:
-        """Return `self`: the first value is kept."""
-        del other
+    def accumulate(self: _S, other: Any) -> _S:
+        """Return `self`: the first value is kept.
+
+        Raises:
+            ValueError: if `other` is another kind, or its arrays have other shapes
+                (or other static fields), as for every kind.
+        """
+        check_same_kind(self, other, f"{type(self).__name__}.accumulate")
         return self
 
 
@@ -283,11 +401,23 @@ class AudioSummary(_KeepFirst):
     Attributes:
         value_: shape `[time]` or `[time, channels]`, floating values in `[-1, 1]`
             (traced). Construct as `AudioSummary(value, sample_rate=16000)`.
-        sample_rate: samples per second (Hz), static.
+        sample_rate: samples per second (Hz), a positive int, static.
+
+    Raises:
+        TypeError: if `sample_rate` is not an int (on construction).
     """
 
     value_: Array = eqx.field(converter=_as_array)
-    sample_rate: int = eqx.field(static=True, default=16000)
+    # `Any`, checked in `__check_init__` with a message naming the argument.
+    sample_rate: Any = eqx.field(static=True, default=16000, converter=_as_int)
+
+    def __check_init__(self) -> None:
+        rate = self.sample_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, np.integer)):
+            raise TypeError(
+                "`AudioSummary(value, sample_rate=...)`: sample_rate must be an int "
+                f"(samples per second), got {type(rate).__name__} {rate!r}."
+            )
 
     def value(self) -> ArrayValue:
         """Return the waveform."""
@@ -326,6 +456,9 @@ class CallbackSummary(_KeepFirst):
     `args` and `kwargs` to the host first: `fn` receives NumPy arrays there, as in
     AXLearn.
 
+    Raises:
+        TypeError: if `fn` is not callable.
+
     Attributes:
         fn: the callable, static (hashed by identity: pass the same function object
             to avoid recompilation).
@@ -337,7 +470,13 @@ class CallbackSummary(_KeepFirst):
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
 
-    def __init__(self, fn: Callable[..., Any], *args: Any, **kwargs: Any):
+    # `fn: Any`: checked here, with a message naming the argument.
+    def __init__(self, fn: Any, *args: Any, **kwargs: Any):
+        if not callable(fn):
+            raise TypeError(
+                "`CallbackSummary(fn, *args, **kwargs)`: fn must be callable (it "
+                f"computes the value on the host), got {type(fn).__name__} {fn!r}."
+            )
         self.fn = fn
         self.args = args
         self.kwargs = kwargs

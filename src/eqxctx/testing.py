@@ -6,8 +6,10 @@ collections with `assert_collections_equal(actual, expected)`.
 """
 
 import contextlib
-from collections.abc import Callable
-from typing import Any
+import dataclasses
+import random
+from collections.abc import Callable, Generator, Sequence
+from typing import Any, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -23,9 +25,15 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "'eqxctx[test]'` (or `pip install hypothesis`)."
     ) from e
 
-from ._collection import ADDERS, KINDS, IterationSummaries, OutputCollection
+from ._collection import ADDERS, KINDS, OutputCollection, name_in_use
+from ._combinators import scan_in_context, vmap_in_context
+from ._context import Context
 from ._errors import OutputConflictError
+from ._statistics import HistogramSummary, MomentsSummary
 from ._summary import (
+    AudioSummary,
+    CallbackSummary,
+    ImageSummary,
     MaxSummary,
     MinSummary,
     Summary,
@@ -35,13 +43,43 @@ from ._summary import (
 
 
 __all__ = [
+    "DEFAULT_SUMMARY_KINDS",
     "array_leaves",
     "assert_collections_equal",
     "child_names",
+    "contexts",
     "leaf_names",
     "output_collections",
     "summary_leaves",
 ]
+
+Draw: TypeAlias = Callable[[st.SearchStrategy[Any]], Any]
+
+#: The raw-value marker in `summary_kinds`: raw arrays as summary leaves.
+RAW = "raw"
+
+#: What `summary_leaves` and `output_collections` draw by default: raw arrays and
+#: every built-in `Summary` kind, each shaped as its `validate()` requires.
+DEFAULT_SUMMARY_KINDS: tuple[Any, ...] = (
+    RAW,
+    WeightedSummary,
+    MinSummary,
+    MaxSummary,
+    SumSummary,
+    HistogramSummary,
+    MomentsSummary,
+    ImageSummary,
+    AudioSummary,
+    CallbackSummary,
+)
+# The kinds a scan body adds per iteration (elementwise, stackable).
+_STACKABLE = (RAW, WeightedSummary, MinSummary, MaxSummary, SumSummary)
+_KIND_NAMES = {RAW: "raw", **{k: k.__name__ for k in DEFAULT_SUMMARY_KINDS[1:]}}
+
+# Characters every writer keeps as they are (TensorBoard turns others into '_').
+_WRITER_SAFE = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-"
+# Names a writer refuses or reserves at the top level (`JsonlWriter`'s "step").
+_RESERVED_LEAF_NAMES = frozenset({"step"})
 
 
 def child_names() -> st.SearchStrategy[str]:
@@ -49,98 +87,411 @@ def child_names() -> st.SearchStrategy[str]:
     return st.from_regex(r"\A[a-z][a-z0-9_]{0,5}\Z")
 
 
-def leaf_names() -> st.SearchStrategy[str]:
-    """Return a strategy of valid leaf names (non-empty, no '/', printable ASCII)."""
-    alphabet = st.characters(
-        min_codepoint=33, max_codepoint=126, exclude_characters="/"
-    )
-    return st.text(alphabet, min_size=1, max_size=6)
-
-
-def array_leaves(max_side: int = 3, max_rank: int = 2) -> st.SearchStrategy[np.ndarray]:
-    """Return a strategy of small float32 NumPy arrays with finite values.
+def leaf_names(*, any_printable: bool = False) -> st.SearchStrategy[str]:
+    """Return a strategy of valid leaf names (non-empty, no '/', at most 6 long).
 
     Args:
-        max_side: the largest size of one axis.
-        max_rank: the largest rank.
+        any_printable: draw from all printable ASCII characters but '/' (names that
+            `OutputCollection` accepts, some of which writers refuse or rename:
+            `"step"`, or `"a b"` and `"a_b"`, which get one TensorBoard tag). The
+            default draws only names every writer writes as they are: letters,
+            digits and `_.-`, never `"step"`.
     """
-    shapes = hnp.array_shapes(min_dims=0, max_dims=max_rank, max_side=max_side)
-    floats = st.floats(-100, 100, width=32)
-    return hnp.arrays(np.float32, shapes, elements=floats)
+    if any_printable:
+        alphabet = st.characters(
+            min_codepoint=33, max_codepoint=126, exclude_characters="/"
+        )
+        return st.text(alphabet, min_size=1, max_size=6)
+    names = st.text(st.sampled_from(_WRITER_SAFE), min_size=1, max_size=6)
+    return names.filter(lambda n: n not in _RESERVED_LEAF_NAMES)
 
 
-def summary_leaves() -> st.SearchStrategy[Any]:
-    """Return a strategy of scalar summary leaves: raw arrays and `Summary` kinds."""
-    scalar = st.floats(-100, 100, width=32).map(np.float32)
-    weight = st.floats(0, 10, width=32).map(np.float32)
-    summaries: st.SearchStrategy[Summary] = st.one_of(
-        st.builds(WeightedSummary, scalar, weight),
-        st.builds(MinSummary, scalar),
-        st.builds(MaxSummary, scalar),
-        st.builds(SumSummary, scalar),
+def _shapes(max_side: int, max_rank: int) -> st.SearchStrategy[tuple[int, ...]]:
+    return hnp.array_shapes(
+        min_dims=0, max_dims=max_rank, min_side=1, max_side=max_side
     )
-    return st.one_of(scalar, summaries)
+
+
+def _elements(dtype: Any) -> st.SearchStrategy[Any]:
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return st.booleans()
+    if np.issubdtype(dtype, np.integer):
+        info = np.iinfo(dtype)
+        return st.integers(max(info.min, -100), min(info.max, 100))
+    return st.floats(-100, 100, width=min(dtype.itemsize * 8, 64))
+
+
+def array_leaves(
+    max_side: int = 3,
+    max_rank: int = 2,
+    *,
+    shapes: st.SearchStrategy[tuple[int, ...]] | None = None,
+    dtypes: Sequence[Any] = (np.float32,),
+) -> st.SearchStrategy[np.ndarray]:
+    """Return a strategy of small NumPy arrays with finite values in [-100, 100].
+
+    Args:
+        max_side: the largest size of one axis (without `shapes`).
+        max_rank: the largest rank (without `shapes`).
+        shapes: a strategy of shapes (e.g. `hnp.array_shapes(...)`), instead of
+            `max_side`/`max_rank`.
+        dtypes: the dtypes to draw from (bool, integer or floating; default
+            float32).
+    """
+    shape_st = _shapes(max_side, max_rank) if shapes is None else shapes
+
+    @st.composite
+    def arrays(draw: Draw) -> np.ndarray:
+        dtype = np.dtype(draw(st.sampled_from(list(dtypes))))
+        shape = draw(shape_st)
+        return draw(hnp.arrays(dtype, shape, elements=_elements(dtype)))
+
+    return arrays()
+
+
+def _plot(x: Any) -> Any:
+    """A `CallbackSummary` function (module level: one identity for every draw)."""
+    return np.sum(np.asarray(x, np.float32))
+
+
+def summary_leaves(
+    *,
+    summary_kinds: Sequence[Any] | None = None,
+    shapes: st.SearchStrategy[tuple[int, ...]] | None = None,
+    dtypes: Sequence[Any] = (np.float32,),
+) -> st.SearchStrategy[Any]:
+    """Return a strategy of summary leaves: raw arrays and `Summary` kinds.
+
+    Every leaf passes `validate()` and is written by every writer: weights are not
+    negative, images are `[batch, height, width(, 1|3|4)]` in `[0, 1]`, audio is
+    `[time(, channels)]` in `[-1, 1]`, histograms have 4 buckets over `[-100, 100]`,
+    and a `CallbackSummary` sums its argument (one module-level function, so two
+    draws accumulate).
+
+    Args:
+        summary_kinds: the kinds to draw, among `DEFAULT_SUMMARY_KINDS` (the
+            default: all of them); `"raw"` stands for raw arrays.
+        shapes: shapes of raw arrays and of the elementwise kinds (`WeightedSummary`,
+            `MinSummary`, `MaxSummary`, `SumSummary`) and of the values reduced by
+            `HistogramSummary`, `MomentsSummary` and `CallbackSummary`; default:
+            scalars.
+        dtypes: dtypes of raw arrays and of `MinSummary`/`MaxSummary`/`SumSummary`
+            values; floating ones for `WeightedSummary` means.
+    """
+    kinds = DEFAULT_SUMMARY_KINDS if summary_kinds is None else tuple(summary_kinds)
+    unknown = [k for k in kinds if k not in DEFAULT_SUMMARY_KINDS]
+    if unknown or not kinds:
+        raise ValueError(
+            f"`summary_leaves(summary_kinds=...)`: expected some of "
+            f"{[_KIND_NAMES[k] for k in DEFAULT_SUMMARY_KINDS]}, got {list(kinds)!r}."
+        )
+    shape_st = st.just(()) if shapes is None else shapes
+    values = array_leaves(shapes=shape_st, dtypes=dtypes)
+    floats = [d for d in dtypes if np.issubdtype(np.dtype(d), np.floating)]
+    means = array_leaves(shapes=shape_st, dtypes=floats or (np.float32,))
+
+    @st.composite
+    def leaf(draw: Draw) -> Any:
+        with _same_random_state():
+            return _summary_leaf(draw, draw(st.sampled_from(kinds)), values, means)
+
+    return leaf()
+
+
+def _summary_leaf(
+    draw: Draw, kind: Any, values: st.SearchStrategy[Any], means: st.SearchStrategy[Any]
+) -> Any:
+    """Draw one summary leaf of `kind` (see `summary_leaves`)."""
+    if kind == RAW:
+        return draw(values)
+    if kind is WeightedSummary:
+        mean = draw(means)
+        weight = draw(hnp.arrays(np.float32, (), elements=st.floats(0, 10, width=32)))
+        return WeightedSummary(mean, weight)
+    if kind in (MinSummary, MaxSummary, SumSummary):
+        return kind(draw(values))
+    if kind is HistogramSummary:
+        return HistogramSummary(draw(values), bins=4, range=(-100, 100))
+    if kind is MomentsSummary:
+        return MomentsSummary(draw(values))
+    if kind is CallbackSummary:
+        return CallbackSummary(_plot, draw(values))
+    if kind is ImageSummary:
+        shape = draw(
+            st.tuples(
+                st.integers(1, 2),
+                st.integers(1, 3),
+                st.integers(1, 3),
+                st.sampled_from([(), (1,), (3,), (4,)]),
+            )
+        )
+        full = shape[:3] + shape[3]
+        pixels = st.floats(0, 1, width=32)
+        return ImageSummary(draw(hnp.arrays(np.float32, full, elements=pixels)))
+    assert kind is AudioSummary
+    shape = draw(st.sampled_from([(4,), (4, 1), (4, 2)]))
+    wave = draw(hnp.arrays(np.float32, shape, elements=st.floats(-1, 1, width=32)))
+    return AudioSummary(wave, sample_rate=8000)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    kinds: tuple[str, ...]
+    max_width: int
+    leaf_names: st.SearchStrategy[str]
+    shapes: st.SearchStrategy[tuple[int, ...]]
+    dtypes: tuple[Any, ...]
+    summary_kinds: tuple[Any, ...]
+    iterations: bool
+
+
+def _stacked_leaf(kind: Any, x: Any) -> Any:
+    """What a scan body adds per iteration for `kind`, from its slice `x`."""
+    if kind == RAW:
+        return x
+    if kind is WeightedSummary:
+        return WeightedSummary(x.astype(jnp.float32), jnp.ones((), jnp.float32))
+    return kind(x)
+
+
+@contextlib.contextmanager
+def _same_random_state() -> Generator[None]:
+    """Leave Python's `random` state as it was (hypothesis checks it in strategies).
+
+    Runtime type checkers (beartype, as in eqxctx's own test suite) check one random
+    item of each list or variadic tuple with `random`; eqxctx's functions called in
+    these strategies must not look like a strategy using randomness.
+    """
+    state = random.getstate()
+    try:
+        yield
+    finally:
+        random.setstate(state)
 
 
 @st.composite
-def _collection(
-    draw: Callable[[st.SearchStrategy[Any]], Any], depth: int, max_entries: int
-) -> OutputCollection:
-    coll = OutputCollection.empty()
-    n = draw(st.integers(0, max_entries))
-    for _ in range(n):
-        extra = ("child", "iterations") if depth > 0 else ()
-        choice = draw(st.sampled_from(KINDS + extra))
-        if choice == "iterations":
-            # A scan's per-iteration summaries: one stacked `IterationSummaries`.
-            prefix = draw(child_names())
-            length = draw(st.integers(0, 3))
-            names = draw(st.lists(leaf_names(), max_size=3, unique=True))
-            stacked = {
-                leaf: draw(
-                    hnp.arrays(
-                        np.float32, (length,), elements=st.floats(-100, 100, width=32)
-                    )
-                )
-                for leaf in names
-            }
-            entry = OutputCollection(
-                {prefix: IterationSummaries(length, stacked)},
-                {prefix: {}},
-                {prefix: {}},
+def _iteration_entry(draw: Draw, spec: _Spec) -> OutputCollection:
+    """A collection made by `scan_in_context` (or `vmap_in_context`), as it makes it.
+
+    Per-iteration summaries (an `IterationSummaries` entry), optionally merged
+    summaries, stacked module outputs and state updates, a nested scan in the
+    body, and the whole under an outer `jax.vmap`.
+    """
+    prefix = draw(child_names())
+    length = draw(st.integers(0, 3))
+    stackable = [k for k in spec.summary_kinds if k in _STACKABLE]
+    names = draw(st.lists(spec.leaf_names, max_size=3, unique=True))
+    kinds = {n: draw(st.sampled_from(stackable)) for n in names} if stackable else {}
+    nested = draw(st.booleans())
+    merge = draw(st.sampled_from([False, False, True]))
+    combinator = draw(st.sampled_from(["scan", "scan", "vmap"]))
+    batch = draw(st.sampled_from([None, None, 2]))
+    outputs = [k for k in ("module_outputs", "state_updates") if k in spec.kinds]
+    dtype = np.dtype(draw(st.sampled_from(spec.dtypes)))
+    outer = () if batch is None else (batch,)
+    n = max(length, 1) if combinator == "vmap" else length
+    xs = draw(hnp.arrays(dtype, (*outer, n, 2), elements=_elements(dtype)))
+
+    def body(x: Any, ctx: Any) -> Any:
+        for name, kind in kinds.items():
+            ctx = ctx.add_summary(name, _stacked_leaf(kind, x[0]))
+        for kind in outputs:
+            ctx = getattr(ctx, ADDERS[kind])("x", x)
+        if nested:
+            _, _, inner = scan_in_context(
+                lambda c, y, ictx: (c, None, ictx.add_summary("y", y)),
+                context=ctx,
+                carry=(),
+                xs=x,
             )
-            with contextlib.suppress(OutputConflictError):
+            ctx = ctx.merge(inner)
+        return ctx
+
+    def run(xs_: Any) -> OutputCollection:
+        ctx = Context.root()
+        if combinator == "vmap":
+            return vmap_in_context(
+                lambda x, c: (None, body(x, c)),
+                context=ctx,
+                xs=xs_,
+                child_name_prefix=prefix,
+                merge_summaries=merge,
+            )[1]
+        return scan_in_context(
+            lambda c, x, ictx: (c, None, body(x, ictx)),
+            context=ctx,
+            carry=(),
+            xs=xs_,
+            child_name_prefix=prefix,
+            merge_summaries=merge,
+        )[2]
+
+    if "summaries" not in spec.kinds:
+        kinds.clear()
+        nested = False
+    with _same_random_state():
+        return run(xs) if batch is None else jax.vmap(run)(xs)
+
+
+@st.composite
+def _collection(draw: Draw, depth: int, spec: _Spec) -> OutputCollection:
+    coll = OutputCollection.empty()
+    n = draw(st.integers(0, spec.max_width))
+    choices: tuple[str, ...] = spec.kinds
+    if depth > 0:
+        choices += ("child",) + (("iterations",) if spec.iterations else ())
+    if not choices:
+        return coll
+    for _ in range(n):
+        choice = draw(st.sampled_from(choices))
+        if choice == "iterations":
+            entry = draw(_iteration_entry(spec))
+            with _same_random_state(), contextlib.suppress(OutputConflictError):
                 coll = coll.merge(entry)
             continue
         if choice == "child":
             name = draw(child_names())
-            used = coll.child_names() | coll.leaf_names()
-            if name in used:
+            if name_in_use(coll, name) or name in coll.child_names():
                 continue
-            child = draw(_collection(depth - 1, max_entries))
-            coll = coll.add_child(name, child)
+            child = draw(_collection(depth - 1, spec))
+            with _same_random_state():
+                coll = coll.add_child(name, child)
             continue
-        name = draw(leaf_names())
-        if name in coll.child_names() or name in coll.flatten(choice):
+        name = draw(spec.leaf_names)
+        if name in coll.child_names() or name in getattr(coll, choice):
             continue
-        value = draw(summary_leaves() if choice == "summaries" else array_leaves())
-        coll = getattr(coll, ADDERS[choice])(name, value)
+        if choice == "summaries":
+            value = draw(
+                summary_leaves(
+                    summary_kinds=spec.summary_kinds,
+                    shapes=spec.shapes,
+                    dtypes=spec.dtypes,
+                )
+            )
+        else:
+            value = draw(array_leaves(shapes=spec.shapes, dtypes=spec.dtypes))
+        # `OutputConflictError`: a reserved `{prefix}{i}`.
+        with _same_random_state(), contextlib.suppress(OutputConflictError):
+            coll = getattr(coll, ADDERS[choice])(name, value)
     return coll
 
 
 def output_collections(
-    max_depth: int = 2, max_entries: int = 4
+    max_depth: int = 2,
+    max_width: int = 4,
+    *,
+    kinds: Sequence[str] = KINDS,
+    leaf_names: st.SearchStrategy[str] | None = None,
+    shapes: st.SearchStrategy[tuple[int, ...]] | None = None,
+    dtypes: Sequence[Any] = (np.float32,),
+    summary_kinds: Sequence[Any] | None = None,
+    iterations: bool = True,
 ) -> st.SearchStrategy[OutputCollection]:
     """Return a strategy of valid `OutputCollection`s built through the public API.
 
-    Besides leaves and children, collections may hold a scan's per-iteration
-    summaries (an `IterationSummaries` entry with 0 to 3 iterations).
+    Each level holds up to `max_width` entries: leaves of the three kinds, children
+    (down to `max_depth`), and the collections of `scan_in_context` and
+    `vmap_in_context` calls, made by running them: per-iteration summaries kept
+    stacked (an `IterationSummaries` entry with 0 to 3 iterations) or merged,
+    module outputs and state updates stacked `[N, ...]` in child `{prefix}`, nested
+    scans in the body, and the whole under an outer `jax.vmap` (outer axes first).
+    By default every collection is accepted by every writer (`JsonlWriter`,
+    `TensorBoardWriter`), `SummaryAccumulator.update` and `jax.jit`.
 
     Args:
         max_depth: the deepest nesting of children.
-        max_entries: the most entries (leaves or children) drawn per level.
+        max_width: the most entries (leaves, children or scan results) per level.
+        kinds: the kinds of leaves to draw, among `"summaries"`, `"state_updates"`
+            and `"module_outputs"` (scan results hold only these kinds, too).
+        leaf_names: a strategy of leaf names (default: `leaf_names()`, names every
+            writer writes as they are). Names must be valid (non-empty, no "/").
+        shapes: a strategy of shapes of the array leaves (default: rank 0 to 2,
+            sides 1 to 3); summaries get shape `()` unless given.
+        dtypes: the dtypes of array leaves (default float32).
+        summary_kinds: the summary kinds to draw (see `summary_leaves`; default
+            `DEFAULT_SUMMARY_KINDS`).
+        iterations: include the results of `scan_in_context`/`vmap_in_context`
+            calls (tracing them takes ~50 ms per entry).
+
+    Raises:
+        ValueError: for an unknown kind or summary kind.
     """
-    return _collection(max_depth, max_entries)
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or isinstance(kinds, str):
+        raise ValueError(
+            f"`output_collections(kinds=...)`: expected some of {KINDS}, got {kinds!r}."
+        )
+    spec = _Spec(
+        kinds=tuple(kinds),
+        max_width=max_width,
+        leaf_names=_default_leaf_names() if leaf_names is None else leaf_names,
+        shapes=_shapes(3, 2) if shapes is None else shapes,
+        dtypes=tuple(dtypes),
+        summary_kinds=(
+            DEFAULT_SUMMARY_KINDS if summary_kinds is None else tuple(summary_kinds)
+        ),
+        iterations=iterations,
+    )
+    summary_leaves(summary_kinds=spec.summary_kinds)  # checks the kinds
+    return _collection(max_depth, spec)
+
+
+_default_leaf_names = leaf_names
+
+
+def contexts(
+    *,
+    max_path: int = 2,
+    keys: Sequence[str | None] = ("raw", "typed", None),
+    is_training: st.SearchStrategy[bool] | None = None,
+    collections: st.SearchStrategy[OutputCollection] | None = None,
+) -> st.SearchStrategy[Context]:
+    """Return a strategy of `Context`s: random paths, keys, training flags, outputs.
+
+    A context is a root (a random valid name) and 0 to `max_path` children below
+    it (`Context.child`), with its collection replaced by a drawn one, as a
+    context handed to a model method would be.
+
+    Args:
+        max_path: the most names below the root.
+        keys: the key kinds to draw: `"raw"` (`jax.random.PRNGKey(seed)`),
+            `"typed"` (`jax.random.key(seed)`) and None (no key).
+        is_training: a strategy of training flags (default: `st.booleans()`).
+        collections: a strategy of collections (default: `output_collections()`).
+
+    Raises:
+        ValueError: for an unknown key kind.
+    """
+    bad = [k for k in keys if k not in ("raw", "typed", None)]
+    if bad or not keys:
+        raise ValueError(
+            "`contexts(keys=...)`: expected some of 'raw', 'typed', None, got "
+            f"{keys!r}."
+        )
+    training = st.booleans() if is_training is None else is_training
+    colls = output_collections() if collections is None else collections
+
+    @st.composite
+    def context(draw: Draw) -> Context:
+        kind = draw(st.sampled_from(list(keys)))
+        seed = draw(st.integers(0, 2**31 - 1))
+        key = (
+            None
+            if kind is None
+            else jax.random.PRNGKey(seed)
+            if kind == "raw"
+            else jax.random.key(seed)
+        )
+        training_flag, root = draw(training), draw(child_names())
+        names, coll = draw(st.lists(child_names(), max_size=max_path)), draw(colls)
+        with _same_random_state():
+            ctx = Context.root(prng_key=key, is_training=training_flag, name=root)
+            for name in names:
+                ctx = ctx.child(name)
+            return ctx.replace_collection(coll)
+
+    return context()
 
 
 def _as_numpy(leaf: Any) -> list[np.ndarray]:

@@ -17,6 +17,7 @@ from eqxctx._mapping import FrozenMapping
 from eqxctx._statistics import HistogramSummary, MomentsSummary
 from eqxctx._summary import (
     AudioSummary,
+    CallbackSummary,
     ImageSummary,
     MaxSummary,
     MinSummary,
@@ -164,8 +165,9 @@ def fetch_summaries(
         TypeError: for a leaf that is not a summary leaf or a non-numeric or complex
             value (the message names the path).
         ValueError: for an invalid name, two values with the same path, or a
-            summary that fails `validate()` (e.g. an empty image batch); the message
-            names the path.
+            summary that fails `validate()` (e.g. an empty image batch), or an
+            exception raised by a `CallbackSummary`'s function (its cause); the
+            message names the path.
     """
     # One fetch of the summary trees first (module outputs and state updates stay on
     # the device), so that per-iteration views index NumPy arrays on the host.
@@ -199,7 +201,7 @@ def fetch_summaries(
             _numeric(path, field, where=where)
             items: Iterator[tuple[str, Any]] = iter([(path, leaf)])
         else:
-            items = _expand(path, _host_value(leaf), where=where)
+            items = _expand(path, _callback_value(path, leaf, where), where=where)
         for sub, value in items:
             if sub in out:
                 raise _collision(sub, where=where)
@@ -233,6 +235,19 @@ def _in_order(host: Any, like: Any) -> Any:
         items = [(k, _in_order(host[k], v)) for k, v in like.items()]
         return FrozenMapping(items) if isinstance(like, FrozenMapping) else dict(items)
     return host
+
+
+def _callback_value(path: str, leaf: Any, where: str) -> Any:
+    """`_host_value(leaf)`; an error raised by a `CallbackSummary`'s fn names `path`."""
+    if not isinstance(leaf, CallbackSummary):
+        return _host_value(leaf)
+    try:
+        return leaf.fn(*leaf.args, **leaf.kwargs)
+    except Exception as e:
+        raise ValueError(
+            f"`{where}`: the function of the CallbackSummary at {path!r} raised "
+            f"{type(e).__name__}: {e}"
+        ) from e
 
 
 def _host_value(leaf: Any) -> Any:

@@ -1,0 +1,112 @@
+"""Argument checks shared by the combinators, branches, loops and the runner.
+
+Each raises `TypeError`/`ValueError` at the call, naming the call and the argument,
+saying what was expected and what came instead (see the house style's Errors rule).
+Checks of names, leaves, keys and training flags live where those enter
+(`_leaves.py`, `_context.py`).
+"""
+
+from typing import Any
+
+import jax
+import numpy as np
+
+
+# `_context` uses `explain_missing_key`, so this module does not import it at the top
+# (`check_context` does, when called).
+
+
+def _given(value: object) -> str:
+    return f"{type(value).__name__} {value!r}"[:100]
+
+
+def check_context(value: object, where: str) -> None:
+    """Raise `TypeError` naming `where` unless `value` is a `Context`."""
+    from ._context import Context
+
+    if not isinstance(value, Context):
+        raise TypeError(
+            f"`{where}(context=...)`: context must be a `Context` (the calling "
+            f"context, e.g. `Context.root()` or the `ctx` your method was handed), got "
+            f"{_given(value)}."
+        )
+
+
+def check_drop(value: object, where: str, arg: str = "drop_output") -> None:
+    """Raise `TypeError` unless `value` is None or a callable `drop(path) -> bool`."""
+    if value is not None and not callable(value):
+        hint = (
+            f" To drop everything under {value!r}, pass "
+            f"`lambda path: path.startswith({value!r})`."
+            if isinstance(value, str)
+            else ""
+        )
+        raise TypeError(
+            f"`{where}({arg}=...)`: {arg} must be None or a callable "
+            f"`drop(path) -> bool`, got {_given(value)}.{hint}"
+        )
+
+
+def check_in_axes(in_axes: object, where: str) -> None:
+    """Raise `TypeError` unless every leaf of `in_axes` is an int or None.
+
+    As `jax.vmap`'s `in_axes`: a prefix tree of `xs` (tuples, lists, dicts) whose
+    leaves are ints (an axis, negative counts from the end) or None (not mapped).
+    """
+    leaves = jax.tree_util.tree_leaves(in_axes, is_leaf=lambda a: a is None)
+    for leaf in leaves:
+        if leaf is None:
+            continue
+        if isinstance(leaf, bool) or not isinstance(leaf, (int, np.integer)):
+            raise TypeError(
+                f"`{where}(in_axes=...)`: in_axes must be an int, None, or a prefix "
+                f"tree of `xs` with int or None leaves (as in `jax.vmap`), got "
+                f"{_given(leaf)}"
+                + ("" if leaf is in_axes else f" in {in_axes!r}")
+                + "."
+            )
+
+
+def check_positive_int_or_none(value: object, where: str, arg: str) -> None:
+    """Raise `TypeError` unless `value` is None or an int (not a bool)."""
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, (int, np.integer))
+    ):
+        raise TypeError(
+            f"`{where}({arg}=...)`: {arg} must be a positive int or None, got "
+            f"{_given(value)}."
+        )
+
+
+def check_callable(value: object, where: str, arg: str, expected: str) -> None:
+    """Raise `TypeError` unless `value` is callable."""
+    if not callable(value):
+        raise TypeError(
+            f"`{where}({arg}=...)`: {arg} must be {expected}, got {_given(value)}."
+        )
+
+
+_KEY_HINT = (
+    "It has no PRNG key (prng_key=None), but the function drew random numbers. "
+    "Give the root a key: `Context.root(prng_key=jax.random.key(0))`, "
+    "`functional(..., prng_key=jax.random.key(0))` or `MethodRunner.create(..., "
+    "prng_key=...)`; every child derives its own."
+)
+
+
+def note_missing_key(error: TypeError, ctx: Any, where: str) -> None:
+    """Add a note to JAX's error for drawing from a `None` key, naming `ctx`'s path.
+
+    `ctx` is the `Context` (without a key) handed to the function that raised
+    `error`. JAX's own message (`unexpected PRNG key type <class 'NoneType'>`)
+    names neither the context nor the fix. Only the innermost context adds the
+    note; the exception keeps its type and traceback. Call it in an `except
+    TypeError` block, then re-raise.
+    """
+    if (
+        "PRNG key" in str(error)
+        and not getattr(error, "_eqxctx_noted", False)
+        and ctx.prng_key is None
+    ):
+        error.add_note(f"{where}: the context at {'/'.join(ctx.path)!r}: {_KEY_HINT}")
+        error._eqxctx_noted = True  # pyright: ignore[reportAttributeAccessIssue]
