@@ -321,34 +321,90 @@ EMPTY = _sealed_empty()
 # of every collection: they avoid per-entry method calls.
 
 
+class _UnflattenedLog(_Log):
+    """The log of a mapping made by unflattening, built when it is first read.
+
+    JAX unflattens every level of every collection that leaves a transformation
+    (after each call of a jitted function), and most of those levels are flattened
+    again (`jax.block_until_ready`, the next call) or read a little, so only the
+    children and the keys are stored: the lists, the key index, the spans and the
+    tracer flag are derived from them the first time they are read, and `checked`
+    starts False (`freeze` checks the leaves where they enter a collection). Once
+    derived, an attribute is an ordinary slot. `children` stays the version's
+    values in sorted key order, so flattening it again needs no lookups.
+    """
+
+    __slots__ = ("children", "sorted_keys")
+
+    def __getattr__(self, name: str) -> Any:
+        # Called only for a slot not yet set (`children`, `sorted_keys` always are).
+        # Each is derived from the current lists (`inserted` may have appended to
+        # them), once: under a lock, as another thread may be deriving it too.
+        with _DERIVE_LOCK:
+            try:
+                return object.__getattribute__(self, name)
+            except AttributeError:
+                pass
+            if name == "keys":
+                value: Any = list(self.sorted_keys)
+            elif name == "values":
+                value = list(self.children)
+            elif name == "index":
+                value = {k: i for i, k in enumerate(self.keys)}
+            elif name == "spans":
+                value = {
+                    k: (i, span)
+                    for i, (k, v) in enumerate(zip(self.keys, self.values, strict=True))
+                    if (span := _span_of(v))
+                }
+            elif name == "traced":
+                value = any(isinstance(v, Tracer) for v in self.values)
+            elif name == "checked":
+                value = False  # any leaves: `freeze` checks them where they enter
+            elif name == "numbered":
+                value = {}
+            elif name == "numbered_upto":
+                value = 0
+            else:
+                raise AttributeError(name)
+            setattr(self, name, value)
+            return value
+
+
+_DERIVE_LOCK = threading.RLock()  # re-entrant: deriving `index` reads `keys`
+
+
 def _flatten_with_keys(m: FrozenMapping) -> tuple[list[Any], Keys]:
-    keys = m.sorted_keys()
+    key_type = jax.tree_util.DictKey
     log = m._log  # pyright: ignore[reportPrivateUsage]
-    index, values, key_type = log.index, log.values, jax.tree_util.DictKey
+    if type(log) is _UnflattenedLog and m._n == len(log.sorted_keys):  # pyright: ignore[reportPrivateUsage]
+        keys = log.sorted_keys
+        return list(zip(map(key_type, keys), log.children, strict=True)), keys
+    keys = m.sorted_keys()
+    index, values = log.index, log.values
     return [(key_type(k), values[index[k]]) for k in keys], keys
 
 
-def _flatten(m: FrozenMapping) -> tuple[list[Any], Keys]:
-    keys = m.sorted_keys()
+def _flatten(m: FrozenMapping) -> tuple[Iterable[Any], Keys]:
     log = m._log  # pyright: ignore[reportPrivateUsage]
+    # As unflattened (not extended since): the children, in sorted key order.
+    if type(log) is _UnflattenedLog and m._n == len(log.sorted_keys):  # pyright: ignore[reportPrivateUsage]
+        return log.children, log.sorted_keys
+    keys = m.sorted_keys()
     index, values = log.index, log.values
     return [values[index[k]] for k in keys], keys
 
 
-def _unflatten(keys: Keys, children: Iterable[Any]) -> FrozenMapping:
+def _unflatten(keys: Keys, children: tuple[Any, ...]) -> FrozenMapping:
     # No checks: JAX unflattens with arbitrary objects (tracers, sentinels, None).
-    log = _Log()
-    log.keys = list(keys)
-    log.values = list(children)
-    log.index = {k: i for i, k in enumerate(keys)}
-    for i, value in enumerate(log.values):
-        span = _span_of(value)
-        if span:
-            log.spans[keys[i]] = (i, span)
-        if isinstance(value, Tracer):
-            log.traced = True
-    log.checked = False  # leaves of any kind; `freeze` checks them when they enter
-    out = _version(log, len(keys))
+    # Called for every level of every collection leaving a transformation (each
+    # jitted call's outputs): stores the two tuples, derives the rest when read.
+    log = object.__new__(_UnflattenedLog)
+    log.sorted_keys = keys
+    log.children = children
+    out = object.__new__(FrozenMapping)
+    out._log = log  # pyright: ignore[reportPrivateUsage]
+    out._n = len(keys)  # pyright: ignore[reportPrivateUsage]
     out._sorted = keys  # pyright: ignore[reportPrivateUsage]
     return out
 
