@@ -395,13 +395,13 @@ def _flatten(m: FrozenMapping) -> tuple[Iterable[Any], Keys]:
     return [values[index[k]] for k in keys], keys
 
 
-def _unflatten(keys: Keys, children: tuple[Any, ...]) -> FrozenMapping:
+def _unflatten(keys: Keys, children: Iterable[Any]) -> FrozenMapping:
     # No checks: JAX unflattens with arbitrary objects (tracers, sentinels, None).
     # Called for every level of every collection leaving a transformation (each
     # jitted call's outputs): stores the two tuples, derives the rest when read.
     log = object.__new__(_UnflattenedLog)
     log.sorted_keys = keys
-    log.children = children
+    log.children = tuple(children)  # JAX passes a tuple: the same object
     out = object.__new__(FrozenMapping)
     out._log = log  # pyright: ignore[reportPrivateUsage]
     out._n = len(keys)  # pyright: ignore[reportPrivateUsage]
