@@ -484,3 +484,87 @@ def test_summaries_kinds_in_collections_pass_jit() -> None:
     coll = OutputCollection.empty().add_summary("s", SumSummary(jnp.ones(2)))
     out = jax.jit(lambda c: c)(coll)
     assert_collections_equal(out, coll)
+
+
+# -- unflattened collections (built lazily, read like any other) ----------------------
+
+
+def _reads(coll: OutputCollection) -> Any:
+    """Everything a reader can see of a collection, level by level."""
+
+    def level(m: Mapping[str, Any]) -> Any:  # in sorted order, as unflattened
+        return sorted(
+            (k, level(v) if isinstance(v, Mapping) else type(v).__name__)
+            for k, v in m.items()
+        )
+
+    return (
+        [level(getattr(coll, kind)) for kind in KINDS],
+        [len(getattr(coll, kind)) for kind in KINDS],
+        sorted(coll.child_names()),
+        sorted(coll.leaf_names()),
+        coll.is_empty(),
+    )
+
+
+@given(output_collections(), leaf_names())
+def test_unflattened_collections_read_and_extend_like_the_original(
+    coll: OutputCollection, name: str
+) -> None:
+    leaves, treedef = jax.tree_util.tree_flatten(coll)
+    copy_ = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert _reads(copy_) == _reads(coll)
+    assert_collections_equal(copy_, coll)
+    again, treedef2 = jax.tree_util.tree_flatten(copy_)
+    assert treedef2 == treedef
+    assert all(a is b for a, b in zip(again, leaves, strict=True))
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(coll)[0]]
+    assert [p for p, _ in jax.tree_util.tree_flatten_with_path(copy_)[0]] == paths
+    for kind in KINDS:
+        assert not getattr(copy_, kind).checked or not getattr(copy_, kind)
+    # Entering a collection checks it once and conflicts are found as for `coll`.
+    merged = OutputCollection.empty().merge(copy_)
+    assert all(getattr(copy_, kind).checked for kind in KINDS)
+    assert_collections_equal(merged, coll)
+    for c in (coll, copy_):  # a digit-suffixed name may be reserved by a scan entry
+        assert c.summaries.reserver(name) == coll.summaries.reserver(name)
+    # Extending the unflattened version, twice (a branch), leaves it unchanged.
+    if name in coll.child_names() | coll.leaf_names():
+        return
+    one = copy_.add_summary(name, 1.0)
+    two = copy_.add_summary(name, 2.0)
+    assert one.flatten("summaries")[name] == 1.0
+    assert two.flatten("summaries")[name] == 2.0
+    assert _reads(copy_) == _reads(coll)
+    assert all(
+        a is b for a, b in zip(jax.tree_util.tree_leaves(copy_), leaves, strict=True)
+    )
+
+
+def test_an_unflattened_concrete_mapping_is_not_extended_with_tracers() -> None:
+    out = jax.jit(lambda x: OutputCollection.empty().add_summary("a", x))(1.0)
+
+    @jax.jit
+    def f(x: jax.Array) -> jax.Array:
+        return out.add_summary("b", x).summaries["b"]
+
+    with jax.checking_leaks():
+        assert float(f(jnp.float32(2.0))) == 2.0
+    assert list(out.summaries) == ["a"]
+    assert len(jax.tree_util.tree_leaves(out)) == 1
+
+
+def test_unflattened_iteration_entries_reserve_their_names() -> None:
+    entry = OutputCollection(
+        {"iter": IterationSummaries(3, {"x": np.arange(3.0, dtype=np.float32)})},
+        {"iter": {}},
+        {"iter": {}},
+    )
+    out = jax.jit(lambda c: c)(entry)
+    assert out.summaries.reserver("iter2") == "iter"
+    assert out.summaries.reserver("iter3") is None
+    assert sorted(out.child_names()) == ["iter", "iter0", "iter1", "iter2"]
+    with pytest.raises(OutputConflictError, match="iter1"):
+        out.add_summary("iter1", 1.0)
+    with pytest.raises(OutputConflictError, match="iter1"):
+        OutputCollection.empty().add_summary("iter1", 1.0).merge(out)

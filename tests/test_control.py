@@ -413,7 +413,7 @@ def test_while_matches_python_loop(start: float, limit: float, jit: bool) -> Non
     # Reference: a Python loop, each iteration in its own child context.
     child_key = context.child("while").prng_key
     x, acc, i = init, None, 0
-    while float(x[0]) < limit:
+    while bool(x[0] < limit):  # in float32, as the loop compares
         ctx = context.child("while", prng_key=jax.random.fold_in(child_key, i))
         x, ctx = _while_body(x, ctx)
         s = dict(ctx.collection.flatten("summaries"))

@@ -644,3 +644,62 @@ def test_a_derived_key_is_remembered_outside_traces(
         np.testing.assert_array_equal(jax.tree_util.tree_leaves(ctx)[0], first)
         np.testing.assert_array_equal(ctx.prng_key, first)
     assert len(folds) == 2  # derived once, remembered
+
+
+def count_own_calls(fn: Callable[[], Any]) -> int:
+    """As `count_calls`, without the calls the suite's beartype checks make.
+
+    Beartype's wrapper checks a returned `Mapping` by reading it (`len`, `iter`),
+    which a run without the import hook does not do; calls made from a wrapper
+    (other than to the function it wraps), and everything below them, are left out.
+    """
+    calls = 0
+    checking: set[int] = set()  # ids of the frames of beartype's checks
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        del arg
+        if event == "return":
+            checking.discard(id(frame))
+            return
+        if event != "call":
+            return
+        parent = frame.f_back
+        if parent is not None and (
+            id(parent) in checking
+            or (
+                parent.f_code.co_filename.startswith("<@beartype")
+                and parent.f_code.co_name != frame.f_code.co_name
+            )
+        ):
+            checking.add(id(frame))
+        elif frame.f_code.co_filename.startswith(_SRC):
+            calls += 1
+
+    gc.collect()
+    gc.disable()
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+        gc.enable()
+    return calls
+
+
+@pytest.mark.parametrize("k", [1, 100])
+def test_jit_outputs_cost_one_call_per_level(k: int) -> None:
+    # A jitted function's returned collection is unflattened (and often flattened
+    # again, by `jax.block_until_ready` or the next call) after every call.
+    child = OutputCollection.empty()
+    for j in range(k):
+        child = child.add_summary(f"s{j}", WeightedSummary(jnp.float32(j), 1.0))
+    coll = OutputCollection.empty().add_child("cond", child)
+    leaves, treedef = jax.tree_util.tree_flatten(coll)
+    out: list[Any] = []
+    # The collection and its 6 mappings, whatever they hold (the summaries are
+    # Equinox's, not counted).
+    assert count_own_calls(lambda: out.append(treedef.unflatten(leaves))) == 7
+    assert count_own_calls(lambda: jax.tree_util.tree_leaves(out[0])) == 7
+    assert count_own_calls(lambda: jax.tree_util.tree_flatten_with_path(out[0])) == 7
+    assert jax.tree_util.tree_leaves(out[0]) == leaves

@@ -895,6 +895,27 @@ def test_run_batches_and_summary_accumulator() -> None:
     assert eqxctx.SummaryAccumulator().summaries() == {}
 
 
+@pytest.mark.parametrize("max_in_flight", [1, 2, None])
+def test_run_batches_bounds_on_each_steps_key(max_in_flight: int | None) -> None:
+    # The bound waits on each step's new key (a typed key here), also for a method
+    # whose output has no arrays to wait on.
+    def no_output(model: MLP, batch: Any, ctx: Context) -> Any:
+        del model
+        return None, ctx.add_summary("n", jnp.sum(batch["x"]))
+
+    for method in ("predict", no_output):
+        runner = MethodRunner.create(
+            make_model(), method, mesh=mesh_1d(), prng_key=jax.random.key(3)
+        )
+        batches = [make_batch(n=8, seed=i) for i in range(4)]
+        outs = list(eqxctx.run_batches(runner, batches, max_in_flight=max_in_flight))
+        r = runner
+        for out, batch in zip(outs, batches, strict=True):
+            r, expected = r(batch)
+            assert eqx.tree_equal(out.output_batch, expected.output_batch)
+            assert eqx.tree_equal(dict(out.summaries), dict(expected.summaries))
+
+
 @settings(max_examples=6, deadline=None)
 @given(
     per_device=st.integers(1, 3),

@@ -383,15 +383,26 @@ _KEYS = tuple(jax.tree_util.GetAttrKey(kind) for kind in KINDS)
 
 
 def _flatten_with_keys(coll: OutputCollection) -> tuple[list[Any], None]:
-    return list(zip(_KEYS, _trees(coll), strict=True)), None
+    s, su, mo = _KEYS
+    return [
+        (s, coll.summaries),
+        (su, coll.state_updates),
+        (mo, coll.module_outputs),
+    ], None
 
 
 def _flatten(coll: OutputCollection) -> tuple[tuple[Any, ...], None]:
-    return _trees(coll), None
+    return (coll.summaries, coll.state_updates, coll.module_outputs), None
 
 
 def _unflatten(_: None, children: Any) -> OutputCollection:
-    return _make(*children)
+    # After every jitted call, for every collection returned: no helper calls.
+    out = object.__new__(OutputCollection)
+    summaries, state_updates, module_outputs = children
+    _set_summaries(out, summaries)
+    _set_state_updates(out, state_updates)
+    _set_module_outputs(out, module_outputs)
+    return out
 
 
 jax.tree_util.register_pytree_with_keys(
