@@ -480,7 +480,9 @@ def _flatten_with_keys(m: FrozenMapping) -> tuple[list[Any], Keys]:
     log = m._log
     values, key_type = log.values, _DICT_KEY
     if log.keys is keys:  # a frozen log made by unflattening: already sorted
-        return [(key_type(k), v) for k, v in zip(keys, values)], keys  # noqa: B905
+        return list(zip(map(key_type, keys), values)), keys  # noqa: B905
+    if not m._n:
+        return [], ()
     index = log.index
     if index is None:
         index = log.build_index()
@@ -495,6 +497,8 @@ def _flatten(m: FrozenMapping) -> tuple[list[Any] | tuple[Any, ...], Keys]:
     values = log.values
     if log.keys is keys:
         return values, keys
+    if not m._n:
+        return (), ()
     index = log.index
     if index is None:
         index = log.build_index()
@@ -517,10 +521,14 @@ def _unflatten(keys: Keys, children: Iterable[Any]) -> FrozenMapping:
     log.numbered_upto = 0
     log.traced = None
     log.checked = False  # leaves of any kind; `freeze` checks them when they enter
-    out = _version(log, len(keys))
+    out = _new(FrozenMapping)
+    out._log = log
+    out._n = len(keys)
     out._sorted = keys
     return out
 
+
+_new = object.__new__
 
 jax.tree_util.register_pytree_with_keys(
     FrozenMapping, _flatten_with_keys, _unflatten, _flatten
