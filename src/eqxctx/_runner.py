@@ -25,6 +25,7 @@ import jax
 from jax.sharding import Mesh, PartitionSpec
 
 from ._aot import LoweredRunner, lower_runner
+from ._context import check_summary_level
 from ._frozen import Frozen
 from ._partition import (
     DataPartition,
@@ -148,6 +149,7 @@ class MethodRunner(eqx.Module):
         batch_sizes: Sequence[int] | None = None,
         mask_kwarg: str | None = None,
         donate_batch: bool = False,
+        summary_level: int | None = None,
     ) -> "MethodRunner":
         """Return a runner of `method` on `model`, with parameters placed on `mesh`.
 
@@ -195,6 +197,12 @@ class MethodRunner(eqx.Module):
                 `Output.input_batch` is then None. Where XLA cannot reuse a donated
                 buffer it keeps it (JAX may warn "Some donated buffers were not
                 usable").
+            summary_level: the root context's summary level (static, part of the
+                compilation key): summaries and module outputs added with `level >
+                summary_level` are dropped, and XLA removes their computation; None
+                (the default) keeps everything. Two runners of one model with
+                different levels (a cheap one every step, a full one every N steps)
+                compile once each.
 
         Static callables (`method`, `drop_module_outputs`) compare by identity:
         define them once (e.g. at module level), not as a new lambda per `create`,
@@ -213,7 +221,8 @@ class MethodRunner(eqx.Module):
                 does not divide over its mesh axes, `batch_sizes` that are not
                 positive integers or given without `pad_batches=True`, or a
                 `mask_kwarg` that is not an identifier.
-            TypeError: for an unhashable non-array leaf of `model`, a bound method
+            TypeError: for an unhashable non-array leaf of `model`, a
+                `summary_level` that is neither None nor an int, a bound method
                 of the model as `method` (pass its name or `type(model).method`), or
                 `prng_key=None`.
         """
@@ -237,6 +246,7 @@ class MethodRunner(eqx.Module):
                     # Raises early for BATCH on a mesh without data-like axes.
                     resolve_specs(leaf, 0, mesh, what=f"{what}_partition")
         sizes = _check_padding(pad_batches, batch_sizes, mask_kwarg)
+        level = check_summary_level(summary_level, "MethodRunner.create")
         params, static = eqx.partition(model, eqx.is_array)
         specs = resolve_param_specs(param_partition, params, mesh)
         leaves, treedef = jax.tree.flatten(params)
@@ -264,6 +274,7 @@ class MethodRunner(eqx.Module):
             batch_sizes=sizes,
             mask_kwarg=mask_kwarg,
             donate_batch=bool(donate_batch),
+            summary_level=level,
         )
         (key,) = place(
             [prng_key],
