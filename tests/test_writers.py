@@ -16,7 +16,7 @@ from hypothesis import given, strategies as st
 from PIL import Image
 
 import eqxctx
-from eqxctx.writers import JsonlWriter, TensorBoardWriter
+from eqxctx.writers import JsonlWriter, TensorBoardWriter, fetch_summaries
 from tb_events import scalars, summary_values
 
 
@@ -563,3 +563,25 @@ def test_tensorboard_non_finite_scalars_are_silent(
     got = scalars(str(tmp_path))
     assert np.isnan(got[(0, "nan")])
     assert got[(0, "inf")] == np.inf
+
+
+def test_fetch_checks_built_in_kinds_read_from_their_fields() -> None:
+    # The fast path for WeightedSummary/Min/Max/Sum/Moments gives `value()` and
+    # keeps `validate`'s check (a WeightedSummary built without its checks).
+    bad = jax.tree.unflatten(
+        jax.tree.structure(eqxctx.WeightedSummary(1.0, 1.0)),
+        [np.zeros(3, np.float32), np.ones(2, np.float32)],
+    )
+    with pytest.raises(ValueError, match=r"fetch_summaries.*'w'.*weight has shape"):
+        fetch_summaries({"w": bad})
+    values = fetch_summaries(
+        {
+            "w": eqxctx.WeightedSummary(jnp.float32(2.0), jnp.float32(3.0)),
+            "s": eqxctx.SumSummary(jnp.arange(3)),
+            "m": eqxctx.MomentsSummary(jnp.asarray([1.0, 3.0])),
+        }
+    )
+    assert float(values["w"]) == 2.0
+    np.testing.assert_array_equal(values["s"], [0, 1, 2])
+    assert float(values["m/variance"]) == 1.0
+    assert int(values["m/count"]) == 2
