@@ -292,9 +292,9 @@ def _units(entry: IterationSummaries, treedef: TreeDef, sep: str) -> list[Any]:
     its rows `first:stop` by its treedef.
     """
     key = (treedef, sep)
-    units = _UNITS.get(key)
-    if units is not None:
-        return units
+    cached = _UNITS.get(key)
+    if cached is not None:
+        return cached
     units: list[_Unit] = []
     start = 0
     flat = jax.tree_util.tree_flatten_with_path(entry.stacked, is_leaf=_is_unit)[0]
