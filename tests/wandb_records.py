@@ -11,8 +11,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from wandb.proto import wandb_internal_pb2
-
 
 _BLOCK = 32 * 1024
 _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
@@ -61,6 +59,9 @@ def _read(path: str | Path) -> list[Any]:
             pending += chunk
         elif kind == _LAST:
             chunks.append(pending + chunk)
+    # Imported here: pytest imports this module (doctests) also without wandb.
+    from wandb.proto import wandb_internal_pb2
+
     record = wandb_internal_pb2.Record  # pyright: ignore[reportAttributeAccessIssue]
     return [record.FromString(c) for c in chunks]
 
