@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade "pip>=25.1"
-	$(BIN)/python -m pip install --quiet -e ".[demo,tensorboard]" --group dev
+	$(BIN)/python -m pip install --quiet -e ".[demo,tensorboard,wandb]" --group dev
 	touch $@
 
 demo: $(BIN)/.installed

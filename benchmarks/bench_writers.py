@@ -15,7 +15,9 @@ and at width 256, batch 256. Each round runs
 Ratios are variant / none, each the minimum over the rounds, from one run. A second
 table gives the host bytes that one write fetches for a 1M-element float32 tensor as a
 raw array and as `HistogramSummary`s (the counts only), with the device time (the
-minimum of 7 calls). Usage:
+minimum of 7 calls). A third table gives what one write costs, by part: the fetch on
+the calling thread, and each writer's `write_host` (the background thread's work in
+`AsyncWriter`). Usage:
 
     .venv/bin/python benchmarks/bench_writers.py [--quick]
 """
@@ -135,6 +137,70 @@ def bench_histogram(size: int) -> list[tuple[str, int, float]]:
     return rows
 
 
+def bench_components(width: int, batch_size: int) -> list[tuple[str, float]]:
+    """Microseconds per write of the demo's summaries, by part (min of 7 x 200).
+
+    The fetch reads arrays that were never read before (as in a training loop); the
+    TensorBoard write is timed with tensorboardX's checksums in C (the `crc32c`
+    package, when installed) and in its own pure Python.
+    """
+    import tensorboardX.crc32c as tbx_crc  # the `tensorboard` extra
+    import tensorboardX.record_writer as tbx_record
+
+    train, _ = load_digits_split(seed=0)
+    key = jax.random.PRNGKey(0)
+    model = Classifier(num_layers=4, width=width, dropout=0.1, key=key)
+    optimizer = optax.adam(3e-3)
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+    step_fn = make_train_step(optimizer)
+    batch = next(train_batches(train, batch_size=batch_size, seed=0))
+    rounds, n = 7, 200
+    outs = [
+        {"train": step_fn(model, opt_state, batch, jax.random.fold_in(key, i))[2]}
+        for i in range(rounds * n + 20)
+    ]
+    jax.block_until_ready(outs)
+    fresh = iter(outs)
+
+    def best(fn: Callable[[], object]) -> float:
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            times.append((time.perf_counter() - start) / n)
+        return min(times) * 1e6
+
+    with tempfile.TemporaryDirectory() as logdir:
+        jsonl = JsonlWriter(f"{logdir}/s.jsonl")
+        tb = TensorBoardWriter(logdir)
+        for _ in range(20):
+            jsonl.fetch(0, next(fresh))
+        rows = [("fetch (calling thread)", best(lambda: jsonl.fetch(0, next(fresh))))]
+        host = jsonl.fetch(0, outs[0])
+        rows.append(("JSONL write_host", best(lambda: jsonl.write_host(host))))
+        native = tbx_record.crc32c is not tbx_crc._crc32c  # pyright: ignore[reportPrivateUsage]
+        label = "crc32c package" if native else "pure Python (no crc32c package)"
+        rows.append(
+            (f"TensorBoard write_host, {label}", best(lambda: tb.write_host(host)))
+        )
+        if native:
+            saved = tbx_record.crc32c
+            tbx_record.crc32c = tbx_crc._crc32c  # pyright: ignore[reportPrivateUsage]
+            try:
+                rows.append(
+                    (
+                        "TensorBoard write_host, pure-Python CRC",
+                        best(lambda: tb.write_host(host)),
+                    )
+                )
+            finally:
+                tbx_record.crc32c = saved
+        jsonl.close()
+        tb.close()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
@@ -151,6 +217,11 @@ def main() -> None:
             ratio = t / best["none"]
             label = f"width {width}, batch {batch}"
             print(f"| {label} | {name} | {t / steps * 1e3:.2f} | {ratio:.3f}x |")
+    width, batch = CONFIGS[0]
+    print(f"\n| one write of the demo's summaries (width {width}) | µs |")
+    print("|---|--:|")
+    for name, us in bench_components(width, batch):
+        print(f"| {name} | {us:.0f} |")
     header = "| summary of a 1M-element float32 tensor | bytes per write | device ms |"
     print(f"\n{header}")
     print("|---|--:|--:|")

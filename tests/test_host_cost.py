@@ -17,6 +17,7 @@ from hypothesis import given
 
 import eqxctx
 import eqxctx._collection as collection_module
+import eqxctx.writers._base as writers_base
 from eqxctx import (
     Context,
     IterationSummaries,
@@ -428,6 +429,14 @@ def device_gets(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         return real(x)
 
     monkeypatch.setattr(jax, "device_get", counting)
+    # The writers' own batched fetch (one process), which replaces `jax.device_get`.
+    real_writers = writers_base._device_get  # pyright: ignore[reportPrivateUsage]
+
+    def counting_writers(x: Any) -> Any:
+        calls.append(len(jax.tree_util.tree_leaves(x)))
+        return real_writers(x)
+
+    monkeypatch.setattr(writers_base, "_device_get", counting_writers)
     return calls
 
 

@@ -16,7 +16,7 @@ from hypothesis import given, strategies as st
 from PIL import Image
 
 import eqxctx
-from eqxctx.writers import JsonlWriter, TensorBoardWriter
+from eqxctx.writers import JsonlWriter, TensorBoardWriter, fetch_summaries
 from tb_events import scalars, summary_values
 
 
@@ -629,3 +629,25 @@ def test_jsonl_per_iteration_floats_are_shortest(tmp_path: Path) -> None:
         **{f"iter{i}/n": 7 for i in range(4)},
     }
     assert '"iter1/v": 0.1,' in path.read_text()
+
+
+def test_fetch_checks_built_in_kinds_read_from_their_fields() -> None:
+    # The fast path for WeightedSummary/Min/Max/Sum/Moments gives `value()` and
+    # keeps `validate`'s check (a WeightedSummary built without its checks).
+    bad = jax.tree.unflatten(
+        jax.tree.structure(eqxctx.WeightedSummary(1.0, 1.0)),
+        [np.zeros(3, np.float32), np.ones(2, np.float32)],
+    )
+    with pytest.raises(ValueError, match=r"fetch_summaries.*'w'.*weight has shape"):
+        fetch_summaries({"w": bad})
+    values = fetch_summaries(
+        {
+            "w": eqxctx.WeightedSummary(jnp.float32(2.0), jnp.float32(3.0)),
+            "s": eqxctx.SumSummary(jnp.arange(3)),
+            "m": eqxctx.MomentsSummary(jnp.asarray([1.0, 3.0])),
+        }
+    )
+    np.testing.assert_array_equal(values["w"], 2.0)
+    np.testing.assert_array_equal(values["s"], [0, 1, 2])
+    np.testing.assert_array_equal(values["m/variance"], 1.0)
+    np.testing.assert_array_equal(values["m/count"], 2)

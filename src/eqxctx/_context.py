@@ -26,6 +26,7 @@ from ._collection import (
     with_child,
 )
 from ._errors import CALL_TWICE_HINT, PREFIX_HINT, OutputConflictError
+from ._leaves import validate_leaf_name
 from ._typing import Leaf, MaybeKey, PRNGKey, R
 
 
@@ -118,6 +119,7 @@ class Context:
         prng_key: the key (raw or typed), or None.
         is_training: training mode.
         collection: the context's outputs.
+        summary_level: the summary level (see `Context.root`), or None.
 
     Attributes:
         path: the names from the root to this context, static (e.g.
@@ -126,6 +128,10 @@ class Context:
             (`jax.random.key`), or None (traced).
         is_training: whether the model runs in training mode, static.
         collection: the `OutputCollection` of this context.
+        summary_level: summaries and module outputs added with a `level` above it
+            are dropped (static; None keeps everything). Set at the root
+            (`Context.root`, `functional`, `MethodRunner.create`) and inherited by
+            every child and every iteration of a scan, vmap, branch or loop.
 
     Examples:
         >>> ctx = Context.root(prng_key=jax.random.PRNGKey(0))
@@ -141,10 +147,12 @@ class Context:
         "collection",
         "is_training",
         "path",
+        "summary_level",
     )
     path: tuple[str, ...]
     is_training: bool
     collection: OutputCollection
+    summary_level: int | None
 
     def __init__(
         self,
@@ -152,8 +160,12 @@ class Context:
         prng_key: PRNGKey | None,
         is_training: bool,
         collection: OutputCollection,
+        summary_level: int | None = None,
     ):
-        _init(self, tuple(path), prng_key, (), bool(is_training), collection)
+        level = check_summary_level(summary_level, "Context")
+        _init(
+            self, tuple(path), prng_key, (), bool(is_training), collection, False, level
+        )
 
     def __setattr__(self, name: str, value: object) -> NoReturn:
         raise dataclasses.FrozenInstanceError(f"cannot assign to field '{name}'")
@@ -161,7 +173,8 @@ class Context:
     def __repr__(self) -> str:
         return (
             f"Context(path={self.path!r}, prng_key={self.prng_key!r}, "
-            f"is_training={self.is_training!r}, collection={self.collection!r})"
+            f"is_training={self.is_training!r}, collection={self.collection!r}, "
+            f"summary_level={self.summary_level!r})"
         )
 
     def __eq__(self, other: object) -> Any:
@@ -172,7 +185,16 @@ class Context:
     __hash__ = None  # pyright: ignore[reportAssignmentType]
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (Context, (self.path, self.prng_key, self.is_training, self.collection))
+        return (
+            Context,
+            (
+                self.path,
+                self.prng_key,
+                self.is_training,
+                self.collection,
+                self.summary_level,
+            ),
+        )
 
     @property
     def prng_key(self) -> MaybeKey:
@@ -193,6 +215,7 @@ class Context:
         prng_key: PRNGKey | None = None,
         is_training: bool | np.bool_ = False,
         name: str = "root",
+        summary_level: int | None = None,
     ) -> "Context":
         """Return a root context with an empty collection.
 
@@ -201,16 +224,21 @@ class Context:
             is_training: training mode, static.
             name: the root's name, the first entry of every path, matching
                 `^[a-z][a-z0-9_]*$`.
+            summary_level: keep only summaries and module outputs added with
+                `level <= summary_level` (static, inherited by every child and
+                iteration context); None keeps everything.
 
         Raises:
             ValueError: for an invalid name.
-            TypeError: if `is_training` is not a bool, or `prng_key` is neither None,
-                a raw `uint32[2]` key nor a typed key (the message says what it got).
+            TypeError: if `is_training` is not a bool, `summary_level` is neither
+                None nor an int, or `prng_key` is neither None, a raw `uint32[2]` key
+                nor a typed key (the message says what it got).
         """
         validate_child_name(name, where="Context.root(name=...)")
         key = check_prng_key(prng_key, "Context.root")
         training = check_is_training(is_training, "Context.root")
-        return _make((name,), key, (), training, OutputCollection.empty())
+        level = check_summary_level(summary_level, "Context.root")
+        return _make((name,), key, (), training, OutputCollection.empty(), False, level)
 
     @property
     def name(self) -> str:
@@ -260,22 +288,54 @@ class Context:
             return _child(self, name, training)
         prng_key = check_prng_key(prng_key, "Context.child")
         return _make(
-            (*self.path, name), prng_key, (), training, _EMPTY, self._shape_only
+            (*self.path, name),
+            prng_key,
+            (),
+            training,
+            _EMPTY,
+            self._shape_only,
+            self.summary_level,
         )
 
-    def add_summary(self, name: str, value: Leaf) -> "Context":
+    def add_summary(self, name: str, value: Leaf, level: int = 0) -> "Context":
         """Return a new context with summary `name` added.
 
         See `OutputCollection.add_summary` for the accepted values and errors.
+
+        Args:
+            name: a non-empty string without '/'.
+            value: an array, a Python number or a `Summary`.
+            level: the summary's level (an int, static): it is kept only if `level
+                <= ctx.summary_level` (every level is kept when `summary_level` is
+                None, the default). A dropped summary is not returned, so XLA
+                removes its computation; only its name is checked (not its value
+                or conflicts), and the context is returned unchanged.
         """
+        # The default (level 0, no summary level) costs one compare per add.
+        if (level or self.summary_level is not None) and _drops(
+            self, name, level, "Context.add_summary"
+        ):
+            return self
         return _with(self, add_leaf(self.collection, "summaries", name, value))
 
     def add_state_update(self, name: str, value: Leaf) -> "Context":
-        """Return a new context with state update `name` added."""
+        """Return a new context with state update `name` added.
+
+        State updates have no level: they are the model's new state (e.g. batch
+        norm statistics), not an observation of it, so no `summary_level` drops one.
+        """
         return _with(self, add_leaf(self.collection, "state_updates", name, value))
 
-    def add_module_output(self, name: str, value: Leaf) -> "Context":
-        """Return a new context with module output `name` added."""
+    def add_module_output(self, name: str, value: Leaf, level: int = 0) -> "Context":
+        """Return a new context with module output `name` added.
+
+        `level` works as in `add_summary`: the output is kept only if `level <=
+        ctx.summary_level` (or `summary_level` is None).
+        """
+        if (level or self.summary_level is not None) and _drops(
+            self, name, level, "Context.add_module_output"
+        ):
+            return self
         return _with(self, add_leaf(self.collection, "module_outputs", name, value))
 
     def replace_collection(self, collection: OutputCollection) -> "Context":
@@ -383,7 +443,8 @@ def _init(
     key_names: tuple[Any, ...],
     is_training: bool,
     collection: OutputCollection,
-    shape_only: bool = False,
+    shape_only: bool,
+    level: int | None,
 ) -> None:
     _SET["path"](ctx, path)
     _SET["_base_key"](ctx, base_key)
@@ -393,6 +454,7 @@ def _init(
     # True inside eqxctx's own shape-only passes (`jax.eval_shape` of a scan body):
     # nested scans then skip their own shape pass (see `scan_in_context`).
     _SET["_shape_only"](ctx, shape_only)
+    _SET["summary_level"](ctx, level)
 
 
 def _make(
@@ -403,9 +465,14 @@ def _make(
     key_names: tuple[Any, ...],
     is_training: bool,
     collection: OutputCollection,
-    shape_only: bool = False,
+    shape_only: bool,
+    level: int | None,
 ) -> Context:
-    """Build a context from checked parts (no walk, no checks)."""
+    """Build a context from checked parts (no walk, no checks).
+
+    `level` is the summary level (required, so that no place that rebuilds a
+    context forgets to carry it).
+    """
     out = _new(Context)
     _set_path(out, path)
     _set_base_key(out, base_key)
@@ -413,6 +480,7 @@ def _make(
     _set_is_training(out, is_training)
     _set_collection(out, collection)
     _set_shape_only(out, shape_only)
+    _set_summary_level(out, level)
     return out
 
 
@@ -423,6 +491,7 @@ _set_key_names = _SET["_key_names"]
 _set_is_training = _SET["is_training"]
 _set_collection = _SET["collection"]
 _set_shape_only = _SET["_shape_only"]
+_set_summary_level = _SET["summary_level"]
 
 
 def _child(parent: Context, name: str, is_training: bool) -> Context:
@@ -435,6 +504,7 @@ def _child(parent: Context, name: str, is_training: bool) -> Context:
         is_training,
         _EMPTY,
         parent._shape_only,  # pyright: ignore[reportPrivateUsage]
+        parent.summary_level,
     )
 
 
@@ -449,6 +519,7 @@ def iteration_context(
         parent.is_training,
         _EMPTY,
         shape_only or parent._shape_only,  # pyright: ignore[reportPrivateUsage]
+        parent.summary_level,
     )
 
 
@@ -465,34 +536,65 @@ def _with(ctx: Context, collection: OutputCollection) -> Context:
         ctx.is_training,
         collection,
         ctx._shape_only,  # pyright: ignore[reportPrivateUsage]
+        ctx.summary_level,
     )
 
 
 _KEYS = (jax.tree_util.GetAttrKey("prng_key"), jax.tree_util.GetAttrKey("collection"))
 
 
-def _flatten_with_keys(ctx: Context) -> tuple[list[Any], tuple[Any, bool]]:
+_Aux = tuple[Any, bool, int | None]  # path, is_training, summary_level: static
+
+
+def _flatten_with_keys(ctx: Context) -> tuple[list[Any], _Aux]:
     return list(zip(_KEYS, (ctx.prng_key, ctx.collection), strict=True)), (
         ctx.path,
         ctx.is_training,
+        ctx.summary_level,
     )
 
 
-def _flatten(
-    ctx: Context,
-) -> tuple[tuple[MaybeKey, OutputCollection], tuple[Any, bool]]:
-    return (ctx.prng_key, ctx.collection), (ctx.path, ctx.is_training)
+def _flatten(ctx: Context) -> tuple[tuple[MaybeKey, OutputCollection], _Aux]:
+    return (ctx.prng_key, ctx.collection), (
+        ctx.path,
+        ctx.is_training,
+        ctx.summary_level,
+    )
 
 
 def _unflatten(aux: Any, children: Any) -> Context:
-    path, is_training = aux
+    path, is_training, level = aux
     prng_key, collection = children
-    return _make(path, prng_key, (), is_training, collection)
+    return _make(path, prng_key, (), is_training, collection, False, level)
 
 
 jax.tree_util.register_pytree_with_keys(
     Context, _flatten_with_keys, _unflatten, _flatten
 )
+
+
+def check_summary_level(level: object, where: str) -> int | None:
+    """Return `level` (None or an int), or raise `TypeError` naming `where`."""
+    if level is None or (isinstance(level, int) and not isinstance(level, bool)):
+        return level
+    raise TypeError(
+        f"`{where}(summary_level=...)`: expected None (keep every summary) or an "
+        f"int, got {type(level).__name__} {level!r}."
+    )
+
+
+def _drops(ctx: Context, name: object, level: object, where: str) -> bool:
+    """Whether an entry of `level` is dropped in `ctx` (checks the level and name)."""
+    if not (isinstance(level, int) and not isinstance(level, bool)):
+        raise TypeError(
+            f"`{where}(level=...)`: expected an int (a static level, 0 by default), "
+            f"got {type(level).__name__} {level!r}."
+        )
+    cap = ctx.summary_level
+    if cap is None or level <= cap:
+        return False
+    validate_leaf_name(name, where=where)
+    return True
 
 
 def check_path(returned: Context, given: Context, what: str) -> None:

@@ -14,6 +14,7 @@ from ._context import (
     check_path,
     check_prng_key,
     check_returns_context,
+    check_summary_level,
 )
 from ._typing import PRNGKey
 
@@ -29,6 +30,7 @@ def functional(
     args: Sequence[PyTree] = (),
     kwargs: Mapping[str, PyTree] | None = None,
     drop_output_collections: Sequence[str] = ("module_outputs",),
+    summary_level: int | None = None,
 ) -> tuple[R, OutputCollection]:
     """Run `fn(*args, ctx, **kwargs)` in a new root context; return its outputs.
 
@@ -45,6 +47,9 @@ def functional(
         kwargs: keyword arguments (not mutated).
         drop_output_collections: kinds to empty in the returned collection, among
             `"summaries"`, `"state_updates"`, `"module_outputs"`.
+        summary_level: the root context's summary level (static): summaries and
+            module outputs added with `level > summary_level` are dropped (see
+            `Context.add_summary`); None (the default) keeps everything.
 
     Returns:
         `(outputs, collection)`.
@@ -53,8 +58,8 @@ def functional(
         ValueError: for an unknown kind in `drop_output_collections`, or if `fn`
             returns a context other than the one it was handed (naming both paths).
         TypeError: if `fn` does not return `(outputs, Context)`, `is_training` is not
-            a bool, or `prng_key` is neither None, a raw `uint32[2]` key nor a typed
-            key.
+            a bool, `summary_level` is neither None nor an int, or `prng_key` is
+            neither None, a raw `uint32[2]` key nor a typed key.
 
     Examples:
         >>> def f(x, ctx):
@@ -78,7 +83,8 @@ def functional(
             )
     prng_key = check_prng_key(prng_key, "functional")
     is_training = check_is_training(is_training, "functional")
-    ctx = Context.root(prng_key=prng_key, is_training=is_training)
+    level = check_summary_level(summary_level, "functional")
+    ctx = Context.root(prng_key=prng_key, is_training=is_training, summary_level=level)
     try:
         result = fn(*args, ctx, **(kwargs or {}))
     except TypeError as e:

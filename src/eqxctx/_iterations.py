@@ -290,27 +290,49 @@ def flatten_into(
             put(path, value)
 
 
-def _flatten_entry(
-    put: Callable[[str, Leaf], None], entry: IterationSummaries, path: str, sep: str
-) -> None:
-    leaves, _ = _leaves(entry)
-    rows = [
-        _unstack(x, a) for x, a in zip(_host(leaves), _axes(entry, leaves), strict=True)
-    ]
-    # One unit per summary: a raw leaf (one row), or a `Summary` / nested entry rebuilt
-    # from its rows by its treedef.
-    units: list[tuple[str, TreeDef | None, int, int]] = []
+_Unit = tuple[str, TreeDef | None, int, int]
+# The units of a stacked tree depend only on its structure: cached by treedef, as
+# writers flatten the same structure every step.
+_UNITS: dict[tuple[TreeDef, str], list[_Unit]] = {}
+
+
+# `-> list[Any]`: beartype samples a list's items with `random`, which hypothesis
+# forbids inside strategies (collections are flattened in strategies).
+def _units(entry: IterationSummaries, treedef: TreeDef, sep: str) -> list[Any]:
+    """One unit per summary: `(relative path, treedef or None, first, stop)`.
+
+    A raw leaf is one row (treedef None); a `Summary` or nested entry is rebuilt from
+    its rows `first:stop` by its treedef.
+    """
+    key = (treedef, sep)
+    cached = _UNITS.get(key)
+    if cached is not None:
+        return cached
+    units: list[_Unit] = []
     start = 0
     flat = jax.tree_util.tree_flatten_with_path(entry.stacked, is_leaf=_is_unit)[0]
     for key_path, obj in flat:
         rel = sep.join(str(getattr(k, "key", k)) for k in key_path)
         if _is_unit(obj):
-            sub, treedef = jax.tree_util.tree_flatten(obj)
-            units.append((rel, treedef, start, start + len(sub)))
+            sub, sub_treedef = jax.tree_util.tree_flatten(obj)
+            units.append((rel, sub_treedef, start, start + len(sub)))
             start += len(sub)
         else:
             units.append((rel, None, start, start + 1))
             start += 1
+    if len(_UNITS) < 1024:
+        _UNITS[key] = units
+    return units
+
+
+def _flatten_entry(
+    put: Callable[[str, Leaf], None], entry: IterationSummaries, path: str, sep: str
+) -> None:
+    leaves, stacked_treedef = _leaves(entry)
+    rows = [
+        _unstack(x, a) for x, a in zip(_host(leaves), _axes(entry, leaves), strict=True)
+    ]
+    units = _units(entry, stacked_treedef, sep)
     if all(treedef is None for _, treedef, _, _ in units):
         # Only raw arrays (the common case): one row per unit, no rebuilding.
         rels = [rel for rel, _, _, _ in units]

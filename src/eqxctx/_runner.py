@@ -27,7 +27,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from ._aot import LoweredRunner, lower_runner
 from ._checks import check_callable
-from ._context import check_is_training, check_prng_key
+from ._context import check_is_training, check_prng_key, check_summary_level
 from ._frozen import Frozen
 from ._partition import (
     DataPartition,
@@ -151,6 +151,7 @@ class MethodRunner(eqx.Module):
         batch_sizes: Sequence[int] | None = None,
         mask_kwarg: str | None = None,
         donate_batch: bool = False,
+        summary_level: int | None = None,
     ) -> "MethodRunner":
         """Return a runner of `method` on `model`, with parameters placed on `mesh`.
 
@@ -198,6 +199,12 @@ class MethodRunner(eqx.Module):
                 `Output.input_batch` is then None. Where XLA cannot reuse a donated
                 buffer it keeps it (JAX may warn "Some donated buffers were not
                 usable").
+            summary_level: the root context's summary level (static, part of the
+                compilation key): summaries and module outputs added with `level >
+                summary_level` are dropped, and XLA removes their computation; None
+                (the default) keeps everything. Two runners of one model with
+                different levels (a cheap one every step, a full one every N steps)
+                compile once each.
 
         Static callables (`method`, `drop_module_outputs`) compare by identity:
         define them once (e.g. at module level), not as a new lambda per `create`,
@@ -220,8 +227,8 @@ class MethodRunner(eqx.Module):
                 of the model as `method` (pass its name or `type(model).method`), a
                 `method` that is neither callable nor a string, a `mesh` that is not
                 a `jax.sharding.Mesh`, a non-callable `drop_module_outputs`, an
-                `is_training` that is not a bool, or a `prng_key` that is None or
-                not a key.
+                `is_training` that is not a bool, a `summary_level` that is neither
+                None nor an int, or a `prng_key` that is None or not a key.
         """
         where = "MethodRunner.create"
         if prng_key is None:
@@ -267,6 +274,7 @@ class MethodRunner(eqx.Module):
                     # Raises early for BATCH on a mesh without data-like axes.
                     resolve_specs(leaf, 0, mesh, what=f"{what}_partition")
         sizes = _check_padding(pad_batches, batch_sizes, mask_kwarg)
+        level = check_summary_level(summary_level, "MethodRunner.create")
         params, static = eqx.partition(model, eqx.is_array)
         specs = resolve_param_specs(param_partition, params, mesh)
         leaves, treedef = jax.tree.flatten(params)
@@ -294,6 +302,7 @@ class MethodRunner(eqx.Module):
             batch_sizes=sizes,
             mask_kwarg=mask_kwarg,
             donate_batch=bool(donate_batch),
+            summary_level=level,
         )
         (key,) = place(
             [prng_key],

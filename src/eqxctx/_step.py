@@ -78,6 +78,7 @@ class Settings:
     batch_sizes: tuple[int, ...] | None = None
     mask_kwarg: str | None = None
     donate_batch: bool = False
+    summary_level: int | None = None
 
 
 class Step:

@@ -69,7 +69,11 @@ def run_step(
         kwargs = eqx.combine(dynamic_kwargs, static_kwargs.tree())
     if settings.mask_kwarg is not None and mask is not None:
         kwargs[settings.mask_kwarg] = mask
-    ctx = Context.root(prng_key=iter_key, is_training=settings.is_training)
+    ctx = Context.root(
+        prng_key=iter_key,
+        is_training=settings.is_training,
+        summary_level=settings.summary_level,
+    )
     method = settings.method
     if isinstance(method, str):
         result = getattr(model, method)(batch, ctx, **kwargs)

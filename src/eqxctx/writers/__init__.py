@@ -1,4 +1,4 @@
-"""Summary writers: JSON lines (no extra dependency) and TensorBoard (tensorboardX).
+"""Summary writers: JSON lines (no extra dependency), TensorBoard and W&B (extras).
 
 Each takes the summaries of an `OutputCollection` (or a nested mapping of them) once
 per step and writes each leaf's `Summary.value()` under its "/"-joined path. Wrap them
@@ -29,3 +29,4 @@ from ._base import (
 )
 from ._jsonl import JsonlWriter as JsonlWriter
 from ._tensorboard import TensorBoardWriter as TensorBoardWriter
+from ._wandb import WandbWriter as WandbWriter

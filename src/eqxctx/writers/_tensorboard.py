@@ -41,7 +41,7 @@ def tag_of(path: str) -> str:
     return _INVALID_TAG_CHARACTERS.sub("_", path).lstrip("/")
 
 
-def _images_nhwc(images: np.ndarray) -> np.ndarray:
+def images_nhwc(images: np.ndarray) -> np.ndarray:
     """Return `uint8[batch, height, width, channels]` from an `ImageSummary` value."""
     if images.ndim == 3:
         images = images[..., None]
@@ -277,7 +277,7 @@ class TensorBoardWriter(AbstractWriter):
 
     def _images(self, tag: str, images: np.ndarray) -> Any:
         """TensorBoard's image format: a string tensor `[width, height, *pngs]`."""
-        nhwc = _images_nhwc(images)
+        nhwc = images_nhwc(images)
         _, height, width, _ = nhwc.shape
         strings = [str(width).encode(), str(height).encode()]
         strings += [png_bytes(image) for image in nhwc]

@@ -1,0 +1,215 @@
+"""WandbWriter: summaries as a Weights & Biases run (the `wandb` extra)."""
+
+import math
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from eqxctx._statistics import HistogramSummary
+from eqxctx._summary import AudioSummary, ImageSummary
+
+from ._base import AbstractWriter, HostSummaries, HostValue, is_writing_process
+from ._jsonl import nonempty_span
+from ._tensorboard import images_nhwc, wav_bytes
+
+
+_MISSING = (
+    "`WandbWriter` needs the wandb package, which is not installed. Install "
+    "eqxctx's `wandb` extra: `pip install 'eqxctx[wandb]'` (or `pip install "
+    "wandb`), or write JSON lines with `eqxctx.writers.JsonlWriter`, which needs "
+    "nothing else."
+)
+
+#: W&B's limit on the buckets of one histogram (`wandb.Histogram.MAX_LENGTH`).
+MAX_BUCKETS = 512
+#: The buckets of a histogram of a raw array (`wandb.Histogram`'s default).
+RAW_BUCKETS = 64
+_DBL_MAX = float(np.finfo(np.float64).max)
+
+
+def histogram_buckets(
+    counts: np.ndarray, edges: tuple[float, ...] | np.ndarray
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Return `(counts, edges)` for W&B: the non-empty span, at most 512 buckets.
+
+    Stacked counts (`[..., bins]`) are added. The buckets from the first to the
+    last non-empty one are kept; more than `MAX_BUCKETS` of them are merged in
+    groups of `ceil(n / MAX_BUCKETS)` adjacent buckets (counts added: the total
+    stays exact). Infinite outer edges become ±DBL_MAX, as in TensorBoard. None if
+    nothing was counted.
+    """
+    counts = np.asarray(counts)
+    counts = counts.reshape(-1, counts.shape[-1]).sum(axis=0)
+    first, stop = nonempty_span(counts)
+    if first == stop:
+        return None
+    kept = counts[first:stop]
+    span = np.clip(np.asarray(edges[first : stop + 1], np.float64), -_DBL_MAX, _DBL_MAX)
+    group = math.ceil(kept.size / MAX_BUCKETS)
+    if group > 1:
+        padded = np.zeros(math.ceil(kept.size / group) * group, kept.dtype)
+        padded[: kept.size] = kept
+        kept = padded.reshape(-1, group).sum(axis=1)
+        span = np.append(span[:-1:group], span[-1])
+    return kept, span
+
+
+class WandbWriter(AbstractWriter):
+    """Write summaries to a Weights & Biases run (`wandb.Run.log`).
+
+    Each `write(step, summaries)` is one `run.log({path: value, ...}, step=step)`
+    with the "/"-joined paths that `JsonlWriter` writes (W&B groups them into
+    sections by their first part):
+
+    - a value of shape `()` (a raw array, a number, a `WeightedSummary`'s mean, a
+      `MinSummary`, ...): a number (a Python `int` for integer and boolean values,
+      a `float` otherwise; NaN and infinities as they are).
+    - `MomentsSummary`: the numbers `path/count`, `path/mean`, `path/variance`,
+      `path/min`, `path/max`, `path/nonfinite`.
+    - `HistogramSummary`: a `wandb.Histogram` of its counts and edges
+      (`np_histogram=`), over the buckets from the first to the last non-empty one;
+      beyond W&B's 512 buckets, adjacent buckets are merged (counts added). One
+      with no count is skipped.
+    - any other value of higher rank: a `wandb.Histogram` of its finite values in 64
+      buckets (W&B's default); one with no finite value is skipped.
+    - `ImageSummary`: a list of `wandb.Image`s, one per batch entry, converted to
+      `uint8` as `TensorBoardWriter` does (floating values clipped to [0, 1]).
+    - `AudioSummary`: a `wandb.Audio` of a 16-bit WAV file encoded as
+      `TensorBoardWriter` does (scaled like TensorFlow's `tf.audio.encode_wav`), at
+      its sample rate.
+
+    W&B drops a step lower than one already logged (with a warning); this writer
+    refuses it instead (`ValueError`), and refuses paths starting with "_", which W&B
+    reserves (`_step`, `_runtime`, ...). In a multi-process run, create the writer
+    and call `write` on every process (after `jax.distributed.initialize`): only
+    process 0 starts a run and logs.
+
+    wandb is imported when the writer is made; install it with eqxctx's `wandb`
+    extra. Offline runs (`mode="offline"`, or `WANDB_MODE=offline`) need no account
+    and no network; `wandb sync` uploads them later.
+
+    Args:
+        run: a run to log to (from `wandb.init`); `close` then leaves it open. None
+            (the default) starts one with `wandb.init(**init_kwargs)` on process 0,
+            which `close` finishes.
+        **init_kwargs: passed to `wandb.init` (e.g. `project=`, `name=`, `config=`,
+            `mode="offline"`, `dir=`); only without `run`.
+
+    Raises:
+        ImportError: if wandb is not installed (the message names the `wandb`
+            extra).
+        ValueError: if both `run` and `init_kwargs` are given.
+    """
+
+    def __init__(self, run: Any = None, **init_kwargs: Any):
+        try:
+            import wandb
+        except ImportError as e:
+            raise ImportError(_MISSING) from e
+        if run is not None and init_kwargs:
+            raise ValueError(
+                "`WandbWriter(run, **init_kwargs)`: pass a run or the arguments of "
+                f"`wandb.init` ({sorted(init_kwargs)}), not both."
+            )
+        self._wandb = wandb
+        self._owns_run = run is None
+        self._closed = False
+        self._last_step: int | None = None
+        self._media_dir: str | None = None
+        self.run: Any = None
+        if is_writing_process():
+            self.run = wandb.init(**init_kwargs) if run is None else run
+
+    def check(self, host: HostSummaries) -> None:
+        """Refuse a closed writer, a step lower than the last and W&B's own keys.
+
+        Raises:
+            ValueError: after `close()`, for a step lower than the one written
+                before (W&B would drop it), or for a path starting with "_".
+        """
+        where = "WandbWriter.write"
+        if self._closed:
+            raise ValueError(f"`{where}`: the writer is closed.")
+        if self._last_step is not None and host.step < self._last_step:
+            raise ValueError(
+                f"`{where}`: step {host.step} is lower than step {self._last_step}, "
+                "written before; W&B keeps steps in increasing order (it would drop "
+                "this one). Write steps in order, or start another run."
+            )
+        for path in host.values:
+            if path.startswith("_"):
+                raise ValueError(
+                    f"`{where}`: the summary path {path!r} starts with '_', which W&B "
+                    "reserves for its own keys (`_step`, `_runtime`); rename it."
+                )
+        self._last_step = host.step
+
+    def write_host(self, host: HostSummaries) -> None:
+        """Log one step: `run.log({path: value, ...}, step=step)`."""
+        if self.run is None:
+            return
+        record: dict[str, Any] = {}
+        for path, value in host.values.items():
+            converted = self._value(path, host.step, value)
+            if converted is not None:
+                record[path] = converted
+        self.run.log(record, step=host.step)
+
+    def _value(self, path: str, step: int, value: HostValue) -> Any:
+        wandb = self._wandb
+        if isinstance(value, ImageSummary):
+            nhwc = images_nhwc(np.asarray(value.value_))
+            return [
+                wandb.Image(image[..., 0] if image.shape[-1] == 1 else image)
+                for image in nhwc
+            ]
+        if isinstance(value, AudioSummary):
+            return wandb.Audio(
+                self._wav_file(path, step, np.asarray(value.value_), value.sample_rate),
+                sample_rate=value.sample_rate,
+            )
+        if isinstance(value, HistogramSummary):
+            buckets = histogram_buckets(np.asarray(value.counts), value.edges)
+            if buckets is None:
+                return None
+            return wandb.Histogram(np_histogram=buckets)
+        if value.ndim > 0:
+            finite = value.astype(np.float64).ravel()
+            finite = finite[np.isfinite(finite)]
+            if not finite.size:
+                return None
+            return wandb.Histogram(np_histogram=np.histogram(finite, RAW_BUCKETS))
+        if value.dtype.kind in "biu":
+            return int(value)
+        return float(value)
+
+    def _wav_file(
+        self, path: str, step: int, audio: np.ndarray, sample_rate: int
+    ) -> str:
+        """Write `audio` as a WAV file for `wandb.Audio` (which copies it)."""
+        if self._media_dir is None:
+            self._media_dir = tempfile.mkdtemp(prefix="eqxctx-wandb-")
+        name = f"{path.replace('/', '.')}.{step}.wav"
+        file = os.path.join(self._media_dir, name)
+        with open(file, "wb") as f:
+            f.write(wav_bytes(audio, sample_rate))
+        return file
+
+    def flush(self) -> None:
+        """Nothing to do: W&B's own process writes each step as it is logged."""
+
+    def close(self) -> None:
+        """Finish the run if this writer started it; closing twice is allowed."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.run is not None and self._owns_run:
+                self.run.finish()
+        finally:
+            if self._media_dir is not None:
+                shutil.rmtree(self._media_dir, ignore_errors=True)
+                self._media_dir = None

@@ -1,0 +1,198 @@
+"""WandbWriter, in W&B's offline mode (no account, no network), read back."""
+
+import io
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from PIL import Image
+
+import eqxctx
+from eqxctx.writers import AsyncWriter, JsonlWriter, MultiWriter, WandbWriter
+
+
+wandb = pytest.importorskip("wandb", reason="needs eqxctx's `wandb` extra")
+
+from eqxctx.writers._tensorboard import wav_bytes  # noqa: E402
+from eqxctx.writers._wandb import MAX_BUCKETS, histogram_buckets  # noqa: E402
+from wandb_records import history  # noqa: E402
+
+
+@pytest.fixture
+def offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """W&B's offline mode with every folder it uses under `tmp_path`."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
+    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        folder = tmp_path / var.lower()
+        folder.mkdir()
+        monkeypatch.setenv(var, str(folder))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    return tmp_path
+
+
+def _writer(tmp_path: Path) -> WandbWriter:
+    return WandbWriter(
+        project="eqxctx-test",
+        mode="offline",
+        dir=str(tmp_path),
+        settings=wandb.Settings(console="off", x_disable_stats=True),
+    )
+
+
+def _rows(writer: WandbWriter) -> tuple[list[dict[str, Any]], Path]:
+    """Close `writer` and read its offline run back: (rows, the run's files)."""
+    sync_file = Path(writer.run.settings.sync_file)
+    files = Path(writer.run.settings.files_dir)
+    writer.close()
+    return history(sync_file), files
+
+
+def test_wandb_every_summary_kind(offline: Path) -> None:
+    gray = np.linspace(0.0, 1.0, 2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4)
+    rgb = np.zeros((1, 5, 6, 3), dtype=np.uint8)
+    rgb[..., 0] = 255
+    audio = np.stack([np.linspace(-1.0, 1.0, 50), np.zeros(50)], axis=1)
+    values = np.asarray([0.5, 1.5, 1.7, 3.0, 9.0, np.nan], np.float32)
+    summaries = {
+        "scalar": jnp.float32(1.5),
+        "weighted": eqxctx.WeightedSummary(jnp.float32(2.0), jnp.float32(4.0)),
+        "min": eqxctx.MinSummary(jnp.int32(-3)),
+        "flag": True,
+        "nan": jnp.float32(jnp.nan),
+        "gray": eqxctx.ImageSummary(gray),
+        "rgb": eqxctx.ImageSummary(rgb),
+        "audio": eqxctx.AudioSummary(audio, sample_rate=8000),
+        "ranged": eqxctx.HistogramSummary(values, bins=4, range=(0, 4)),
+        "empty": eqxctx.HistogramSummary(jnp.full(3, jnp.nan), bins=2, range=(0, 1)),
+        "raw": np.arange(5.0),
+        "moments": eqxctx.MomentsSummary(values[:5]),
+        "moments_nan": eqxctx.MomentsSummary(values),
+    }
+    writer = _writer(offline)
+    writer.write(3, {"train": summaries})
+    writer.write(4, {"train": {"scalar": 2.5}})
+    (row, row4), files = _rows(writer)
+    assert row["_step"] == 3
+    assert row4["_step"] == 4
+    assert row4["train/scalar"] == 2.5
+    train = {k[len("train/") :]: v for k, v in row.items() if k.startswith("train/")}
+    assert train["scalar"] == 1.5
+    assert train["weighted"] == 2.0
+    assert train["min"] == -3
+    assert train["flag"] == 1
+    assert np.isnan(train["nan"])
+    # Histograms: counts and edges as made on the device (the non-empty span).
+    counts, edges = np.histogram(values[np.isfinite(values)], bins=4, range=(0, 4))
+    assert train["ranged"]["_type"] == "histogram"
+    assert train["ranged"]["values"] == counts.tolist()
+    np.testing.assert_allclose(train["ranged"]["bins"], edges)
+    assert "empty" not in train  # nothing counted: skipped, as in TensorBoard
+    assert sum(train["raw"]["values"]) == 5
+    assert len(train["raw"]["values"]) == 64
+    # MomentsSummary as numbers.
+    finite = values[:5].astype(np.float64)
+    assert train["moments/count"] == 5
+    assert train["moments/nonfinite"] == 0
+    assert train["moments_nan/nonfinite"] == 1
+    assert np.isnan(train["moments_nan/mean"])
+    np.testing.assert_allclose(train["moments/mean"], finite.mean(), rtol=1e-6)
+    np.testing.assert_allclose(train["moments/variance"], finite.var(), rtol=1e-5)
+    assert train["moments/min"] == 0.5
+    assert train["moments/max"] == 9.0
+    # Images: one per batch entry, converted like TensorBoard's.
+    assert train["gray"]["_type"] == "images/separated"
+    assert train["gray"]["count"] == 2
+    assert (train["gray"]["width"], train["gray"]["height"]) == (4, 3)
+    pixels = [
+        np.asarray(Image.open(files / name)) for name in train["gray"]["filenames"]
+    ]
+    expected = np.round(gray * 255).astype(np.uint8)
+    for got, want in zip(pixels, expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+    (red,) = train["rgb"]["filenames"]
+    np.testing.assert_array_equal(np.asarray(Image.open(files / red)), rgb[0])
+    # Audio: the 16-bit WAV that TensorBoard writes.
+    assert train["audio"]["_type"] == "audio-file"
+    wav = (files / train["audio"]["path"]).read_bytes()
+    assert wav == wav_bytes(audio, 8000)
+
+
+def test_wandb_histogram_of_many_buckets_merges_them_exactly() -> None:
+    x = jnp.linspace(-1.0, 1.0, 2000)
+    hist = eqxctx.HistogramSummary(x, bins=1000, range=(-1, 1))
+    buckets = histogram_buckets(np.asarray(hist.counts), hist.edges)
+    assert buckets is not None
+    counts, edges = buckets
+    assert len(counts) <= MAX_BUCKETS
+    assert len(edges) == len(counts) + 1
+    assert counts.sum() == 2000
+    # Merged in pairs: each bucket holds what its two buckets held.
+    np.testing.assert_array_equal(counts, np.asarray(hist.counts).reshape(-1, 2).sum(1))
+    np.testing.assert_allclose(edges, np.asarray(hist.edges)[::2])
+    # TensorFlow's default buckets (1,550, infinite outer edges) fit as well.
+    wide = eqxctx.HistogramSummary(np.asarray([-1e30, 0.0, 1e30], np.float32))
+    buckets = histogram_buckets(np.asarray(wide.counts), wide.edges)
+    assert buckets is not None
+    assert buckets[0].sum() == 3
+    assert np.isfinite(buckets[1]).all()
+
+
+def test_wandb_equals_jsonl_through_async_multiwriter(offline: Path) -> None:
+    path = offline / "s.jsonl"
+    writer = _writer(offline)
+    sync_file = Path(writer.run.settings.sync_file)
+    with AsyncWriter(MultiWriter(JsonlWriter(path), writer), defer_fetch=True) as w:
+        for step in range(5):
+            w.write(step, {"loss": jnp.float32(1.0 / (step + 1)), "n": step})
+    rows = history(sync_file)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["_step"] for r in rows] == [line["step"] for line in lines]
+    for row, line in zip(rows, lines, strict=True):
+        assert row["n"] == line["n"]
+        np.testing.assert_allclose(row["loss"], line["loss"], rtol=1e-7)
+
+
+def test_wandb_errors(offline: Path) -> None:
+    writer = _writer(offline)
+    writer.write(5, {"x": 1.0})
+    writer.write(5, {"y": 1.0})  # the same step again is fine
+    with pytest.raises(ValueError, match="lower than step 5"):
+        writer.write(4, {"x": 1.0})
+    with pytest.raises(ValueError, match="reserves"):
+        writer.write(6, {"_step": 1.0})
+    with pytest.raises(ValueError, match="not both"):
+        WandbWriter(writer.run, project="p")
+    writer.close()
+    writer.close()
+    with pytest.raises(ValueError, match="closed"):
+        writer.write(7, {"x": 1.0})
+
+
+def test_wandb_given_run_stays_open(offline: Path) -> None:
+    run = wandb.init(project="eqxctx-test", mode="offline", dir=str(offline))
+    writer = WandbWriter(run)
+    writer.write(0, {"x": 1.0})
+    writer.close()
+    run.log({"after": 2.0}, step=1)  # still open
+    sync_file = Path(run.settings.sync_file)
+    run.finish()
+    assert [row.get("x", row.get("after")) for row in history(sync_file)] == [1.0, 2.0]
+
+
+def test_wandb_missing_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(ImportError, match=r"eqxctx\[wandb\]"):
+        WandbWriter(project="p")
+
+
+def test_wav_bytes_is_what_wandb_stores() -> None:
+    # The reference for the audio check above: a 16-bit WAV, TensorFlow's scaling.
+    audio = np.asarray([0.0, 0.5, -1.0], np.float32)
+    wav = io.BytesIO(wav_bytes(audio, 16000))
+    assert wav.getvalue()[:4] == b"RIFF"
