@@ -20,6 +20,7 @@ from ._control import (
 )
 from ._errors import OutputConflictError as OutputConflictError
 from ._functional import functional as functional
+from ._gradients import value_and_grad as value_and_grad
 from ._iterations import IterationSummaries as IterationSummaries
 from ._loops import (
     fori_in_context as fori_in_context,

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
+from jaxtyping import Array
 
 from ._collection import (
     OutputCollection,
@@ -135,6 +136,7 @@ class Context:
 
     __slots__ = (
         "_base_key",
+        "_gradients",
         "_key_names",
         "_shape_only",
         "collection",
@@ -248,7 +250,13 @@ class Context:
         if prng_key is _UNSET:
             return _child(self, name, training)
         return _make(
-            (*self.path, name), prng_key, (), training, _EMPTY, self._shape_only
+            (*self.path, name),
+            prng_key,
+            (),
+            training,
+            _EMPTY,
+            self._shape_only,
+            self._gradients,
         )
 
     def add_summary(self, name: str, value: Leaf) -> "Context":
@@ -265,6 +273,58 @@ class Context:
     def add_module_output(self, name: str, value: Leaf) -> "Context":
         """Return a new context with module output `name` added."""
         return _with(self, add_leaf(self.collection, "module_outputs", name, value))
+
+    def add_gradient_summary(
+        self,
+        name: str,
+        x: Any,  # checked by `_gradients` with a message naming the path
+        fn: Callable[[Array], Any] | None = None,
+    ) -> tuple[Array, "Context"]:
+        """Return `x` unchanged and a context recording `fn(cotangent of x)`.
+
+        A forward identity. Under `eqxctx.value_and_grad`, the backward pass's
+        `fn(d loss / d x)` becomes summary `name` of this context, where
+        `add_summary(name, ...)` would put it (per-iteration `iter{i}/name` under a
+        scan, accumulated with `merge_summaries=True`). Anywhere else (`functional`,
+        `jax.grad`, no differentiation) it records nothing and costs nothing: `x`
+        itself is returned with `self`. See the "Gradient summaries" docs page.
+
+        Args:
+            name: the summary's name (non-empty, no `/`).
+            x: a floating-point array, any shape (traced).
+            fn: static, `fn(cotangent) -> array or Summary`, where the cotangent has
+                `x`'s shape and dtype. None: the root mean square of the cotangent,
+                a float32 scalar.
+
+        Returns:
+            `(x, ctx)`: `x` itself and the new context.
+
+        Raises:
+            TypeError: `x` is not a floating-point array, or (under
+                `value_and_grad`) `fn` returns neither an array nor a `Summary`;
+                the message names the path.
+            OutputConflictError: under `value_and_grad`, a summary `name` already
+                exists at this path (forward and gradient summaries share names).
+        """
+        from ._gradients import add_probe  # (it imports this module)
+
+        return add_probe(self, "summaries", name, x, fn)
+
+    def add_gradient_output(self, name: str, x: Any) -> tuple[Array, "Context"]:
+        """Return `x` unchanged and a context recording the cotangent of `x`.
+
+        As `add_gradient_summary`, with the full cotangent (`x`'s shape and dtype)
+        recorded as module output `name` (stacked `[N, ...]` under a scan), like
+        Flax's `perturb`.
+
+        Raises:
+            TypeError: `x` is not a floating-point array (naming the path).
+            OutputConflictError: under `value_and_grad`, module output `name`
+                already exists at this path.
+        """
+        from ._gradients import add_probe  # (it imports this module)
+
+        return add_probe(self, "module_outputs", name, x, None)
 
     def replace_collection(self, collection: OutputCollection) -> "Context":
         """Return a new context whose collection is `collection`.
@@ -361,6 +421,7 @@ def _init(
     is_training: bool,
     collection: OutputCollection,
     shape_only: bool = False,
+    gradients: Any = None,
 ) -> None:
     _SET["path"](ctx, path)
     _SET["_base_key"](ctx, base_key)
@@ -370,6 +431,8 @@ def _init(
     # True inside eqxctx's own shape-only passes (`jax.eval_shape` of a scan body):
     # nested scans then skip their own shape pass (see `scan_in_context`).
     _SET["_shape_only"](ctx, shape_only)
+    # `_gradients.GradientState` under `eqxctx.value_and_grad`, else None.
+    _SET["_gradients"](ctx, gradients)
 
 
 def _make(
@@ -381,10 +444,13 @@ def _make(
     is_training: bool,
     collection: OutputCollection,
     shape_only: bool = False,
+    gradients: Any = None,
 ) -> Context:
     """Build a context from checked parts (no walk, no checks)."""
     out = object.__new__(Context)
-    _init(out, path, base_key, key_names, is_training, collection, shape_only)
+    _init(
+        out, path, base_key, key_names, is_training, collection, shape_only, gradients
+    )
     return out
 
 
@@ -398,13 +464,22 @@ def _child(parent: Context, name: str, is_training: bool) -> Context:
         is_training,
         _EMPTY,
         parent._shape_only,  # pyright: ignore[reportPrivateUsage]
+        parent._gradients,  # pyright: ignore[reportPrivateUsage]
     )
 
 
 def iteration_context(
-    parent: Context, name: str, prng_key: PRNGKey | None, *, shape_only: bool
+    parent: Context,
+    name: str,
+    prng_key: PRNGKey | None,
+    *,
+    shape_only: bool,
+    gradients: Any = _UNSET,
 ) -> Context:
-    """The context of one iteration of a scan or vmap: `parent`'s child `name`."""
+    """The context of one iteration of a scan or vmap: `parent`'s child `name`.
+
+    `gradients` (the iteration's gradient sinks) defaults to the parent's.
+    """
     return _make(
         (*parent.path, name),
         prng_key,
@@ -412,7 +487,20 @@ def iteration_context(
         parent.is_training,
         _EMPTY,
         shape_only or parent._shape_only,  # pyright: ignore[reportPrivateUsage]
+        parent._gradients if gradients is _UNSET else gradients,  # pyright: ignore[reportPrivateUsage]
     )
+
+
+def gradient_state(ctx: Context) -> Any:
+    """The context's `_gradients.GradientState`, or None (no `value_and_grad`)."""
+    return ctx._gradients  # pyright: ignore[reportPrivateUsage]
+
+
+def gradient_root(
+    prng_key: MaybeKey, is_training: bool, *, shape_only: bool, gradients: Any
+) -> Context:
+    """A root context (named "root") carrying a `_gradients.GradientState`."""
+    return _make(("root",), prng_key, (), is_training, _EMPTY, shape_only, gradients)
 
 
 def is_shape_only(ctx: Context) -> bool:
@@ -428,29 +516,35 @@ def _with(ctx: Context, collection: OutputCollection) -> Context:
         ctx.is_training,
         collection,
         ctx._shape_only,  # pyright: ignore[reportPrivateUsage]
+        ctx._gradients,  # pyright: ignore[reportPrivateUsage]
     )
 
 
-_KEYS = (jax.tree_util.GetAttrKey("prng_key"), jax.tree_util.GetAttrKey("collection"))
+_KEYS = (
+    jax.tree_util.GetAttrKey("prng_key"),
+    jax.tree_util.GetAttrKey("collection"),
+    jax.tree_util.GetAttrKey("gradients"),
+)
 
 
 def _flatten_with_keys(ctx: Context) -> tuple[list[Any], tuple[Any, bool]]:
-    return list(zip(_KEYS, (ctx.prng_key, ctx.collection), strict=True)), (
-        ctx.path,
-        ctx.is_training,
-    )
+    children = _flatten(ctx)[0]
+    return list(zip(_KEYS, children, strict=False)), (ctx.path, ctx.is_training)
 
 
-def _flatten(
-    ctx: Context,
-) -> tuple[tuple[MaybeKey, OutputCollection], tuple[Any, bool]]:
-    return (ctx.prng_key, ctx.collection), (ctx.path, ctx.is_training)
+def _flatten(ctx: Context) -> tuple[tuple[Any, ...], tuple[Any, bool]]:
+    # The gradient sinks (under `value_and_grad` only) are children too, so that
+    # they pass through transformations of a function taking the context.
+    grads = ctx._gradients  # pyright: ignore[reportPrivateUsage]
+    if grads is None:
+        return (ctx.prng_key, ctx.collection), (ctx.path, ctx.is_training)
+    return (ctx.prng_key, ctx.collection, grads), (ctx.path, ctx.is_training)
 
 
 def _unflatten(aux: Any, children: Any) -> Context:
     path, is_training = aux
-    prng_key, collection = children
-    return _make(path, prng_key, (), is_training, collection)
+    grads = children[2] if len(children) == 3 else None
+    return _make(path, children[0], (), is_training, children[1], False, grads)
 
 
 jax.tree_util.register_pytree_with_keys(
