@@ -278,7 +278,7 @@ class Context:
         self,
         name: str,
         x: Any,  # checked by `_gradients` with a message naming the path
-        fn: Callable[[Array], Any] | None = None,
+        fn: Any = None,  # checked by `_gradients`, naming the path
     ) -> tuple[Array, "Context"]:
         """Return `x` unchanged and a context recording `fn(cotangent of x)`.
 

@@ -208,7 +208,7 @@ def add_probe(
     kind: GradKind,
     name: str,
     x: Any,
-    fn: Callable[[Array], Any] | None,
+    fn: Any,  # checked here, with a message naming the path
 ) -> tuple[Any, Context]:
     """`ctx.add_gradient_summary` / `add_gradient_output` (see their docstrings)."""
     where = _ADDERS[kind]
@@ -321,7 +321,7 @@ def _lay_out(grad: PyTree[Array], probe: Probe, pending: PendingGradient) -> Any
                 functools.partial(_to_back, pos=idx, last=last, flip=level.reverse),
                 tree,
             )
-            fold = functools.partial(fold_stacked, length=level.length)
+            fold = functools.partial(_fold, length=level.length)
             for _ in range(last):
                 fold = jax.vmap(fold)
             tree = fold(tree)
@@ -342,6 +342,10 @@ def _lay_out(grad: PyTree[Array], probe: Probe, pending: PendingGradient) -> Any
         jax.tree_util.tree_structure(tree),
         [a.astype(w.dtype) for a, w in zip(got, want, strict=True)],
     )
+
+
+def _fold(tree: Any, length: int) -> Any:
+    return fold_stacked({"_": tree}, length)["_"]
 
 
 def _to_back(a: Array, *, pos: int, last: int, flip: bool) -> Array:
