@@ -20,7 +20,6 @@ from ._control import (
 )
 from ._errors import OutputConflictError as OutputConflictError
 from ._functional import functional as functional
-from ._gradients import value_and_grad as value_and_grad
 from ._iterations import IterationSummaries as IterationSummaries
 from ._loops import (
     fori_in_context as fori_in_context,
@@ -46,6 +45,7 @@ from ._summary import (
     WeightedSummary as WeightedSummary,
 )
 from ._transfer import to_host as to_host
+from ._value_and_grad import value_and_grad as value_and_grad
 
 
 __version__ = "0.1.0"
