@@ -600,3 +600,25 @@ def test_context_flattens_with_its_sinks() -> None:
         len(jax.tree_util.tree_leaves(Context.root(prng_key=jax.random.PRNGKey(0))))
         == 1
     )
+
+
+def test_inside_cond_in_context_branches() -> None:
+    def loss(x: Any, ctx: Context) -> tuple[Any, Context]:
+        def branch(scale: float) -> Any:
+            def fn(x: Any, ctx: Context) -> tuple[Any, Context]:
+                h, ctx = ctx.add_gradient_summary("g", x, lambda ct: jnp.mean(ct))
+                return h * scale, ctx
+
+            return fn
+
+        out, coll = eqxctx.cond_in_context(
+            x[0] > 0, branch(2.0), branch(3.0), x, context=ctx
+        )
+        return jnp.sum(out), ctx.merge(coll)
+
+    for value, want in ((1.0, 2.0), (-1.0, 3.0)):
+        (_, coll), grads = eqxctx.value_and_grad(loss)(
+            jnp.full(4, value), prng_key=None, is_training=True
+        )
+        assert float(coll.flatten("summaries")["cond/g"]) == want
+        np.testing.assert_array_equal(grads, jnp.full(4, want))
