@@ -14,8 +14,10 @@ batch 64, float32, loss `mean(h**2)`).
 
 Each round builds every variant afresh, measuring trace+lower (`jax.jit(f).lower`
 of a freshly built function) and compile, then times steady-state calls of all of
-them interleaved (call A, call B, ... repeated). Figures are minima over rounds;
-ratios are ours / hand-written from the same run. Usage:
+them interleaved (call A, call B, ... repeated). Run times are minima over every
+call; trace and compile ratios are medians over rounds of the ratio of the two
+variants built side by side (robust on a loaded machine); all ratios are ours /
+hand-written, from one run. Usage:
 
     .venv/bin/python benchmarks/bench_gradients.py [--quick]
 """
@@ -113,6 +115,12 @@ def build(make: Callable[[], Callable[..., Any]], args: tuple[Any, ...]) -> Any:
         "compile": t2 - t1,
         "run": float("inf"),
         "hlo": len(_INSTRUCTION.findall(text)),
+        # The instructions without metadata: equal for the same program.
+        "program": [
+            re.sub(r", (metadata=\{[^}]*\}|stack_frame_id=\d+)", "", line)
+            for line in text.splitlines()
+            if _INSTRUCTION.match(line)
+        ],
         "outputs": len(jax.tree_util.tree_leaves(lowered.out_info)),
     }
 
@@ -133,17 +141,28 @@ def compare(
                 jax.block_until_ready(compiled(*args))
                 m["run"] = min(m["run"], time.perf_counter() - t)
         for name, (_, m) in built.items():
-            old = best.setdefault(name, m)
+            old = best.setdefault(name, {**m, "rounds": []})
+            old["rounds"].append(m)
             for k in ("lower", "compile", "run"):
                 old[k] = min(old[k], m[k])
     return best
+
+
+def median_ratio(
+    a: dict[str, Any], b: dict[str, Any], key: Callable[..., float]
+) -> float:
+    """The median over rounds of `key(a) / key(b)` (a and b built side by side)."""
+    ratios = sorted(
+        key(x) / key(y) for x, y in zip(a["rounds"], b["rounds"], strict=True)
+    )
+    return ratios[len(ratios) // 2]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="gradient summaries vs by hand")
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     opts = parser.parse_args()
-    rounds = 2 if opts.quick else 7
+    rounds = 2 if opts.quick else 11
     key = jax.random.PRNGKey(0)
     ws = jax.random.normal(key, (LAYERS, WIDTH, WIDTH), jnp.float32) / WIDTH**0.5
     h = jax.random.normal(jax.random.PRNGKey(1), (BATCH, WIDTH), jnp.float32)
@@ -168,23 +187,28 @@ def main() -> None:
         },
         args,
         rounds,
-        calls=5 if opts.quick else 15,
+        calls=5 if opts.quick else 20,
     )
-    print("\n| comparison | trace+lower | compile | run | HLO instr. | outputs |")
-    print("|---|--:|--:|--:|:--:|:--:|")
+    print(
+        "\n| comparison | trace+lower | compile | trace+lower+compile | run "
+        "| HLO instr. | same program | outputs |"
+    )
+    print("|---|--:|--:|--:|--:|:--:|:--:|:--:|")
+    total = lambda m: m["lower"] + m["compile"]
     for label, a, b in (
         ("probes: value_and_grad / perturbations", "ours", "hand"),
-        (
-            "no probes: value_and_grad / eqx.filter_value_and_grad",
-            "ours_bare",
-            "filter",
-        ),
+        ("no probes: value_and_grad / filter_value_and_grad", "ours_bare", "filter"),
     ):
         o, r = best[a], best[b]
+        cells = [
+            f"{median_ratio(o, r, lambda m, k=k: m[k]):.2f}x"
+            for k in ("lower", "compile")
+        ]
+        cells.append(f"{median_ratio(o, r, total):.2f}x")
         print(
-            f"| {label} | {o['lower'] / r['lower']:.2f}x "
-            f"| {o['compile'] / r['compile']:.2f}x | {o['run'] / r['run']:.3f}x "
+            f"| {label} | {' | '.join(cells)} | {o['run'] / r['run']:.3f}x "
             f"| {o['hlo']}/{r['hlo']} ({o['hlo'] / r['hlo'] - 1:+.1%}) "
+            f"| {'yes' if o['program'] == r['program'] else 'no'} "
             f"| {o['outputs']}/{r['outputs']} |"
         )
     for name, m in best.items():
