@@ -62,7 +62,8 @@ def test_demo_prints_the_table(demo_run: tuple[Any, Path]) -> None:
     # The on-device moments of the blocks' outputs (last training batch).
     assert "layer   activations:  mean     std      min      max" in out
     number = r"\s+-?\d+\.\d{3}"
-    assert re.search(rf"^\s+1{number * 4}$", out, re.MULTILINE)
+    assert "max   grad RMS" in out
+    assert re.search(rf"^\s+1{number * 4}\s+\d\.\d\de[-+]\d\d$", out, re.MULTILINE)
     assert f"logs: {Path('logs') / run_dir.name}" in out
 
 
@@ -76,7 +77,7 @@ def test_demo_jsonl(demo_run: tuple[Any, Path]) -> None:
     train, test = lines[:30], lines[30]
     for line in train:
         for layer in (0, 1):
-            for name in ("activation_rms", "update_ratio"):
+            for name in ("activation_rms", "update_ratio", "stream_grad_rms"):
                 value = line[f"train/layers/iter{layer}/{name}"]
                 assert isinstance(value, float)
                 assert value > 0
@@ -108,7 +109,7 @@ def test_demo_jsonl(demo_run: tuple[Any, Path]) -> None:
     assert set(test) == {"step"} | {
         "test/" + k.removeprefix("train/")
         for k in train[0]
-        if k != "step" and "/activations/" not in k
+        if k != "step" and "/activations/" not in k and "stream_grad_rms" not in k
     }
 
 
@@ -121,7 +122,7 @@ def test_demo_tensorboard_equals_jsonl(demo_run: tuple[Any, Path]) -> None:
         for key, value in line.items()
         if key != "step" and key != "train/logits"
     }
-    assert len(expected) == 30 * (6 + 2 * 6) + 6
+    assert len(expected) == 30 * (6 + 2 + 2 * 6) + 6  # + 2 gradient RMS
     assert scalars(str(run_dir)) == expected
     histos = {
         step: value.histo
@@ -382,3 +383,42 @@ def test_evaluate_with_the_runner_matches_numpy() -> None:
             for n in ("activation_rms", "update_ratio")
         ),
     }
+
+
+def test_training_loss_gradient_summaries_equal_a_perturbation_reference() -> None:
+    from eqxctx.demo._model import weighted_mean
+    from eqxctx.demo._train import loss_fn
+
+    model, batch = _small_model(), _batch()
+    (loss, coll), grads = eqxctx.value_and_grad(loss_fn)(
+        model, batch, prng_key=jax.random.PRNGKey(1), is_training=False
+    )
+    # The same gradients as `eqx.filter_value_and_grad` under `functional`.
+    want_loss, want = eqx.filter_value_and_grad(
+        lambda m: eqxctx.functional(
+            loss_fn, prng_key=jax.random.PRNGKey(1), is_training=False, args=(m, batch)
+        )[0]
+    )(model)
+    assert float(loss) == float(want_loss)
+    assert bool(eqx.tree_equal(grads, want))
+    # Reference: d loss / d (a zero perturbation of the stream entering block i).
+    params, static = eqx.partition(model.blocks, eqx.is_array)
+
+    def perturbed(perts: Any) -> Any:
+        h = jax.vmap(model.embed)(batch["image"])
+        for i in range(3):
+            block = eqx.combine(jax.tree.map(lambda p, i=i: p[i], params), static)
+            h, _ = block(h + perts[i], batch["weight"], eqxctx.Context.root())
+        logits = jax.vmap(model.head)(jax.vmap(model.head_norm)(h))
+        log_probs = jax.nn.log_softmax(logits)
+        nll = -jnp.take_along_axis(log_probs, batch["label"][:, None], axis=1)[:, 0]
+        return weighted_mean(nll, batch["weight"])
+
+    cts = jax.grad(perturbed)(jnp.zeros((3, 6, 8)))
+    summaries = coll.flatten("summaries")
+    for i in range(3):
+        np.testing.assert_allclose(
+            summaries[f"layers/iter{i}/stream_grad_rms"],
+            np.sqrt(np.mean(np.asarray(cts[i]) ** 2)),
+            rtol=1e-5,
+        )

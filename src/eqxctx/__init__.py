@@ -45,6 +45,7 @@ from ._summary import (
     WeightedSummary as WeightedSummary,
 )
 from ._transfer import to_host as to_host
+from ._value_and_grad import value_and_grad as value_and_grad
 
 
 __version__ = "0.1.0"

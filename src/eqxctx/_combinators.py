@@ -21,6 +21,7 @@ from ._context import (
     is_shape_only,
     iteration_context,
 )
+from ._gradients import enter_iterations
 from ._mapping import EMPTY
 from ._repeat import (
     accumulate_trees,
@@ -264,9 +265,14 @@ def scan_in_context(
     # from an `arange(N)` input: no buffer grows with N, and XLA removes the counter
     # when the body never reads its key.
     count = given_keys is None and child_key is not None and split_prng_key
+    # Gradient sinks of the probes inside (under `value_and_grad`), sliced like xs.
+    grads = enter_iterations(
+        context, prefix, length=n, merged=merge_summaries, reverse=reverse
+    )
+    sinks = grads.sinks if grads is not None else None
 
     def one_iteration(
-        c: PyTree, x: PyTree, k: PyTree, shape_only: bool = False
+        c: PyTree, x: PyTree, k: PyTree, s: PyTree, shape_only: bool = False
     ) -> tuple[PyTree, PyTree, OutputCollection]:
         if given_keys is not None:
             key = k
@@ -274,7 +280,13 @@ def scan_in_context(
             key = _fold_in(child_key, k)
         else:
             key = child_key
-        ctx_i = iteration_context(context, prefix, key, shape_only=shape_only)
+        ctx_i = iteration_context(
+            context,
+            prefix,
+            key,
+            shape_only=shape_only,
+            gradients=grads.state(s) if grads is not None else None,
+        )
         c, y, ctx_i = _run_body(fn, (c, x, ctx_i), "`scan_in_context`", 3)
         coll = ctx_i.collection
         if drop_output is not None:
@@ -293,14 +305,18 @@ def scan_in_context(
         # The accumulator is carried, so its structure is needed before the scan:
         # one abstract evaluation of the body (no FLOPs, nothing in the program),
         # during which nested scans take the shape-only path.
-        x0, k0 = jax.tree_util.tree_map(
+        x0, k0, s0 = jax.tree_util.tree_map(
             lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)),
-            (xs, given_keys),
+            (xs, given_keys, sinks),
         )
         if count:
             k0 = jax.ShapeDtypeStruct((), jnp.uint32)
         shapes = jax.eval_shape(
-            lambda c, x, k: one_iteration(c, x, k, shape_only=True), carry, x0, k0
+            lambda c, x, k, s: one_iteration(c, x, k, s, shape_only=True),
+            carry,
+            x0,
+            k0,
+            s0,
         )
         like = accumulator_shape(shapes[2].summaries)
         acc = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), like)
@@ -308,10 +324,12 @@ def scan_in_context(
     index = jnp.array(max(n - 1, 0) if reverse else 0, jnp.uint32) if count else None
     step = jnp.array(1, jnp.uint32)
 
-    def body(state: PyTree, inputs: tuple[PyTree, PyTree]) -> tuple[PyTree, PyTree]:
+    def body(
+        state: PyTree, inputs: tuple[PyTree, PyTree, PyTree]
+    ) -> tuple[PyTree, PyTree]:
         c_in, acc, first, index = state
-        x, k = inputs
-        c, y, coll = one_iteration(c_in, x, index if count else k)
+        x, k, s = inputs
+        c, y, coll = one_iteration(c_in, x, index if count else k, s)
         _check_carry(c_in, c)
         if merge and like is not None:
             new = cast_like(coll.summaries, like)
@@ -331,7 +349,7 @@ def scan_in_context(
         (carry_out, merged, _, _), (ys, stacked) = jax.lax.scan(
             body,
             (carry, acc, first, index),
-            (xs, given_keys),
+            (xs, given_keys, sinks),
             length=n,
             reverse=reverse,
             unroll=unroll,
@@ -479,10 +497,20 @@ def vmap_in_context(
     n = _vmap_length(xs, in_axes)
     child_key: PRNGKeys | None = fold_in_name(context.prng_key, prefix)
     split = child_key is not None and split_prng_key
+    grads = enter_iterations(
+        context, prefix, length=n, merged=merge_summaries, reverse=False
+    )
+    sinks = grads.sinks if grads is not None else None
 
-    def body(x: PyTree, i: Array) -> tuple[PyTree, OutputCollection]:
+    def body(x: PyTree, i: Array, s: PyTree) -> tuple[PyTree, OutputCollection]:
         key = _fold_in(child_key, i) if split and child_key is not None else child_key
-        ctx_i = iteration_context(context, prefix, key, shape_only=False)
+        ctx_i = iteration_context(
+            context,
+            prefix,
+            key,
+            shape_only=False,
+            gradients=grads.state(s) if grads is not None else None,
+        )
         y, ctx_i = _run_body(fn, (x, ctx_i), "`vmap_in_context`", 2)
         coll = ctx_i.collection
         if drop_output is not None:
@@ -492,8 +520,8 @@ def vmap_in_context(
     index = jnp.arange(n, dtype=jnp.uint32)
     with jax.named_scope(prefix):
         ys, stacked = jax.vmap(
-            body, in_axes=(in_axes, 0), axis_size=n, axis_name=axis_name
-        )(xs, index)
+            body, in_axes=(in_axes, 0, 0), axis_size=n, axis_name=axis_name
+        )(xs, index, sinks)
     return ys, propagate(
         stacked, child_name_prefix=prefix, merge_summaries=merge_summaries, length=n
     )

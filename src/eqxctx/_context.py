@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
+from jaxtyping import Array
 
 from ._checks import note_missing_key
 from ._collection import (
@@ -142,6 +143,7 @@ class Context:
 
     __slots__ = (
         "_base_key",
+        "_gradients",
         "_key_names",
         "_shape_only",
         "collection",
@@ -295,6 +297,7 @@ class Context:
             _EMPTY,
             self._shape_only,
             self.summary_level,
+            self._gradients,
         )
 
     def add_summary(self, name: str, value: Leaf, level: int = 0) -> "Context":
@@ -337,6 +340,58 @@ class Context:
         ):
             return self
         return _with(self, add_leaf(self.collection, "module_outputs", name, value))
+
+    def add_gradient_summary(
+        self,
+        name: str,
+        x: Any,  # checked by `_gradients` with a message naming the path
+        fn: Any = None,  # checked by `_gradients`, naming the path
+    ) -> tuple[Array, "Context"]:
+        """Return `x` unchanged and a context recording `fn(cotangent of x)`.
+
+        A forward identity. Under `eqxctx.value_and_grad`, the backward pass's
+        `fn(d loss / d x)` becomes summary `name` of this context, where
+        `add_summary(name, ...)` would put it (per-iteration `iter{i}/name` under a
+        scan, accumulated with `merge_summaries=True`). Anywhere else (`functional`,
+        `jax.grad`, no differentiation) it records nothing and costs nothing: `x`
+        itself is returned with `self`. See the "Gradient summaries" docs page.
+
+        Args:
+            name: the summary's name (non-empty, no `/`).
+            x: a floating-point array, any shape (traced).
+            fn: static, `fn(cotangent) -> array or Summary`, where the cotangent has
+                `x`'s shape and dtype. None: the root mean square of the cotangent,
+                a float32 scalar.
+
+        Returns:
+            `(x, ctx)`: `x` itself and the new context.
+
+        Raises:
+            TypeError: `x` is not a floating-point array, or (under
+                `value_and_grad`) `fn` returns neither an array nor a `Summary`;
+                the message names the path.
+            OutputConflictError: under `value_and_grad`, a summary `name` already
+                exists at this path (forward and gradient summaries share names).
+        """
+        from ._gradients import add_probe  # (it imports this module)
+
+        return add_probe(self, "summaries", name, x, fn)
+
+    def add_gradient_output(self, name: str, x: Any) -> tuple[Array, "Context"]:
+        """Return `x` unchanged and a context recording the cotangent of `x`.
+
+        As `add_gradient_summary`, with the full cotangent (`x`'s shape and dtype)
+        recorded as module output `name` (stacked `[N, ...]` under a scan), like
+        Flax's `perturb`.
+
+        Raises:
+            TypeError: `x` is not a floating-point array (naming the path).
+            OutputConflictError: under `value_and_grad`, module output `name`
+                already exists at this path.
+        """
+        from ._gradients import add_probe  # (it imports this module)
+
+        return add_probe(self, "module_outputs", name, x, None)
 
     def replace_collection(self, collection: OutputCollection) -> "Context":
         """Return a new context whose collection is `collection`.
@@ -445,6 +500,7 @@ def _init(
     collection: OutputCollection,
     shape_only: bool,
     level: int | None,
+    gradients: Any = None,
 ) -> None:
     _SET["path"](ctx, path)
     _SET["_base_key"](ctx, base_key)
@@ -455,6 +511,8 @@ def _init(
     # nested scans then skip their own shape pass (see `scan_in_context`).
     _SET["_shape_only"](ctx, shape_only)
     _SET["summary_level"](ctx, level)
+    # `_gradients.GradientState` under `eqxctx.value_and_grad`, else None.
+    _SET["_gradients"](ctx, gradients)
 
 
 def _make(
@@ -467,11 +525,12 @@ def _make(
     collection: OutputCollection,
     shape_only: bool,
     level: int | None,
+    gradients: Any = None,
 ) -> Context:
     """Build a context from checked parts (no walk, no checks).
 
     `level` is the summary level (required, so that no place that rebuilds a
-    context forgets to carry it).
+    context forgets to carry it); `gradients` the `value_and_grad` state.
     """
     out = _new(Context)
     _set_path(out, path)
@@ -481,6 +540,7 @@ def _make(
     _set_collection(out, collection)
     _set_shape_only(out, shape_only)
     _set_summary_level(out, level)
+    _set_gradients(out, gradients)
     return out
 
 
@@ -492,6 +552,7 @@ _set_is_training = _SET["is_training"]
 _set_collection = _SET["collection"]
 _set_shape_only = _SET["_shape_only"]
 _set_summary_level = _SET["summary_level"]
+_set_gradients = _SET["_gradients"]
 
 
 def _child(parent: Context, name: str, is_training: bool) -> Context:
@@ -505,13 +566,22 @@ def _child(parent: Context, name: str, is_training: bool) -> Context:
         _EMPTY,
         parent._shape_only,  # pyright: ignore[reportPrivateUsage]
         parent.summary_level,
+        parent._gradients,  # pyright: ignore[reportPrivateUsage]
     )
 
 
 def iteration_context(
-    parent: Context, name: str, prng_key: PRNGKey | None, *, shape_only: bool
+    parent: Context,
+    name: str,
+    prng_key: PRNGKey | None,
+    *,
+    shape_only: bool,
+    gradients: Any = _UNSET,
 ) -> Context:
-    """The context of one iteration of a scan or vmap: `parent`'s child `name`."""
+    """The context of one iteration of a scan or vmap: `parent`'s child `name`.
+
+    `gradients` (the iteration's gradient sinks) defaults to the parent's.
+    """
     return _make(
         (*parent.path, name),
         prng_key,
@@ -520,6 +590,21 @@ def iteration_context(
         _EMPTY,
         shape_only or parent._shape_only,  # pyright: ignore[reportPrivateUsage]
         parent.summary_level,
+        parent._gradients if gradients is _UNSET else gradients,  # pyright: ignore[reportPrivateUsage]
+    )
+
+
+def gradient_state(ctx: Context) -> Any:
+    """The context's `_gradients.GradientState`, or None (no `value_and_grad`)."""
+    return ctx._gradients  # pyright: ignore[reportPrivateUsage]
+
+
+def gradient_root(
+    prng_key: MaybeKey, is_training: bool, *, shape_only: bool, gradients: Any
+) -> Context:
+    """A root context (named "root") carrying a `_gradients.GradientState`."""
+    return _make(
+        ("root",), prng_key, (), is_training, _EMPTY, shape_only, None, gradients
     )
 
 
@@ -537,35 +622,43 @@ def _with(ctx: Context, collection: OutputCollection) -> Context:
         collection,
         ctx._shape_only,  # pyright: ignore[reportPrivateUsage]
         ctx.summary_level,
+        ctx._gradients,  # pyright: ignore[reportPrivateUsage]
     )
 
 
-_KEYS = (jax.tree_util.GetAttrKey("prng_key"), jax.tree_util.GetAttrKey("collection"))
+_KEYS = (
+    jax.tree_util.GetAttrKey("prng_key"),
+    jax.tree_util.GetAttrKey("collection"),
+    jax.tree_util.GetAttrKey("gradients"),
+)
 
 
 _Aux = tuple[Any, bool, int | None]  # path, is_training, summary_level: static
 
 
 def _flatten_with_keys(ctx: Context) -> tuple[list[Any], _Aux]:
-    return list(zip(_KEYS, (ctx.prng_key, ctx.collection), strict=True)), (
+    children = _flatten(ctx)[0]
+    return list(zip(_KEYS, children, strict=False)), (
         ctx.path,
         ctx.is_training,
         ctx.summary_level,
     )
 
 
-def _flatten(ctx: Context) -> tuple[tuple[MaybeKey, OutputCollection], _Aux]:
-    return (ctx.prng_key, ctx.collection), (
-        ctx.path,
-        ctx.is_training,
-        ctx.summary_level,
-    )
+def _flatten(ctx: Context) -> tuple[tuple[Any, ...], _Aux]:
+    # The gradient sinks (under `value_and_grad` only) are children too, so that
+    # they pass through transformations of a function taking the context.
+    aux = (ctx.path, ctx.is_training, ctx.summary_level)
+    grads = ctx._gradients  # pyright: ignore[reportPrivateUsage]
+    if grads is None:
+        return (ctx.prng_key, ctx.collection), aux
+    return (ctx.prng_key, ctx.collection, grads), aux
 
 
 def _unflatten(aux: Any, children: Any) -> Context:
     path, is_training, level = aux
-    prng_key, collection = children
-    return _make(path, prng_key, (), is_training, collection, False, level)
+    grads = children[2] if len(children) == 3 else None
+    return _make(path, children[0], (), is_training, children[1], False, level, grads)
 
 
 jax.tree_util.register_pytree_with_keys(

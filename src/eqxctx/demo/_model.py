@@ -27,7 +27,11 @@ class Block(eqx.Module):
     Adds the summaries `activation_rms` (RMS of the block's output) and
     `update_ratio` (`|update| / |residual|` per example), both `WeightedSummary`s
     weighted by the batch's example weights, and the module output `hidden` (the
-    block's output, `[batch, width]`). In training it also adds `activations`, a
+    block's output, `[batch, width]`). It probes the residual stream entering the
+    block with `ctx.add_gradient_summary("stream_grad_rms", h)`: under
+    `eqxctx.value_and_grad` (the training step) the RMS of the loss's gradient with
+    respect to `h`; elsewhere (evaluation) nothing. In training it also adds
+    `activations`, a
     `MomentsSummary` of the block's output (count, mean, variance, min, max,
     non-finite count, computed on the device; not in evaluation, whose padded
     batches would count their padding). Dropout draws from the context's key and is
@@ -59,6 +63,7 @@ class Block(eqx.Module):
         ctx: eqxctx.Context,
     ) -> tuple[Float[Array, "batch width"], eqxctx.Context]:
         """Return the block's output and the context with its outputs added."""
+        h, ctx = ctx.add_gradient_summary("stream_grad_rms", h)
         u = jax.nn.gelu(jax.vmap(self.up)(jax.vmap(self.norm)(h)))
         if ctx.is_training and self.dropout > 0:
             keep = jax.random.bernoulli(ctx.prng_key, 1.0 - self.dropout, u.shape)

@@ -23,13 +23,16 @@ def layer_series(history: History, name: str) -> dict[int, list[float]]:
 
 
 def plot_history(history: History, path: str | os.PathLike[str]) -> None:
-    """Save a PNG with three panels: loss/accuracy, activation RMS, update ratio.
+    """Save a PNG with four panels: loss/accuracy, activation RMS, update ratio, grads.
+
+    The fourth panel is the gradient RMS of the residual stream entering each block
+    (log scale).
 
     Uses matplotlib's object API with the Agg canvas (no pyplot, no display).
     """
-    fig = Figure(figsize=(13.5, 3.8), layout="constrained")
+    fig = Figure(figsize=(18, 3.8), layout="constrained")
     FigureCanvasAgg(fig)
-    ax_loss, ax_rms, ax_ratio = fig.subplots(1, 3)
+    ax_loss, ax_rms, ax_ratio, ax_grad = fig.subplots(1, 4)
     steps = history.steps
     ax_loss.plot(steps, history.scalars["train/loss"], color="tab:blue", lw=1)
     ax_loss.set_yscale("log")
@@ -41,6 +44,7 @@ def plot_history(history: History, path: str | os.PathLike[str]) -> None:
     panels = [
         (ax_rms, "activation_rms", "activation RMS after each block"),
         (ax_ratio, "update_ratio", "|update| / |residual| per block"),
+        (ax_grad, "stream_grad_rms", "gradient RMS of the stream into each block"),
     ]
     for ax, name, title in panels:
         series = layer_series(history, name)
@@ -49,7 +53,8 @@ def plot_history(history: History, path: str | os.PathLike[str]) -> None:
             ax.plot(steps, values, lw=1, color=color, label=f"layer {layer}")
         ax.set_title(title)
         ax.legend(fontsize="small", ncols=2)
-    for ax in (ax_loss, ax_rms, ax_ratio):
+    ax_grad.set_yscale("log")
+    for ax in (ax_loss, ax_rms, ax_ratio, ax_grad):
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     fig.savefig(os.fspath(path), dpi=100)

@@ -67,7 +67,8 @@ def report(
         lines.append(f"{layer:>5}   {rms:>14.3f}   {ratio:>21.3f}")
     lines += [
         "",
-        "layer   activations:  mean     std      min      max   (last training batch)",
+        "layer   activations:  mean     std      min      max   grad RMS"
+        "   (last training batch)",
     ]
     for layer in range(args.layers):
         prefix = f"train/layers/iter{layer}/activations/"
@@ -75,9 +76,10 @@ def report(
             k: history.scalars[prefix + k][-1]
             for k in ("mean", "variance", "min", "max")
         }
+        grad = history.scalars[f"train/layers/iter{layer}/stream_grad_rms"][-1]
         lines.append(
             f"{layer:>5}   {m['mean']:>17.3f} {math.sqrt(m['variance']):>7.3f} "
-            f"{m['min']:>8.3f} {m['max']:>8.3f}"
+            f"{m['min']:>8.3f} {m['max']:>8.3f} {grad:>10.2e}"
         )
     lines += ["", f"logs: {run_dir}"]
     lines += [f"  {f}" for f in files]

@@ -28,28 +28,32 @@ TrainStep = Callable[
 ]
 
 
+def loss_fn(
+    model: Classifier, batch: dict[str, Any], ctx: eqxctx.Context
+) -> tuple[Array, eqxctx.Context]:
+    """Return the weighted mean cross-entropy of `batch` (NumPy or JAX arrays)."""
+    outputs, ctx = model.evaluate(batch, ctx)
+    return weighted_mean(outputs["nll"], jnp.asarray(batch["weight"])), ctx
+
+
 def make_train_step(optimizer: optax.GradientTransformation) -> TrainStep:
     """Return the jitted training step of `optimizer`.
 
     The step is `(model, opt_state, batch, key) -> (model, opt_state, summaries)`.
-    The loss runs under `eqxctx.functional` in training mode (dropout on, keys from
-    `key`); the summaries are those of the root context (nested mapping, with the
-    per-layer ones as `layers/iter{i}/...`).
+    The loss runs under `eqxctx.value_and_grad` in training mode (dropout on, keys
+    from `key`), whose gradients equal `eqx.filter_value_and_grad`'s and whose
+    collection also holds the backward-pass summaries (`stream_grad_rms` per layer);
+    the summaries are those of the root context (nested mapping, with the per-layer
+    ones as `layers/iter{i}/...`).
     """
 
     @eqx.filter_jit
     def step(
         model: Classifier, opt_state: optax.OptState, batch: Batch, key: PRNGKeyArray
     ) -> tuple[Classifier, optax.OptState, Mapping[str, Any]]:
-        def loss_fn(model: Classifier) -> tuple[Array, Mapping[str, Any]]:
-            outputs, collection = eqxctx.functional(
-                model.evaluate, prng_key=key, is_training=True, args=(batch,)
-            )
-            loss = weighted_mean(outputs["nll"], jnp.asarray(batch["weight"]))
-            return loss, collection.summaries
-
-        grad_fn = eqx.filter_value_and_grad(loss_fn, has_aux=True)
-        (_, summaries), grads = grad_fn(model)
+        grad_fn = eqxctx.value_and_grad(loss_fn)
+        (_, collection), grads = grad_fn(model, batch, prng_key=key, is_training=True)
+        summaries = collection.summaries
         params = eqx.filter(model, eqx.is_array)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return eqx.apply_updates(model, updates), opt_state, summaries

@@ -1,0 +1,294 @@
+"""Backward-pass summaries: gradient probes and their sinks.
+
+This module is the context's side (the probes, the state a context carries, what
+scans and vmaps slice); `_value_and_grad.py` is the transformation that fills them.
+A probe (`ctx.add_gradient_summary` / `ctx.add_gradient_output`) is an identity
+whose `jax.custom_vjp` backward returns `fn(cotangent)` as the cotangent of a zero
+*sink*: an extra input that `value_and_grad` creates, differentiates with respect
+to, and hands to the probe through the context. The sinks' gradients are the
+summaries. A first `jax.eval_shape` pass, in which every probe adds a
+`PendingGradient` placeholder to the collection, finds the probes, their enclosing
+scans and vmaps, and the shapes of their sinks. `scan_in_context` and
+`vmap_in_context` slice the stacked sinks of the probes inside them per iteration,
+as they slice `xs`; after the backward pass every placeholder is replaced by its
+sink's gradient (folded over merged scans and vmaps with the summaries' own
+`accumulate`). Outside `value_and_grad` a probe returns `x` itself and records
+nothing.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Literal, TypeAlias
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, PyTree
+
+from ._context import (
+    Context,
+    gradient_state,
+)
+from ._errors import OutputConflictError
+from ._leaves import validate_leaf_name
+from ._summary import Summary, accumulate_leaf, is_array_leaf
+from ._typing import TreeDef
+
+
+GradKind: TypeAlias = Literal["summaries", "module_outputs"]
+#: A probe's address: (context path, kind, name).
+SinkKey: TypeAlias = tuple[Any, ...]
+_ADDERS = {
+    "summaries": "Context.add_gradient_summary",
+    "module_outputs": "Context.add_gradient_output",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Level:
+    """One scan or vmap around a probe (static): its iterations' path and layout."""
+
+    path: tuple[Any, ...]
+    length: int
+    merged: bool
+    reverse: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """What the shape pass learns about one probe (static)."""
+
+    kind: str
+    levels: tuple[Any, ...]  # `Level`s, outermost first
+    treedef: TreeDef  # of `fn`'s output
+    leaves: tuple[Any, ...]  # `jax.ShapeDtypeStruct` of each output leaf
+
+    def sink(self) -> PyTree[Array]:
+        """Zeros shaped `[*lengths, *leaf]` per output leaf, in a floating dtype."""
+        lengths = tuple(level.length for level in self.levels)
+        return self.treedef.unflatten(
+            [jnp.zeros((*lengths, *s.shape), _sink_dtype(s.dtype)) for s in self.leaves]
+        )
+
+
+def _sink_dtype(dtype: Any) -> Any:
+    """Integer and bool outputs travel as float32 (exact below 2**24)."""
+    if jnp.issubdtype(dtype, jnp.floating):
+        return dtype
+    return jnp.float32
+
+
+class GradientState:
+    """What a context carries under `value_and_grad`: the mode, levels and sinks.
+
+    A PyTree: the sinks are its children, the mode (`"shapes"` during the shape
+    pass, `"live"` after) and the enclosing levels are static.
+    """
+
+    __slots__ = ("levels", "mode", "sinks")
+    mode: str
+    levels: tuple[Any, ...]
+    sinks: dict[Any, Any]
+
+    def __init__(self, mode: str, levels: tuple[Any, ...], sinks: dict[Any, Any]):
+        self.mode = mode
+        self.levels = levels
+        self.sinks = sinks
+
+
+jax.tree_util.register_pytree_node(
+    GradientState,
+    lambda s: ((s.sinks,), (s.mode, s.levels)),
+    lambda aux, children: GradientState(aux[0], aux[1], children[0]),
+)
+
+
+class PendingGradient(Summary):
+    """A gradient probe's place in a collection until `value_and_grad` fills it.
+
+    Attributes:
+        inner: zeros shaped like `fn`'s output (an array or a `Summary`), traced.
+        key: the probe's address `(path, kind, name)`, static.
+        probe: the probe's description, static.
+    """
+
+    inner: Any
+    key: Any = eqx.field(static=True)
+    probe: Any = eqx.field(static=True)
+
+    def value(self) -> Any:
+        """Raise: the value exists only after the backward pass."""
+        raise TypeError(
+            f"The gradient summary at {'/'.join((*self.key[0], self.key[2]))!r} is "
+            "filled in by `eqxctx.value_and_grad` after the backward pass; it cannot "
+            "be read inside the function being differentiated."
+        )
+
+    def validate(self) -> None:
+        """Validate the inner summary."""
+        if isinstance(self.inner, Summary):
+            self.inner.validate()
+
+    def accumulate(self, other: "PendingGradient") -> "PendingGradient":
+        """Accumulate the placeholders (their values are replaced later)."""
+        return PendingGradient(
+            accumulate_leaf(self.inner, other.inner), self.key, self.probe
+        )
+
+
+def is_pending(x: object) -> bool:
+    return isinstance(x, PendingGradient)
+
+
+def rms(cotangent: Array) -> Array:
+    """The root mean square of `cotangent`, a float32 scalar (0 for no elements)."""
+    ct = jnp.asarray(cotangent, jnp.float32)
+    if ct.size == 0:
+        return jnp.zeros((), jnp.float32)
+    return jnp.sqrt(jnp.mean(jnp.square(ct)))
+
+
+def _identity(cotangent: Array) -> Array:
+    return cotangent
+
+
+def _check_probe_input(x: Any, where: str, path: str) -> None:
+    dtype = getattr(x, "dtype", None)
+    if not isinstance(x, (jax.Array, np.ndarray)) or dtype is None:
+        raise TypeError(
+            f"`{where}`: {path!r}: expected a floating-point array to probe, got "
+            f"{type(x).__name__}. Probe one array at a time."
+        )
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"`{where}`: {path!r}: the array has dtype {dtype}; only floating-point "
+            "arrays have cotangents. Probe a floating-point value (e.g. the "
+            "activations, not integer ids or masks)."
+        )
+
+
+def _output_spec(
+    fn: Callable[[Array], Any], x: Array, where: str, path: str
+) -> tuple[TreeDef, tuple[Any, ...]]:
+    """Return the treedef and leaf specs of `fn(cotangent)` (checked, abstractly)."""
+
+    def checked(ct: Array) -> Any:
+        out = fn(ct)
+        if isinstance(out, Summary):
+            return out
+        if is_array_leaf(out):  # an array, a NumPy scalar or a Python number
+            return jnp.asarray(out)
+        raise TypeError(
+            f"`{where}`: {path!r}: fn returned {type(out).__name__}; it must return "
+            "an array or a `Summary` (e.g. `WeightedSummary(mean, weight)`)."
+        )
+
+    spec = jax.eval_shape(checked, jax.ShapeDtypeStruct(jnp.shape(x), x.dtype))
+    leaves, treedef = jax.tree_util.tree_flatten(spec)
+    for s in leaves:
+        if jnp.issubdtype(s.dtype, jnp.complexfloating):
+            raise TypeError(
+                f"`{where}`: {path!r}: fn returned a complex array; return real "
+                "values (e.g. `jnp.abs`)."
+            )
+    return treedef, tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in leaves)
+
+
+def add_probe(
+    ctx: Context,
+    kind: GradKind,
+    name: str,
+    x: Any,
+    fn: Any,  # checked here, with a message naming the path
+) -> tuple[Any, Context]:
+    """`ctx.add_gradient_summary` / `add_gradient_output` (see their docstrings)."""
+    where = _ADDERS[kind]
+    validate_leaf_name(name, where=where)
+    path = "/".join((*ctx.path, name))
+    _check_probe_input(x, where, path)
+    if fn is None:
+        fn = rms if kind == "summaries" else _identity
+    elif not callable(fn):
+        raise TypeError(f"`{where}`: {path!r}: fn must be callable, got {fn!r}.")
+    state: GradientState | None = gradient_state(ctx)
+    if state is None:
+        return x, ctx  # not under `value_and_grad`: an exact identity
+    treedef, leaves = _output_spec(fn, x, where, path)
+    key = (ctx.path, kind, name)
+    probe = Probe(kind, state.levels, treedef, leaves)
+    zeros = treedef.unflatten([jnp.zeros(s.shape, s.dtype) for s in leaves])
+    pending = PendingGradient(zeros, key, probe)
+    try:
+        if kind == "summaries":
+            ctx = ctx.add_summary(name, pending)
+        else:
+            ctx = ctx.add_module_output(name, pending)
+    except OutputConflictError as e:
+        raise OutputConflictError(
+            f"`{where}`: {path!r}: {e} Forward and gradient {kind} share names."
+        ) from None
+    sink = state.sinks.get(key)
+    if sink is not None:
+        x = _probe(x, sink, fn)
+    return x, ctx
+
+
+def _probe(x: Array, sink: PyTree[Array], fn: Callable[[Array], Any]) -> Array:
+    """`x`, whose backward pass emits `fn(cotangent)` as `sink`'s cotangent."""
+    sink_leaves, treedef = jax.tree_util.tree_flatten(sink)
+
+    @jax.custom_vjp
+    def identity(x: Array, sink: PyTree[Array]) -> Array:
+        del sink
+        return x
+
+    def fwd(x: Array, sink: PyTree[Array]) -> tuple[Array, None]:
+        del sink
+        return x, None
+
+    def bwd(_: None, ct: Array) -> tuple[Array, PyTree[Array]]:
+        out = jax.tree_util.tree_leaves(fn(ct))
+        cast = [
+            jnp.asarray(o).astype(s.dtype)
+            for o, s in zip(out, sink_leaves, strict=True)
+        ]
+        return ct, treedef.unflatten(cast)
+
+    identity.defvjp(fwd, bwd)
+    return identity(x, sink)
+
+
+class Iterations:
+    """How a scan or vmap hands gradient sinks to its iterations.
+
+    `sinks` are the stacked sinks of the probes inside (to slice like `xs`);
+    `state(sinks_i)` is iteration i's `GradientState`.
+    """
+
+    __slots__ = ("level", "parent", "sinks")
+
+    def __init__(self, parent: GradientState, level: Level):
+        self.parent = parent
+        self.level = level
+        n = len(level.path)
+        self.sinks = {
+            k: v for k, v in parent.sinks.items() if tuple(k[0][:n]) == level.path
+        }
+
+    def state(self, sinks: dict[Any, Any]) -> GradientState:
+        """Return the gradient state of one iteration, given its slice of `sinks`."""
+        return GradientState(
+            self.parent.mode, (*self.parent.levels, self.level), dict(sinks)
+        )
+
+
+def enter_iterations(
+    context: Context, prefix: str, *, length: int, merged: bool, reverse: bool
+) -> Iterations | None:
+    """Return the `Iterations` of a scan or vmap in `context`, or None (no probes)."""
+    state: GradientState | None = gradient_state(context)
+    if state is None:
+        return None
+    level = Level((*context.path, prefix), length, merged, reverse)
+    return Iterations(state, level)

@@ -1,0 +1,241 @@
+"""`eqxctx.value_and_grad`: the shape pass, the sinks, and filling in the probes.
+
+See `_gradients.py` for the probes themselves and the mechanism.
+"""
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, PyTree
+
+from ._collection import OutputCollection
+from ._context import (
+    Context,
+    check_is_training,
+    check_path,
+    check_prng_key,
+    check_returns_context,
+    gradient_root,
+)
+from ._gradients import GradientState, Level, PendingGradient, Probe, is_pending
+from ._repeat import fold_stacked
+
+
+def _lay_out(grad: PyTree[Array], probe: Probe, pending: PendingGradient) -> Any:
+    """Turn a sink's gradient `[*lengths, ...]` into the placeholder's layout."""
+    leaves = jax.tree_util.tree_leaves(grad)
+    leaves = [
+        g.astype(s.dtype) if g.dtype != s.dtype else g
+        for g, s in zip(leaves, probe.leaves, strict=True)
+    ]
+    tree = probe.treedef.unflatten(leaves)
+    if probe.kind == "summaries":
+        remaining = list(probe.levels)
+        for idx in reversed(range(len(remaining))):
+            level: Level = remaining[idx]
+            if not level.merged:
+                continue
+            last = len(remaining) - 1  # move the axis behind the deeper ones
+            tree = jax.tree_util.tree_map(
+                functools.partial(_to_back, pos=idx, last=last, flip=level.reverse),
+                tree,
+            )
+            fold = functools.partial(_fold, length=level.length)
+            for _ in range(last):
+                fold = jax.vmap(fold)
+            tree = fold(tree)
+            del remaining[idx]
+    want = jax.tree_util.tree_leaves(pending.inner)
+    got = jax.tree_util.tree_leaves(tree)
+    shapes = [jnp.shape(a) for a in got], [jnp.shape(a) for a in want]
+    if shapes[0] != shapes[1]:
+        key = pending.key
+        raise ValueError(
+            f"`eqxctx.value_and_grad`: the gradient probe at "
+            f"{'/'.join((*key[0], key[2]))!r} has shapes {shapes[1]} in the "
+            f"collection but its cotangent gives {shapes[0]}. Probes inside a "
+            "`jax.vmap` or `jax.lax.scan` of your own are not supported: use "
+            "`vmap_in_context` / `scan_in_context`."
+        )
+    return jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(tree),
+        [a.astype(w.dtype) for a, w in zip(got, want, strict=True)],
+    )
+
+
+def _fold(tree: Any, length: int) -> Any:
+    return fold_stacked({"_": tree}, length)["_"]
+
+
+def _to_back(a: Array, *, pos: int, last: int, flip: bool) -> Array:
+    a = jnp.moveaxis(a, pos, last)
+    return jnp.flip(a, last) if flip else a
+
+
+def _probes(collection: OutputCollection) -> dict[Any, Probe]:
+    found: dict[Any, Probe] = {}
+    for leaf in jax.tree_util.tree_leaves(collection, is_leaf=is_pending):
+        if isinstance(leaf, PendingGradient):
+            found[leaf.key] = leaf.probe
+    return found
+
+
+def _fill(
+    collection: OutputCollection, grads: dict[Any, Any], probes: dict[Any, Probe]
+) -> OutputCollection:
+    def fill(leaf: Any) -> Any:
+        if not isinstance(leaf, PendingGradient):
+            return leaf
+        if leaf.key not in grads:
+            raise ValueError(
+                "`eqxctx.value_and_grad`: fn added the gradient probe at "
+                f"{'/'.join((*leaf.key[0], leaf.key[2]))!r} in its second trace "
+                "but not in its first; fn must add the same outputs every time it "
+                "is traced."
+            )
+        return _lay_out(grads[leaf.key], probes[leaf.key], leaf)
+
+    return jax.tree_util.tree_map(fill, collection, is_leaf=is_pending)
+
+
+def _check_loss(loss: Any, where: str) -> None:
+    shape = getattr(loss, "shape", None)
+    dtype = getattr(loss, "dtype", None)
+    if shape is None or dtype is None:
+        raise TypeError(
+            f"{where} must return `(loss, ctx)` with a scalar floating-point loss, "
+            f"got a loss of type {type(loss).__name__}."
+        )
+    if tuple(shape) != ():
+        raise ValueError(
+            f"{where} must return a scalar loss (shape ()), got shape "
+            f"{tuple(shape)}. Reduce it, e.g. with `jnp.mean`."
+        )
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"{where} must return a floating-point loss, got dtype {dtype}."
+        )
+
+
+def _is_int(a: object) -> bool:
+    return isinstance(a, (int, np.integer)) and not isinstance(a, (bool, np.bool_))
+
+
+def _positions(argnums: object) -> tuple[int, ...]:
+    if _is_int(argnums):
+        return (int(argnums),)  # pyright: ignore[reportArgumentType]
+    if isinstance(argnums, Sequence) and all(_is_int(a) for a in argnums):
+        return tuple(int(a) for a in argnums)
+    raise TypeError(
+        "`eqxctx.value_and_grad(argnums=...)`: expected an int or a sequence of "
+        f"ints, got {argnums!r}."
+    )
+
+
+def value_and_grad(
+    fn: Callable[..., tuple[Any, Context]], *, argnums: int | Sequence[int] = 0
+) -> Callable[..., tuple[tuple[Array, OutputCollection], Any]]:
+    """Return a function giving `fn`'s loss, its collection and its gradients.
+
+    `fn(*args, ctx, **kwargs) -> (loss, ctx)` runs in a root context (named
+    `"root"`). The returned function,
+    `(*args, prng_key, is_training, **kwargs) -> ((loss, collection), grads)`,
+    differentiates the scalar `loss` with respect to the floating-point array
+    leaves of `args[argnums]` (filter semantics: the other leaves get None in
+    `grads`, as with `eqx.filter_value_and_grad`, whose gradients these equal), and
+    fills in the backward-pass summaries and outputs of `ctx.add_gradient_summary`
+    and `ctx.add_gradient_output`: `collection` holds every kind of output (none is
+    dropped, unlike `functional`'s default), forward and backward.
+
+    `fn` is traced twice: once abstractly (`jax.eval_shape`: nothing is computed)
+    to find the probes and the shapes of their sinks, once for real.
+
+    Args:
+        fn: the loss function, `fn(*args, ctx, **kwargs) -> (loss, ctx)`; `loss` a
+            scalar floating-point array.
+        argnums: the position (or positions) in `args` to differentiate, static.
+
+    Returns:
+        A function `(*args, prng_key, is_training, **kwargs)` returning
+        `((loss, collection), grads)`; `grads` has `args[argnums]`'s structure (a
+        tuple of them for a sequence of positions). `prng_key` is the root key (raw
+        or typed) or None; `is_training` a bool.
+
+    Raises:
+        TypeError: `fn` is not callable, `argnums` is not an int or a sequence of
+            ints; at call time, a bad `prng_key` / `is_training`, a loss that is
+            not a floating-point array, `fn` not returning `(loss, ctx)`, and the
+            probes' own errors (naming their paths).
+        ValueError: at call time, a non-scalar loss, an `argnums` out of range.
+
+    References:
+        `eqx.filter_value_and_grad`; `jax.custom_vjp`; Flax's `perturb`.
+
+    Examples:
+        >>> def loss(w, ctx):
+        ...     h, ctx = ctx.add_gradient_summary("h", w * 3.0)
+        ...     return jnp.sum(h**2), ctx
+        >>> (v, coll), g = value_and_grad(loss)(
+        ...     jnp.ones(4), prng_key=None, is_training=True
+        ... )
+        >>> float(v), float(g[0]), float(coll.flatten("summaries")["h"])
+        (36.0, 18.0, 6.0)
+    """
+    if not callable(fn):
+        raise TypeError(
+            f"`eqxctx.value_and_grad(fn)`: fn must be callable, got {fn!r}."
+        )
+    single = _is_int(argnums)
+    positions = _positions(argnums)
+    where = "`eqxctx.value_and_grad(fn)`: fn"
+
+    def wrapper(
+        *args: Any, prng_key: Any, is_training: Any, **kwargs: Any
+    ) -> tuple[tuple[Array, OutputCollection], Any]:
+        key = check_prng_key(prng_key, "eqxctx.value_and_grad")
+        training = check_is_training(is_training, "eqxctx.value_and_grad")
+        for p in positions:
+            if not -len(args) <= p < len(args):
+                raise ValueError(
+                    f"`eqxctx.value_and_grad(argnums={argnums!r})`: position {p} is "
+                    f"out of range for {len(args)} positional argument(s)."
+                )
+        diff = tuple(args[p] for p in positions)
+
+        def run(
+            diff: tuple[Any, ...], state: GradientState, shape_only: bool
+        ) -> tuple[Array, OutputCollection]:
+            full = list(args)
+            for p, d in zip(positions, diff, strict=True):
+                full[p] = d
+            ctx = gradient_root(key, training, shape_only=shape_only, gradients=state)
+            out, out_ctx = check_returns_context(fn(*full, ctx, **kwargs), where)
+            check_path(out_ctx, ctx, where)
+            _check_loss(out, where)
+            return out, out_ctx.collection
+
+        # The shape pass: which probes exist, and their sinks' shapes.
+        shapes = jax.eval_shape(
+            lambda: run(diff, GradientState("shapes", (), {}), True)[1]
+        )
+        probes = _probes(shapes)
+        sinks = {k: p.sink() for k, p in probes.items()}
+
+        def loss_fn(
+            inputs: tuple[tuple[Any, ...], dict[Any, Any]],
+        ) -> tuple[Array, OutputCollection]:
+            d, s = inputs
+            return run(d, GradientState("live", (), s), False)
+
+        (loss, coll), (grads, sink_grads) = eqx.filter_value_and_grad(
+            loss_fn, has_aux=True
+        )((diff, sinks))
+        coll = _fill(coll, sink_grads, probes) if probes else coll
+        return (loss, coll), grads[0] if single else grads
+
+    return wrapper
