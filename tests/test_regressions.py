@@ -239,3 +239,93 @@ def test_runner_without_key_is_a_clear_error() -> None:
         MethodRunner.create(
             {"w": jnp.ones(2)}, lambda m, b, c: (b, c), mesh=mesh, prng_key=None
         )
+
+
+# -- found by trying to break frozen logs (collections made by unflattening) --------
+
+
+def _read_level(level: Any, barrier: Any) -> None:
+    barrier.wait()
+    level.get("k00000")
+
+
+def _extend_level(level: Any, barrier: Any, out: dict[str, Any]) -> None:
+    barrier.wait()
+    out["new"] = level.inserted("new", -1)
+
+
+def test_reading_and_extending_a_frozen_level_from_two_threads() -> None:
+    # A reader deriving the index of an unflattened level must not replace the index
+    # that an insertion in another thread has just extended (the new key was lost).
+    import sys
+    import threading
+
+    from eqxctx._mapping import FrozenMapping
+
+    keys = [f"k{i:05d}" for i in range(20_000)]
+    tree = FrozenMapping([(k, i) for i, k in enumerate(keys)])
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(20):
+            level = jax.tree_util.tree_map(lambda x: x, tree)  # a frozen log
+            barrier = threading.Barrier(2)
+            out: dict[str, FrozenMapping] = {}
+            threads = [
+                threading.Thread(target=_read_level, args=(level, barrier)),
+                threading.Thread(target=_extend_level, args=(level, barrier, out)),
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert "new" in out["new"]
+            assert out["new"]["new"] == -1
+            assert "new" not in level
+            assert len(out["new"]) == len(keys) + 1
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def test_str_subclass_keys_are_found_in_a_level() -> None:
+    coll = OutputCollection.empty().add_summary("a", 1.0)
+    for level in (coll.summaries, jax.jit(lambda c: c)(coll).summaries):
+        assert np.str_("a") in level  # as in a dict: `np.str_` is a `str`
+        assert np.str_("b") not in level
+        assert level[np.str_("a")] == 1.0
+
+
+def test_a_traced_child_does_not_extend_a_concrete_collection_in_place() -> None:
+    # A context made outside `jax.jit`, extended inside it with a child that holds
+    # tracers: the outer log must not keep the child (it would leak the tracers).
+    outer = Context.root().add_summary("lr", 0.1)
+
+    def layer(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+        return x, ctx.add_summary("x", x)
+
+    def step(x: jax.Array) -> jax.Array:
+        y, ctx = outer.call("layer", layer, x)
+        assert ctx.collection.flatten("summaries").keys() == {"lr", "layer/x"}
+        return y
+
+    with jax.checking_leaks():
+        assert jax.jit(step)(jnp.float32(2.0)) == 2.0
+    assert list(outer.collection.summaries) == ["lr"]
+    assert outer.collection.summaries._log.values == [0.1]  # pyright: ignore[reportPrivateUsage]
+
+
+def test_a_traced_scan_entry_does_not_extend_a_concrete_collection_in_place() -> None:
+    from eqxctx import IterationSummaries
+
+    outer = OutputCollection.empty().add_summary("lr", 0.1)
+
+    def step(xs: jax.Array) -> jax.Array:
+        scanned = OutputCollection({"iter": IterationSummaries(3, {"x": xs})}, {}, {})
+        merged = outer.merge(scanned)
+        assert sorted(merged.summaries) == ["iter", "lr"]
+        return xs
+
+    with jax.checking_leaks():
+        jax.jit(step)(jnp.arange(3.0))
+    assert list(outer.summaries) == ["lr"]
+    assert outer.summaries._log.values == [0.1]  # pyright: ignore[reportPrivateUsage]

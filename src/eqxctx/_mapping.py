@@ -30,6 +30,9 @@ _DICT_KEY = jax.tree_util.DictKey
 # Insertion checks "is this version the newest?" and appends under one lock, so that
 # two threads extending the same version never both append to the shared log.
 _LOCK = threading.Lock()
+# Publishing a frozen log's derived index (see `_Log.build_index`); never held while
+# acquiring `_LOCK`.
+_INDEX_LOCK = threading.Lock()
 
 
 def _numbered_splits(key: str) -> Iterator[tuple[str, int]]:
@@ -111,7 +114,7 @@ class _Log:
         self.index[key] = pos  # pyright: ignore[reportOptionalSubscript]
         if span:
             self._add_span(key, pos, span)
-        if not self.traced and isinstance(value, Tracer):
+        if not self.traced and _holds_tracer(value):
             self.traced = True
 
     def _add_span(self, key: str, pos: int, span: int) -> None:
@@ -120,23 +123,48 @@ class _Log:
         self.spans[key] = (pos, span)
 
     def build_index(self) -> dict[str, int]:
-        """Derive `index`, `spans` and `traced` of a frozen log (once)."""
+        """Derive `index` and `spans` of a frozen log (once).
+
+        Readers call this without `_LOCK` (while another thread may open and extend
+        the log under it): the result is built aside and kept only if no other
+        thread has set `index` meanwhile, so an index that already holds appended
+        entries is never replaced by one that lacks them.
+        """
         keys, values = self.keys, self.values
         index = {k: i for i, k in enumerate(keys)}
-        traced = False
+        spans: dict[str, tuple[int, int]] | None = None
         for i, value in enumerate(values):
             cls = type(value)
             if cls not in _no_span and (span := _span_of(value)):
-                self._add_span(keys[i], i, span)
-            if not traced and isinstance(value, Tracer):
-                traced = True
-        self.traced = traced
-        self.index = index
-        return index
+                if spans is None:
+                    spans = {}
+                spans[keys[i]] = (i, span)
+        with _INDEX_LOCK:
+            if self.index is None:
+                self.spans = spans
+                self.index = index
+            return self.index
+
+    def holds_tracer(self) -> bool:
+        """Return `traced`, deriving it first in a frozen log (once, as `index`).
+
+        Separate from `build_index`: it looks into every child level, which only
+        an insertion needs (a read of a level reads no other level).
+        """
+        traced = self.traced
+        if traced is not None:
+            return traced
+        traced = any(_holds_tracer(value) for value in self.values)
+        with _INDEX_LOCK:
+            if self.traced is None:
+                self.traced = traced
+            return self.traced
 
     def open(self) -> dict[str, int]:
         """Make a frozen log appendable; return its index."""
         index = self.index if self.index is not None else self.build_index()
+        if self.traced is None:
+            self.holds_tracer()
         if type(self.keys) is not list:
             self.keys = list(self.keys)
         if type(self.values) is not list:
@@ -166,6 +194,27 @@ Keys: TypeAlias = tuple[Any, ...]  # of `str`
 
 
 _no_span: set[type] = set()
+
+
+def _holds_tracer(value: object) -> bool:
+    """Whether `value` is a tracer or a level (a child's mapping) that holds one.
+
+    A child's mapping is not itself a tracer: without looking into it, a collection
+    made outside `jax.jit` would be extended in place with a traced child (and keep
+    the trace's tracers alive). O(1): a level's flag covers its own children.
+    """
+    if type(value) is FrozenMapping:
+        log = value._log
+        traced = log.traced
+        return traced if traced is not None else log.holds_tracer()
+    if isinstance(value, Tracer):
+        return True
+    # A scan's per-iteration entry (duck-typed, as in `_span_of`): its stacked level.
+    return (
+        type(value) not in _no_span
+        and bool(_span_of(value))
+        and _holds_tracer(getattr(value, "stacked", None))
+    )
 
 
 def _span_of(value: object) -> int:
@@ -228,7 +277,7 @@ class FrozenMapping(Mapping[str, Any]):
         index = log.index
         if index is None:
             index = log.build_index()
-        pos = index.get(key) if type(key) is str else None
+        pos = index.get(key) if type(key) is str or isinstance(key, str) else None
         return pos is not None and pos < self._n
 
     def __iter__(self) -> Iterator[str]:
@@ -345,22 +394,22 @@ class FrozenMapping(Mapping[str, Any]):
                     [value],
                     {key: 0},
                     {key: (0, span)} if span else None,
-                    isinstance(value, Tracer),
+                    _holds_tracer(value),
                 )
                 out._n = 1
                 return out
             if log.index is None or type(keys) is not list:
                 log.open()
                 keys = log.keys
-            if len(keys) == n and (log.traced or not isinstance(value, Tracer)):
+            if len(keys) == n and (log.traced or not _holds_tracer(value)):
                 # The newest version: append in place.
                 keys.append(key)  # pyright: ignore[reportAttributeAccessIssue]
                 log.values.append(value)  # pyright: ignore[reportAttributeAccessIssue]
                 log.index[key] = n  # pyright: ignore[reportOptionalSubscript]
                 if type(value) not in _no_span and (span := _span_of(value)):
                     log._add_span(key, n, span)
-                if not log.traced and isinstance(value, Tracer):
-                    log.traced = True
+                # (`log.traced` needs no update: a traced value is appended in place
+                # only to a log that is traced already.)
                 out._log = log
                 out._n = n + 1
                 return out
@@ -369,8 +418,9 @@ class FrozenMapping(Mapping[str, Any]):
                 # reused. From now on it reads a sealed copy of its own entries, so
                 # it keeps nothing added after it alive, and is always copied.
                 self._log = _copy(log, n, seal=True)
-        new = _copy(log, n, seal=False)
-        new.append(key, value, _span_of(value))
+            # Under the lock: another thread may be appending to `log` (its spans).
+            new = _copy(log, n, seal=False)
+            new.append(key, value, _span_of(value))
         return _version(new, n + 1)
 
     def updated(self, pairs: Pairs) -> "FrozenMapping":
