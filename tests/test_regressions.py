@@ -329,3 +329,22 @@ def test_a_traced_scan_entry_does_not_extend_a_concrete_collection_in_place() ->
         jax.jit(step)(jnp.arange(3.0))
     assert list(outer.summaries) == ["lr"]
     assert outer.summaries._log.values == [0.1]  # pyright: ignore[reportPrivateUsage]
+
+
+@pytest.mark.parametrize("kind", ["summaries", "state_updates", "module_outputs"])
+def test_tree_at_replaces_an_empty_level(kind: str) -> None:
+    # Unflattening gave every empty level the one shared empty mapping, so that
+    # `eqx.tree_at` (which finds nodes by identity) could not tell them apart.
+    import equinox as eqx
+
+    from eqxctx._mapping import FrozenMapping
+
+    made = OutputCollection.empty().add_summary("a", 1.0)
+    for coll in (made, jax.jit(lambda c: c)(made)):
+        new = eqx.tree_at(
+            lambda c: getattr(c, kind), coll, FrozenMapping({"x": jnp.ones(1)})
+        )
+        assert list(getattr(new, kind)) == ["x"]
+        others = {"summaries": ["a"], "state_updates": [], "module_outputs": []}
+        others[kind] = ["x"]
+        assert {k: list(getattr(new, k)) for k in others} == others

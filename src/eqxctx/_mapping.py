@@ -472,6 +472,7 @@ def _sealed_empty() -> FrozenMapping:
 
 #: The empty mapping, shared (adding to it starts a new log every time).
 EMPTY = _sealed_empty()
+_EMPTY_LOG = EMPTY._log
 
 
 # The checks of every add and child, over a collection's three levels at once (one
@@ -556,7 +557,11 @@ def _unflatten(keys: Keys, children: Iterable[Any]) -> FrozenMapping:
     # The log is frozen: its index, spans and tracer flag are derived when a read
     # needs them, so this costs two objects (JAX unflattens at every boundary).
     if not keys:
-        return EMPTY
+        # A new object (sharing `EMPTY`'s sealed log): levels are found by identity
+        # (`eqx.tree_at`), so the empty levels of one collection must differ.
+        out = _version(_EMPTY_LOG, 0)
+        out._sorted = ()
+        return out
     values = children if type(children) is tuple else tuple(children)
     log = object.__new__(_Log)
     log.keys = keys
