@@ -348,3 +348,31 @@ def test_tree_at_replaces_an_empty_level(kind: str) -> None:
         others = {"summaries": ["a"], "state_updates": [], "module_outputs": []}
         others[kind] = ["x"]
         assert {k: list(getattr(new, k)) for k in others} == others
+
+
+def test_a_traced_unflattened_child_does_not_extend_a_concrete_collection() -> None:
+    # The child's levels are frozen (made by `tree_map` inside the trace), its tracer
+    # three levels down.
+    outer = OutputCollection.empty().add_summary("lr", 0.1)
+
+    def step(x: jax.Array) -> jax.Array:
+        inner = OutputCollection.empty().add_summary("x", x)
+        for name in ("a", "b"):
+            inner = OutputCollection.empty().add_child(name, inner)
+        inner = jax.tree_util.tree_map(lambda v: v * 2, inner)
+        merged = outer.add_child("c", inner)
+        assert merged.flatten("summaries").keys() == {"lr", "c/b/a/x"}
+        return x
+
+    with jax.checking_leaks():
+        jax.jit(step)(jnp.float32(1.0))
+    assert outer.summaries._log.values == [0.1]  # pyright: ignore[reportPrivateUsage]
+
+
+def test_adding_to_a_deep_unflattened_collection() -> None:
+    # Whether a level holds tracers is derived without recursion (400 levels).
+    coll = OutputCollection.empty().add_summary("v", 1.0)
+    for _ in range(400):
+        coll = OutputCollection.empty().add_summary("v", 1.0).add_child("c", coll)
+    coll = jax.tree_util.tree_map(lambda v: v, coll).add_summary("new", 2.0)
+    assert len(jax.tree_util.tree_leaves(coll)) == 402

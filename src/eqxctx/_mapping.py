@@ -152,13 +152,7 @@ class _Log:
         an insertion needs (a read of a level reads no other level).
         """
         traced = self.traced
-        if traced is not None:
-            return traced
-        traced = any(_holds_tracer(value) for value in self.values)
-        with _INDEX_LOCK:
-            if self.traced is None:
-                self.traced = traced
-            return self.traced
+        return traced if traced is not None else _resolve_traced(self)
 
     def open(self) -> dict[str, int]:
         """Make a frozen log appendable; return its index."""
@@ -201,20 +195,63 @@ def _holds_tracer(value: object) -> bool:
 
     A child's mapping is not itself a tracer: without looking into it, a collection
     made outside `jax.jit` would be extended in place with a traced child (and keep
-    the trace's tracers alive). O(1): a level's flag covers its own children.
+    the trace's tracers alive). O(1) but for frozen levels, each derived once.
     """
-    if type(value) is FrozenMapping:
-        log = value._log
-        traced = log.traced
-        return traced if traced is not None else log.holds_tracer()
-    if isinstance(value, Tracer):
-        return True
-    # A scan's per-iteration entry (duck-typed, as in `_span_of`): its stacked level.
-    return (
-        type(value) not in _no_span
-        and bool(_span_of(value))
-        and _holds_tracer(getattr(value, "stacked", None))
-    )
+    sub = _level_log(value)
+    if sub is None:
+        return isinstance(value, Tracer)
+    traced = sub.traced
+    return traced if traced is not None else _resolve_traced(sub)
+
+
+def _level_log(value: object) -> "_Log | None":
+    """The log of `value` if it is a level, or a scan's entry (its stacked level)."""
+    cls = type(value)
+    if cls is FrozenMapping:
+        return value._log  # pyright: ignore[reportAttributeAccessIssue]
+    if cls in _no_span or not _span_of(value):
+        return None
+    # A scan's per-iteration entry (duck-typed, as in `_span_of`).
+    stacked = getattr(value, "stacked", None)
+    return stacked._log if type(stacked) is FrozenMapping else None
+
+
+def _resolve_traced(root: _Log) -> bool:
+    """Derive `traced` of a frozen log and of the frozen levels below it.
+
+    A walk with its own stack (collections nest as deep as models do), visiting
+    each frozen level once: a level whose flag is known is not entered.
+    """
+    stack: list[tuple[_Log, Iterator[Any]]] = [(root, iter(root.values))]
+    while stack:
+        log, values = stack[-1]
+        below: _Log | None = None
+        traced = False
+        for value in values:
+            sub = _level_log(value)
+            if sub is None:
+                if isinstance(value, Tracer):
+                    traced = True
+                    break
+            elif sub.traced is None:
+                below = sub
+                break
+            elif sub.traced:
+                traced = True
+                break
+        if below is not None:
+            stack.append((below, iter(below.values)))
+            continue
+        stack.pop()
+        # A traced level makes every level above it traced.
+        done = [log, *(above for above, _ in stack)] if traced else [log]
+        with _INDEX_LOCK:
+            for level in done:
+                if level.traced is None:
+                    level.traced = traced
+        if traced:
+            break
+    return bool(root.traced)
 
 
 def _span_of(value: object) -> int:
