@@ -51,9 +51,10 @@ class _Log:
 
     A log is *open* (made by insertion: `keys` and `values` are lists, `index` is
     built) or *frozen* (made by unflattening: `keys` is the treedef's sorted tuple,
-    and `index`, `spans` and `traced` are derived the first time a read needs them,
-    so a collection that JAX unflattens and nobody reads costs two objects per
-    level). Inserting into a frozen log opens it first.
+    and `index` and `spans` are derived the first time a read needs them, `traced`
+    the first time an insertion does, so a collection that JAX unflattens and
+    nobody reads costs two objects per level). Inserting into a frozen log opens it
+    first.
     """
 
     __slots__ = (
@@ -78,9 +79,10 @@ class _Log:
     # scan's entry asks), up to `numbered_upto` keys.
     numbered: dict[str, list[tuple[int, int]]] | None
     numbered_upto: int
-    # Whether a value is a tracer: a log of concrete values (a collection made
-    # outside `jax.jit`) is never extended in place with one, so no collection that
-    # outlives a trace holds its tracers. None: not known yet (frozen logs).
+    # Whether a value is a tracer or a level (or scan entry) holding one: a log of
+    # concrete values (a collection made outside `jax.jit`) is never extended in
+    # place with one, so no collection that outlives a trace holds its tracers.
+    # None: not known yet (frozen logs).
     traced: bool | None
     # Whether every leaf was checked where it entered (see `freeze`); logs built by
     # unflattening are not.
