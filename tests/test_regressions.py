@@ -370,9 +370,17 @@ def test_a_traced_unflattened_child_does_not_extend_a_concrete_collection() -> N
 
 
 def test_adding_to_a_deep_unflattened_collection() -> None:
-    # Whether a level holds tracers is derived without recursion (400 levels).
+    # Whether a level holds tracers is derived without recursion (400 levels): a
+    # tracer added at the root of a deep collection made outside the trace.
     coll = OutputCollection.empty().add_summary("v", 1.0)
     for _ in range(400):
         coll = OutputCollection.empty().add_summary("v", 1.0).add_child("c", coll)
-    coll = jax.tree_util.tree_map(lambda v: v, coll).add_summary("new", 2.0)
-    assert len(jax.tree_util.tree_leaves(coll)) == 402
+    frozen = jax.tree_util.tree_map(lambda v: v, coll)
+
+    def step(x: jax.Array) -> jax.Array:
+        return frozen.add_summary("new", x).summaries["new"]
+
+    with jax.checking_leaks():
+        assert jax.jit(step)(jnp.float32(2.0)) == 2.0
+    assert "new" not in frozen.summaries
+    assert len(jax.tree_util.tree_leaves(frozen.add_summary("new", 2.0))) == 402

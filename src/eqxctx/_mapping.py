@@ -52,7 +52,7 @@ class _Log:
     A log is *open* (made by insertion: `keys` and `values` are lists, `index` is
     built) or *frozen* (made by unflattening: `keys` is the treedef's sorted tuple,
     and `index` and `spans` are derived the first time a read needs them, `traced`
-    the first time an insertion does, so a collection that JAX unflattens and
+    the first time a traced value is inserted, so a collection that JAX unflattens and
     nobody reads costs two objects per level). Inserting into a frozen log opens it
     first.
     """
@@ -82,7 +82,8 @@ class _Log:
     # Whether a value is a tracer or a level (or scan entry) holding one: a log of
     # concrete values (a collection made outside `jax.jit`) is never extended in
     # place with one, so no collection that outlives a trace holds its tracers.
-    # None: not known yet (frozen logs).
+    # None: not known yet (frozen logs, and logs opened or copied from them, until
+    # a traced value is inserted).
     traced: bool | None
     # Whether every leaf was checked where it entered (see `freeze`); logs built by
     # unflattening are not.
@@ -96,7 +97,7 @@ class _Log:
         values: Any,
         index: Any,
         spans: Any = None,
-        traced: bool = False,
+        traced: bool | None = False,
         checked: bool = True,
     ) -> None:
         self.keys = keys
@@ -148,7 +149,7 @@ class _Log:
             return self.index
 
     def holds_tracer(self) -> bool:
-        """Return `traced`, deriving it first in a frozen log (once, as `index`).
+        """Return `traced`, deriving it first if not known (once, as `index`).
 
         Separate from `build_index`: it looks into every child level, which only
         an insertion needs (a read of a level reads no other level).
@@ -159,8 +160,6 @@ class _Log:
     def open(self) -> dict[str, int]:
         """Make a frozen log appendable; return its index."""
         index = self.index if self.index is not None else self.build_index()
-        if self.traced is None:
-            self.holds_tracer()
         if type(self.keys) is not list:
             self.keys = list(self.keys)
         if type(self.values) is not list:
@@ -219,10 +218,11 @@ def _level_log(value: object) -> "_Log | None":
 
 
 def _resolve_traced(root: _Log) -> bool:
-    """Derive `traced` of a frozen log and of the frozen levels below it.
+    """Derive `traced` of a log and of the levels below it whose flag is not known.
 
     A walk with its own stack (collections nest as deep as models do), visiting
-    each frozen level once: a level whose flag is known is not entered.
+    each such level once: a level whose flag is known is not entered. Called under
+    `_LOCK` by insertion (an open log's values are appended under it).
     """
     stack: list[tuple[_Log, Iterator[Any]]] = [(root, iter(root.values))]
     while stack:
@@ -440,7 +440,9 @@ class FrozenMapping(Mapping[str, Any]):
             if log.index is None or type(keys) is not list:
                 log.open()
                 keys = log.keys
-            if len(keys) == n and (log.traced or not _holds_tracer(value)):
+            # (`_holds_tracer(value)` first: the log's own flag may need a walk of
+            # its levels, which only a traced value needs.)
+            if len(keys) == n and (not _holds_tracer(value) or log.holds_tracer()):
                 # The newest version: append in place.
                 keys.append(key)  # pyright: ignore[reportAttributeAccessIssue]
                 log.values.append(value)  # pyright: ignore[reportAttributeAccessIssue]
@@ -484,7 +486,7 @@ def _copy(log: _Log, n: int, *, seal: bool) -> _Log:
         list(log.values[:n]),
         {k: i for i, k in enumerate(keys)},
         spans,
-        bool(log.traced),
+        log.traced,
         log.checked,
     )
     if seal:  # one entry past every version: insertion always takes the branch path
