@@ -244,3 +244,148 @@ def test_runner_without_key_is_a_clear_error() -> None:
         MethodRunner.create(
             {"w": jnp.ones(2)}, lambda m, b, c: (b, c), mesh=mesh, prng_key=None
         )
+
+
+# -- found by trying to break frozen logs (collections made by unflattening) --------
+
+
+def _read_level(level: Any, barrier: Any) -> None:
+    barrier.wait()
+    level.get("k00000")
+
+
+def _extend_level(level: Any, barrier: Any, out: dict[str, Any]) -> None:
+    barrier.wait()
+    out["new"] = level.inserted("new", -1)
+
+
+def test_reading_and_extending_a_frozen_level_from_two_threads() -> None:
+    # A reader deriving the index of an unflattened level must not replace the index
+    # that an insertion in another thread has just extended (the new key was lost).
+    import sys
+    import threading
+
+    from eqxctx._mapping import FrozenMapping
+
+    keys = [f"k{i:05d}" for i in range(20_000)]
+    tree = FrozenMapping([(k, i) for i, k in enumerate(keys)])
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(20):
+            level = jax.tree_util.tree_map(lambda x: x, tree)  # a frozen log
+            barrier = threading.Barrier(2)
+            out: dict[str, FrozenMapping] = {}
+            threads = [
+                threading.Thread(target=_read_level, args=(level, barrier)),
+                threading.Thread(target=_extend_level, args=(level, barrier, out)),
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert "new" in out["new"]
+            assert out["new"]["new"] == -1
+            assert "new" not in level
+            assert len(out["new"]) == len(keys) + 1
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def test_str_subclass_keys_are_found_in_a_level() -> None:
+    coll = OutputCollection.empty().add_summary("a", 1.0)
+    for level in (coll.summaries, jax.jit(lambda c: c)(coll).summaries):
+        assert np.str_("a") in level  # as in a dict: `np.str_` is a `str`
+        assert np.str_("b") not in level
+        assert level[np.str_("a")] == 1.0
+
+
+def test_a_traced_child_does_not_extend_a_concrete_collection_in_place() -> None:
+    # A context made outside `jax.jit`, extended inside it with a child that holds
+    # tracers: the outer log must not keep the child (it would leak the tracers).
+    outer = Context.root().add_summary("lr", 0.1)
+
+    def layer(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+        return x, ctx.add_summary("x", x)
+
+    def step(x: jax.Array) -> jax.Array:
+        y, ctx = outer.call("layer", layer, x)
+        assert ctx.collection.flatten("summaries").keys() == {"lr", "layer/x"}
+        return y
+
+    with jax.checking_leaks():
+        assert jax.jit(step)(jnp.float32(2.0)) == 2.0
+    assert list(outer.collection.summaries) == ["lr"]
+    assert outer.collection.summaries._log.values == [0.1]  # pyright: ignore[reportPrivateUsage]
+
+
+def test_a_traced_scan_entry_does_not_extend_a_concrete_collection_in_place() -> None:
+    from eqxctx import IterationSummaries
+
+    outer = OutputCollection.empty().add_summary("lr", 0.1)
+
+    def step(xs: jax.Array) -> jax.Array:
+        scanned = OutputCollection({"iter": IterationSummaries(3, {"x": xs})}, {}, {})
+        merged = outer.merge(scanned)
+        assert sorted(merged.summaries) == ["iter", "lr"]
+        return xs
+
+    with jax.checking_leaks():
+        jax.jit(step)(jnp.arange(3.0))
+    assert list(outer.summaries) == ["lr"]
+    assert outer.summaries._log.values == [0.1]  # pyright: ignore[reportPrivateUsage]
+
+
+@pytest.mark.parametrize("kind", ["summaries", "state_updates", "module_outputs"])
+def test_tree_at_replaces_an_empty_level(kind: str) -> None:
+    # Unflattening gave every empty level the one shared empty mapping, so that
+    # `eqx.tree_at` (which finds nodes by identity) could not tell them apart.
+    import equinox as eqx
+
+    from eqxctx._mapping import FrozenMapping
+
+    made = OutputCollection.empty().add_summary("a", 1.0)
+    for coll in (made, jax.jit(lambda c: c)(made)):
+        new = eqx.tree_at(
+            lambda c: getattr(c, kind), coll, FrozenMapping({"x": jnp.ones(1)})
+        )
+        assert list(getattr(new, kind)) == ["x"]
+        others = {"summaries": ["a"], "state_updates": [], "module_outputs": []}
+        others[kind] = ["x"]
+        assert {k: list(getattr(new, k)) for k in others} == others
+
+
+def test_a_traced_unflattened_child_does_not_extend_a_concrete_collection() -> None:
+    # The child's levels are frozen (made by `tree_map` inside the trace), its tracer
+    # three levels down.
+    outer = OutputCollection.empty().add_summary("lr", 0.1)
+
+    def step(x: jax.Array) -> jax.Array:
+        inner = OutputCollection.empty().add_summary("x", x)
+        for name in ("a", "b"):
+            inner = OutputCollection.empty().add_child(name, inner)
+        inner = jax.tree_util.tree_map(lambda v: v * 2, inner)
+        merged = outer.add_child("c", inner)
+        assert merged.flatten("summaries").keys() == {"lr", "c/b/a/x"}
+        return x
+
+    with jax.checking_leaks():
+        jax.jit(step)(jnp.float32(1.0))
+    assert outer.summaries._log.values == [0.1]  # pyright: ignore[reportPrivateUsage]
+
+
+def test_adding_to_a_deep_unflattened_collection() -> None:
+    # Whether a level holds tracers is derived without recursion (400 levels): a
+    # tracer added at the root of a deep collection made outside the trace.
+    coll = OutputCollection.empty().add_summary("v", 1.0)
+    for _ in range(400):
+        coll = OutputCollection.empty().add_summary("v", 1.0).add_child("c", coll)
+    frozen = jax.tree_util.tree_map(lambda v: v, coll)
+
+    def step(x: jax.Array) -> jax.Array:
+        return frozen.add_summary("new", x).summaries["new"]
+
+    with jax.checking_leaks():
+        assert jax.jit(step)(jnp.float32(2.0)) == 2.0
+    assert "new" not in frozen.summaries
+    assert len(jax.tree_util.tree_leaves(frozen.add_summary("new", 2.0))) == 402

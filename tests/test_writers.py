@@ -651,3 +651,49 @@ def test_fetch_checks_built_in_kinds_read_from_their_fields() -> None:
     np.testing.assert_array_equal(values["s"], [0, 1, 2])
     np.testing.assert_array_equal(values["m/variance"], 1.0)
     np.testing.assert_array_equal(values["m/count"], 2)
+
+
+def _json_value_per_value(arr: np.ndarray) -> Any:
+    """The conversion before the vectorized one: `str(np.float32(v))` per value."""
+    if arr.dtype.kind == "b":
+        return arr.astype(np.int64).tolist()
+    if arr.dtype.kind in "iu":
+        return arr.tolist()
+    if arr.dtype.itemsize <= 4:
+        if arr.ndim == 0:
+            return float(str(np.float32(arr)))
+        short = [float(str(v)) for v in arr.astype(np.float32).ravel()]
+        return np.asarray(short, dtype=np.float64).reshape(arr.shape).tolist()
+    return arr.astype(np.float64).tolist()
+
+
+@given(
+    bits32=hnp.arrays(np.uint32, st.integers(0, 40)),
+    bits16=hnp.arrays(np.uint16, st.integers(0, 40)),
+    rows=st.integers(1, 4),
+)
+def test_jsonl_text_matches_per_value_conversion_on_bit_patterns(
+    bits32: np.ndarray, bits16: np.ndarray, rows: int
+) -> None:
+    # Random bit patterns (subnormals, NaN payloads, -0.0, powers of two, ...), as
+    # 0-d values (converted together) and as arrays, in every float dtype.
+    from eqxctx.writers._base import HostSummaries
+    from eqxctx.writers._jsonl import json_record
+
+    f32 = bits32.view(np.float32)
+    values: dict[str, np.ndarray] = {
+        "f32": f32,
+        "f32_2d": np.resize(f32, (rows, f32.size)),
+        "f16": bits16.view(np.float16),
+        "bf16": bits16.view(jnp.bfloat16),
+        "f64": f32.astype(np.float64),
+        "i": bits32.astype(np.int64),
+    }
+    for i, v in enumerate(f32):
+        values[f"s{i}"] = np.asarray(v)
+    for i, v in enumerate(bits16.view(np.float16)):
+        values[f"h{i}"] = np.asarray(v)
+        values[f"b{i}"] = np.asarray(bits16[i : i + 1].view(jnp.bfloat16)[0])
+    got = json.dumps(json_record(HostSummaries(7, values)))
+    want = {"step": 7, **{p: _json_value_per_value(v) for p, v in values.items()}}
+    assert got == json.dumps(want)

@@ -30,6 +30,9 @@ _DICT_KEY = jax.tree_util.DictKey
 # Insertion checks "is this version the newest?" and appends under one lock, so that
 # two threads extending the same version never both append to the shared log.
 _LOCK = threading.Lock()
+# Publishing a frozen log's derived index (see `_Log.build_index`); never held while
+# acquiring `_LOCK`.
+_INDEX_LOCK = threading.Lock()
 
 
 def _numbered_splits(key: str) -> Iterator[tuple[str, int]]:
@@ -48,9 +51,10 @@ class _Log:
 
     A log is *open* (made by insertion: `keys` and `values` are lists, `index` is
     built) or *frozen* (made by unflattening: `keys` is the treedef's sorted tuple,
-    and `index`, `spans` and `traced` are derived the first time a read needs them,
-    so a collection that JAX unflattens and nobody reads costs two objects per
-    level). Inserting into a frozen log opens it first.
+    and `index` and `spans` are derived the first time a read needs them, `traced`
+    the first time a traced value is inserted, so a collection that JAX unflattens and
+    nobody reads costs two objects per level). Inserting into a frozen log opens it
+    first.
     """
 
     __slots__ = (
@@ -75,9 +79,11 @@ class _Log:
     # scan's entry asks), up to `numbered_upto` keys.
     numbered: dict[str, list[tuple[int, int]]] | None
     numbered_upto: int
-    # Whether a value is a tracer: a log of concrete values (a collection made
-    # outside `jax.jit`) is never extended in place with one, so no collection that
-    # outlives a trace holds its tracers. None: not known yet (frozen logs).
+    # Whether a value is a tracer or a level (or scan entry) holding one: a log of
+    # concrete values (a collection made outside `jax.jit`) is never extended in
+    # place with one, so no collection that outlives a trace holds its tracers.
+    # None: not known yet (frozen logs, and logs opened or copied from them, until
+    # a traced value is inserted).
     traced: bool | None
     # Whether every leaf was checked where it entered (see `freeze`); logs built by
     # unflattening are not.
@@ -91,7 +97,7 @@ class _Log:
         values: Any,
         index: Any,
         spans: Any = None,
-        traced: bool = False,
+        traced: bool | None = False,
         checked: bool = True,
     ) -> None:
         self.keys = keys
@@ -111,7 +117,7 @@ class _Log:
         self.index[key] = pos  # pyright: ignore[reportOptionalSubscript]
         if span:
             self._add_span(key, pos, span)
-        if not self.traced and isinstance(value, Tracer):
+        if not self.traced and _holds_tracer(value):
             self.traced = True
 
     def _add_span(self, key: str, pos: int, span: int) -> None:
@@ -120,19 +126,36 @@ class _Log:
         self.spans[key] = (pos, span)
 
     def build_index(self) -> dict[str, int]:
-        """Derive `index`, `spans` and `traced` of a frozen log (once)."""
+        """Derive `index` and `spans` of a frozen log (once).
+
+        Readers call this without `_LOCK` (while another thread may open and extend
+        the log under it): the result is built aside and kept only if no other
+        thread has set `index` meanwhile, so an index that already holds appended
+        entries is never replaced by one that lacks them.
+        """
         keys, values = self.keys, self.values
         index = {k: i for i, k in enumerate(keys)}
-        traced = False
+        spans: dict[str, tuple[int, int]] | None = None
         for i, value in enumerate(values):
             cls = type(value)
             if cls not in _no_span and (span := _span_of(value)):
-                self._add_span(keys[i], i, span)
-            if not traced and isinstance(value, Tracer):
-                traced = True
-        self.traced = traced
-        self.index = index
-        return index
+                if spans is None:
+                    spans = {}
+                spans[keys[i]] = (i, span)
+        with _INDEX_LOCK:
+            if self.index is None:
+                self.spans = spans
+                self.index = index
+            return self.index
+
+    def holds_tracer(self) -> bool:
+        """Return `traced`, deriving it first if not known (once, as `index`).
+
+        Separate from `build_index`: it looks into every child level, which only
+        an insertion needs (a read of a level reads no other level).
+        """
+        traced = self.traced
+        return traced if traced is not None else _resolve_traced(self)
 
     def open(self) -> dict[str, int]:
         """Make a frozen log appendable; return its index."""
@@ -166,6 +189,71 @@ Keys: TypeAlias = tuple[Any, ...]  # of `str`
 
 
 _no_span: set[type] = set()
+
+
+def _holds_tracer(value: object) -> bool:
+    """Whether `value` is a tracer or a level (a child's mapping) that holds one.
+
+    A child's mapping is not itself a tracer: without looking into it, a collection
+    made outside `jax.jit` would be extended in place with a traced child (and keep
+    the trace's tracers alive). O(1) but for frozen levels, each derived once.
+    """
+    sub = _level_log(value)
+    if sub is None:
+        return isinstance(value, Tracer)
+    traced = sub.traced
+    return traced if traced is not None else _resolve_traced(sub)
+
+
+def _level_log(value: object) -> "_Log | None":
+    """The log of `value` if it is a level, or a scan's entry (its stacked level)."""
+    cls = type(value)
+    if cls is FrozenMapping:
+        return value._log  # pyright: ignore[reportAttributeAccessIssue]
+    if cls in _no_span or not _span_of(value):
+        return None
+    # A scan's per-iteration entry (duck-typed, as in `_span_of`).
+    stacked = getattr(value, "stacked", None)
+    return stacked._log if type(stacked) is FrozenMapping else None
+
+
+def _resolve_traced(root: _Log) -> bool:
+    """Derive `traced` of a log and of the levels below it whose flag is not known.
+
+    A walk with its own stack (collections nest as deep as models do), visiting
+    each such level once: a level whose flag is known is not entered. Called under
+    `_LOCK` by insertion (an open log's values are appended under it).
+    """
+    stack: list[tuple[_Log, Iterator[Any]]] = [(root, iter(root.values))]
+    while stack:
+        log, values = stack[-1]
+        below: _Log | None = None
+        traced = False
+        for value in values:
+            sub = _level_log(value)
+            if sub is None:
+                if isinstance(value, Tracer):
+                    traced = True
+                    break
+            elif sub.traced is None:
+                below = sub
+                break
+            elif sub.traced:
+                traced = True
+                break
+        if below is not None:
+            stack.append((below, iter(below.values)))
+            continue
+        stack.pop()
+        # A traced level makes every level above it traced.
+        done = [log, *(above for above, _ in stack)] if traced else [log]
+        with _INDEX_LOCK:
+            for level in done:
+                if level.traced is None:
+                    level.traced = traced
+        if traced:
+            break
+    return bool(root.traced)
 
 
 def _span_of(value: object) -> int:
@@ -228,7 +316,7 @@ class FrozenMapping(Mapping[str, Any]):
         index = log.index
         if index is None:
             index = log.build_index()
-        pos = index.get(key) if type(key) is str else None
+        pos = index.get(key) if type(key) is str or isinstance(key, str) else None
         return pos is not None and pos < self._n
 
     def __iter__(self) -> Iterator[str]:
@@ -345,22 +433,24 @@ class FrozenMapping(Mapping[str, Any]):
                     [value],
                     {key: 0},
                     {key: (0, span)} if span else None,
-                    isinstance(value, Tracer),
+                    _holds_tracer(value),
                 )
                 out._n = 1
                 return out
             if log.index is None or type(keys) is not list:
                 log.open()
                 keys = log.keys
-            if len(keys) == n and (log.traced or not isinstance(value, Tracer)):
+            # (`_holds_tracer(value)` first: the log's own flag may need a walk of
+            # its levels, which only a traced value needs.)
+            if len(keys) == n and (not _holds_tracer(value) or log.holds_tracer()):
                 # The newest version: append in place.
                 keys.append(key)  # pyright: ignore[reportAttributeAccessIssue]
                 log.values.append(value)  # pyright: ignore[reportAttributeAccessIssue]
                 log.index[key] = n  # pyright: ignore[reportOptionalSubscript]
                 if type(value) not in _no_span and (span := _span_of(value)):
                     log._add_span(key, n, span)
-                if not log.traced and isinstance(value, Tracer):
-                    log.traced = True
+                # (`log.traced` needs no update: a traced value is appended in place
+                # only to a log that is traced already.)
                 out._log = log
                 out._n = n + 1
                 return out
@@ -369,8 +459,9 @@ class FrozenMapping(Mapping[str, Any]):
                 # reused. From now on it reads a sealed copy of its own entries, so
                 # it keeps nothing added after it alive, and is always copied.
                 self._log = _copy(log, n, seal=True)
-        new = _copy(log, n, seal=False)
-        new.append(key, value, _span_of(value))
+            # Under the lock: another thread may be appending to `log` (its spans).
+            new = _copy(log, n, seal=False)
+            new.append(key, value, _span_of(value))
         return _version(new, n + 1)
 
     def updated(self, pairs: Pairs) -> "FrozenMapping":
@@ -395,7 +486,7 @@ def _copy(log: _Log, n: int, *, seal: bool) -> _Log:
         list(log.values[:n]),
         {k: i for i, k in enumerate(keys)},
         spans,
-        bool(log.traced),
+        log.traced,
         log.checked,
     )
     if seal:  # one entry past every version: insertion always takes the branch path
@@ -422,6 +513,7 @@ def _sealed_empty() -> FrozenMapping:
 
 #: The empty mapping, shared (adding to it starts a new log every time).
 EMPTY = _sealed_empty()
+_EMPTY_LOG = EMPTY._log
 
 
 # The checks of every add and child, over a collection's three levels at once (one
@@ -510,7 +602,13 @@ def _unflatten(keys: Keys, children: Iterable[Any]) -> FrozenMapping:
     # The log is frozen: its index, spans and tracer flag are derived when a read
     # needs them, so this costs two objects (JAX unflattens at every boundary).
     if not keys:
-        return EMPTY
+        # A new object (sharing `EMPTY`'s sealed log): levels are found by identity
+        # (`eqx.tree_at`), so the empty levels of one collection must differ.
+        out = _new(FrozenMapping)
+        out._log = _EMPTY_LOG
+        out._n = 0
+        out._sorted = ()
+        return out
     values = children if type(children) is tuple else tuple(children)
     log = object.__new__(_Log)
     log.keys = keys
