@@ -228,6 +228,12 @@ def _read_weighted(fields: dict[str, Any], path: str, where: str) -> list[Any]:
             f"shape {np.shape(weight)}, expected () or the mean's shape "
             f"{np.shape(mean)}."
         )
+    if bool(np.any(np.asarray(weight) < 0)):
+        raise ValueError(
+            f"`{where}`: the summary at {path!r}: `WeightedSummary(mean, weight)`: "
+            f"weights must not be negative, got {np.asarray(weight)!r}; a weight "
+            "counts examples (use 0 to add nothing)."
+        )
     return [(path, mean)]
 
 
