@@ -5,7 +5,8 @@ float32) that adds S summaries (`WeightedSummary`s of the mean, the same names i
 branches); the hand-written `jax.lax.cond` returns the same summary values. A second
 variant ("fill") adds the summaries in one branch only, so the other fills identities.
 For S in {1, 8} it measures, interleaved, the optimized HLO instruction count and one
-steady-state run (minimum over rounds), and checks that `fori_in_context` with static
+steady-state run time per call (the minimum over 15 interleaved rounds of 200 calls
+each, every variant compiled once), and checks that `fori_in_context` with static
 bounds lowers to the same program as the equivalent `scan_in_context`. Usage:
 
     .venv/bin/python benchmarks/bench_control.py [--quick]
@@ -96,15 +97,24 @@ def _program(text: str) -> list[str]:
     return [re.sub(r", metadata=\{.*\}", "", ln) for ln in lines]
 
 
-def measure(make: Callable[[], Callable[..., Any]], args: tuple[Any, ...]) -> Any:
+CALLS = 200  # calls per timed round: single ~100 µs calls are too noisy to compare
+
+
+def compile_variant(
+    make: Callable[[], Callable[..., Any]], args: tuple[Any, ...]
+) -> tuple[Callable[..., Any], int]:
+    """The compiled function (warmed up) and its optimized HLO instruction count."""
     compiled = jax.jit(make()).lower(*args).compile()
     jax.block_until_ready(compiled(*args))
-    run = float("inf")
-    for _ in range(20):
-        t = time.perf_counter()
+    return compiled, len(_INSTRUCTION.findall(compiled.as_text() or ""))
+
+
+def time_calls(compiled: Callable[..., Any], args: tuple[Any, ...]) -> float:
+    """Seconds per call, averaged over `CALLS` blocking calls."""
+    t = time.perf_counter()
+    for _ in range(CALLS):
         jax.block_until_ready(compiled(*args))
-        run = min(run, time.perf_counter() - t)
-    return run, len(_INSTRUCTION.findall(compiled.as_text() or ""))
+    return (time.perf_counter() - t) / CALLS
 
 
 def fori_same_program() -> bool:
@@ -135,7 +145,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="cond_in_context vs lax.cond")
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     opts = parser.parse_args()
-    rounds = 2 if opts.quick else 7
+    rounds = 2 if opts.quick else 15
     key = jax.random.PRNGKey(0)
     h = jax.random.normal(key, (BATCH, WIDTH), jnp.float32)
     w = jax.random.normal(key, (WIDTH, WIDTH), jnp.float32) / WIDTH**0.5
@@ -156,11 +166,14 @@ def main() -> None:
         for fill in (False, True):
             best = dict.fromkeys(variants, float("inf"))
             hlo: dict[str, int] = {}
+            compiled: dict[str, Callable[..., Any]] = {}
+            for name, make in variants.items():
+                compiled[name], hlo[name] = compile_variant(
+                    lambda m=make, s=s, f=fill: m(s, f), args
+                )
             for _ in range(rounds):
-                for name, make in variants.items():  # interleaved
-                    t, n = measure(lambda m=make, s=s, f=fill: m(s, f), args)
-                    best[name] = min(best[name], t)
-                    hlo[name] = n
+                for name in variants:  # interleaved rounds of `CALLS` calls each
+                    best[name] = min(best[name], time_calls(compiled[name], args))
             what = "one adds" if fill else "both add"
             print(
                 f"| {s} | {what} | {best['ours'] / best['hand']:.2f}x "
