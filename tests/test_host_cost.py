@@ -53,6 +53,12 @@ def count_calls(fn: Callable[[], Any]) -> int:
         if event == "call" and frame.f_code.co_filename.startswith(_SRC):
             calls += 1
 
+    _run_profiled(fn, profile)
+    return calls
+
+
+def _run_profiled(fn: Callable[[], Any], profile: Callable[..., None]) -> None:
+    """Run `fn` under `profile`, with garbage collection off."""
     # Garbage collection (and JAX's callbacks on it) depends on what ran before.
     gc.collect()
     gc.disable()
@@ -62,7 +68,6 @@ def count_calls(fn: Callable[[], Any]) -> int:
     finally:
         sys.setprofile(None)
         gc.enable()
-    return calls
 
 
 def hlo_size(fn: Callable[..., Any], *args: Any) -> tuple[int, int]:
@@ -685,14 +690,7 @@ def count_own_calls(fn: Callable[[], Any]) -> int:
         elif frame.f_code.co_filename.startswith(_SRC):
             calls += 1
 
-    gc.collect()
-    gc.disable()
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-        gc.enable()
+    _run_profiled(fn, profile)
     return calls
 
 
