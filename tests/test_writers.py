@@ -604,6 +604,23 @@ def test_shortest_float32_matches_numpy_shortest_repr(values: np.ndarray) -> Non
     assert [repr(g) for g in got] == [repr(w) for w in want]
 
 
+@given(
+    hnp.arrays(
+        np.float32,
+        st.integers(0, 64),
+        elements=st.floats(width=32, allow_nan=True, allow_infinity=True),
+    )
+)
+def test_float32_texts_spell_floats_as_json_does(values: np.ndarray) -> None:
+    from eqxctx.writers._jsonl import float32_texts, shortest_float32
+
+    values = np.concatenate([values, np.asarray(_EDGE_FLOAT32, np.float32)])
+    powers = np.float32(10.0) ** np.arange(-45, 39, dtype=np.float32)
+    values = np.concatenate([values, powers, -powers * 1.5, np.nextafter(powers, 0)])
+    got = float32_texts(values)
+    assert got == [json.dumps(v) for v in shortest_float32(values)]
+
+
 def test_shortest_float32_on_every_float32_near_one() -> None:
     from eqxctx.writers._jsonl import shortest_float32
 
@@ -697,3 +714,79 @@ def test_jsonl_text_matches_per_value_conversion_on_bit_patterns(
     got = json.dumps(json_record(HostSummaries(7, values)))
     want = {"step": 7, **{p: _json_value_per_value(v) for p, v in values.items()}}
     assert got == json.dumps(want)
+
+
+# -- per-iteration rows: formatted from their stacked arrays ------------------------
+
+
+def _dict_line(step: int, summaries: Any) -> str:
+    """The JSON text through the per-value path: `json_record` of a plain dict."""
+    from eqxctx.writers._base import HostSummaries
+    from eqxctx.writers._jsonl import json_record
+
+    return json.dumps(json_record(HostSummaries(step, fetch_summaries(summaries))))
+
+
+@given(
+    bits=hnp.arrays(np.uint32, st.integers(1, 40)),
+    ints=st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=4),
+)
+def test_jsonl_rows_text_equals_per_value_text(
+    bits: np.ndarray, ints: list[int]
+) -> None:
+    # Every float32 bit pattern (NaN, infinities, -0.0, subnormals), float16, float64,
+    # int and bool rows, rows of vectors, next to plain values and a later scan.
+    f32 = bits.view(np.float32)
+    n = f32.size
+
+    def body(c: jax.Array, x: Any, ctx: eqxctx.Context) -> Any:
+        f, i = x
+        ctx = ctx.add_summary("f", f).add_summary("h", f.astype(jnp.float16))
+        ctx = ctx.add_summary("d", i.astype(jnp.float32) * 0.5)
+        ctx = ctx.add_summary("i", i).add_summary("b", f > 0)
+        return c, None, ctx.add_summary("vec", jnp.stack([f, -f]))
+
+    ints_arr = jnp.asarray(np.resize(np.asarray(ints, np.int32), n))
+    root = eqxctx.Context.root().add_summary("before", jnp.float32(0.25))
+    _, _, coll = eqxctx.scan_in_context(
+        body, context=root, carry=jnp.zeros(()), xs=(jnp.asarray(f32), ints_arr)
+    )
+    summaries = {"a": coll, "z": {"last": np.float64(1 / 3)}, "b": coll}
+    from eqxctx.writers._base import HostSummaries, host_values
+    from eqxctx.writers._jsonl import json_line
+
+    host = HostSummaries(3, host_values(summaries, where="test"))
+    assert json_line(host) == _dict_line(3, summaries)
+    # The mapping writers read equals `fetch_summaries`'s dict, in order.
+    want = fetch_summaries(summaries)
+    assert list(host.values) == list(want)
+    assert len(host.values) == len(want)
+    for path, value in want.items():
+        assert path in host.values
+        got = host.values[path]
+        assert type(got) is type(value)
+        np.testing.assert_array_equal(got, value)
+    assert "step" not in host.values
+
+
+def test_rows_never_share_a_path_with_another_entry() -> None:
+    # A plain mapping can put `iter1` (or a second scan whose rows spell the same
+    # paths) next to a scan's rows: refused, naming the path; nothing is dropped.
+    def body(c: jax.Array, x: jax.Array, ctx: eqxctx.Context) -> Any:
+        return c, None, ctx.add_summary("v", x)
+
+    def scan(n: int) -> Any:
+        root = eqxctx.Context.root()
+        _, _, coll = eqxctx.scan_in_context(
+            body, context=root, carry=jnp.zeros(()), xs=jnp.arange(float(n))
+        )
+        return coll.summaries["iter"]
+
+    cases = [
+        {"iter1": {"v": 1.0}, "iter": scan(3)},
+        {"iter": scan(3), "iter1": {"v": 1.0}},
+        {"iter": scan(12), "iter1": scan(1)},  # both spell 'iter10/v'
+    ]
+    for case in cases:
+        with pytest.raises(ValueError, match=r"iter1"):
+            fetch_summaries({"a": case})

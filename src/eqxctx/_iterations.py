@@ -13,7 +13,7 @@ forbids inside strategies, and these walks run inside `eqxctx.testing`'s.
 """
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeAlias
 
 import equinox as eqx
 import jax
@@ -271,21 +271,34 @@ def _is_unit(x: object) -> bool:
     return isinstance(x, (Summary, IterationSummaries))
 
 
+#: `put_rows(paths, columns)`: an entry of raw host arrays at once. `paths` holds
+#: the `length * len(columns)` paths in iteration-major order (path `j` is row
+#: `j // len(columns)` of column `j % len(columns)`); each column has the iteration
+#: axis first. `paths` is one cached tuple per layout: the same object every step.
+PutRows: TypeAlias = Callable[[tuple[str, ...], list[Any]], None]
+
+
 def flatten_into(
-    put: Callable[[str, Leaf], None], tree: Tree, prefix: str, sep: str
+    put: Callable[[str, Leaf], None],
+    tree: Tree,
+    prefix: str,
+    sep: str,
+    put_rows: PutRows | None = None,
 ) -> None:
     """Call `put(path, leaf)` for every leaf of `tree`, per-iteration entries expanded.
 
     Paths are `sep`-joined; iteration i of an entry at `p` contributes `p{i}/...`.
     Mappings are visited in insertion order, an iteration's entries in sorted order
-    (as `IterationSummaries.iteration` returns them).
+    (as `IterationSummaries.iteration` returns them). With `put_rows`, an entry whose
+    summaries are all raw arrays, fetched to the host, is handed over whole instead
+    (writers format its values together).
     """
     for key, value in _items(tree):
         path = prefix + key
         if isinstance(value, IterationSummaries):
-            _flatten_entry(put, value, path, sep)
+            _flatten_entry(put, value, path, sep, put_rows)
         elif isinstance(value, Mapping):
-            flatten_into(put, value, path + sep, sep)
+            flatten_into(put, value, path + sep, sep, put_rows)
         else:
             put(path, value)
 
@@ -325,14 +338,45 @@ def _units(entry: IterationSummaries, treedef: TreeDef, sep: str) -> list[Any]:
     return units
 
 
+# The paths of an entry's rows, by (treedef, sep, path, length): writers flatten the
+# same layout every step, and a 1,024-layer scan has thousands of paths.
+_ROW_PATHS: dict[tuple[TreeDef, str, str, int], tuple[str, ...]] = {}
+
+
+def _row_paths(key: tuple[TreeDef, str, str, int], rels: list[str]) -> tuple[str, ...]:
+    cached = _ROW_PATHS.get(key)
+    if cached is None:
+        _, sep, path, length = key
+        cached = tuple(f"{path}{i}{sep}{rel}" for i in range(length) for rel in rels)
+        if len(_ROW_PATHS) < 256:
+            _ROW_PATHS[key] = cached
+    return cached
+
+
 def _flatten_entry(
-    put: Callable[[str, Leaf], None], entry: IterationSummaries, path: str, sep: str
+    put: Callable[[str, Leaf], None],
+    entry: IterationSummaries,
+    path: str,
+    sep: str,
+    put_rows: PutRows | None = None,
 ) -> None:
     leaves, stacked_treedef = _leaves(entry)
-    rows = [
-        _unstack(x, a) for x, a in zip(_host(leaves), _axes(entry, leaves), strict=True)
-    ]
+    host = _host(leaves)
+    axes = _axes(entry, leaves)
     units = _units(entry, stacked_treedef, sep)
+    if (
+        put_rows is not None
+        and all(treedef is None for _, treedef, _, _ in units)
+        and all(type(x) is np.ndarray for x in host)
+    ):
+        columns = [
+            np.moveaxis(host[a], axes[a], 0) if axes[a] else host[a]
+            for _, _, a, _ in units
+        ]
+        rels = [rel for rel, _, _, _ in units]
+        put_rows(_row_paths((stacked_treedef, sep, path, entry.length), rels), columns)
+        return
+    rows = [_unstack(x, a) for x, a in zip(host, axes, strict=True)]
     if all(treedef is None for _, treedef, _, _ in units):
         # Only raw arrays (the common case): one row per unit, no rebuilding.
         rels = [rel for rel, _, _, _ in units]
@@ -350,7 +394,7 @@ def _flatten_entry(
                 continue
             obj = treedef.unflatten([rows[j][i] for j in range(a, b)])
             if isinstance(obj, IterationSummaries):
-                _flatten_entry(put, obj, at + rel, sep)
+                _flatten_entry(put, obj, at + rel, sep, put_rows)
             else:
                 put(at + rel, obj)
 
@@ -483,6 +527,7 @@ def _prune_entry(
 
 __all__ = [
     "IterationSummaries",
+    "PutRows",
     "SummaryTree",
     "flatten_into",
     "freeze",

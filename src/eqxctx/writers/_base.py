@@ -27,6 +27,8 @@ from eqxctx._summary import (
 )
 from eqxctx._transfer import to_host
 
+from ._host import HostValue, HostValues, Part, Rows
+
 
 #: What `write` accepts: an `OutputCollection` (its summaries are written) or a
 #: nested mapping of summaries, e.g. `collection.summaries` or `{"train": ...}`.
@@ -72,10 +74,6 @@ def flatten_summaries(summaries: object, *, where: str) -> dict[str, Any]:
 
 #: The largest step: TensorBoard (and W&B) store steps as int64.
 MAX_STEP = 2**63 - 1
-
-#: A value ready to write: a NumPy array, or (kept whole, with NumPy fields) an
-#: `ImageSummary`, `AudioSummary` or `HistogramSummary`.
-HostValue: TypeAlias = np.ndarray | ImageSummary | AudioSummary | HistogramSummary
 
 _MEDIA = (ImageSummary, AudioSummary, HistogramSummary)
 
@@ -169,53 +167,83 @@ def fetch_summaries(
             exception raised by a `CallbackSummary`'s function (its cause); the
             message names the path.
     """
+    return dict(host_values(summaries, where=where))
+
+
+def host_values(summaries: object, *, where: str) -> HostValues:
+    """`fetch_summaries`, as the `HostValues` writers get (per-iteration rows whole).
+
+    Raises as `fetch_summaries` does.
+    """
     # One fetch of the summary trees first (module outputs and state updates stay on
     # the device), so that per-iteration views index NumPy arrays on the host.
     trees = _summary_trees(summaries)
     # One process: one batched transfer. Several: `to_host` reads replicated arrays
     # from a local shard and all-gathers arrays split over the processes.
     fetched = _device_get(trees) if jax.process_count() == 1 else to_host(trees)
-    flat = flatten_summaries(_in_order(fetched, trees), where=where)
-    out: dict[str, HostValue] = {}
+    tree = summary_tree(_in_order(fetched, trees), where=where)
+    parts: list[Part] = []
+    out: dict[str, HostValue] = {}  # the part being filled
+    seen: set[str] = set()  # every path so far
     checked: set[Any] = set()  # dtypes already accepted (one check per dtype)
-    for path, leaf in flat.items():
+
+    def put(path: str, leaf: Any) -> None:
+        if path in seen:
+            raise _collision(path, where=where)
         cls = type(leaf)
         if cls is np.ndarray or _is_plain(cls):  # NumPy values, numbers, views
-            if path in out:
-                raise _collision(path, where=where)
             arr = leaf if cls is np.ndarray else np.asarray(leaf)
             if arr.dtype not in checked:
                 _numeric(path, arr, where=where)
                 checked.add(arr.dtype)
+            seen.add(path)
             out[path] = arr
-            continue
+            return
         read = _READERS.get(cls)
         if read is not None:  # a built-in kind: its fields read directly
-            for sub, value in read(leaf.__dict__, path, where):
-                if sub in out:
-                    raise _collision(sub, where=where)
-                out[sub] = _numeric(sub, value, where=where)
-            continue
-        if isinstance(leaf, Summary):
-            try:
-                # Through the class: `leaf.validate` would build an Equinox bound
-                # method (a Module) per call, ~30 µs.
-                type(leaf).validate(leaf)
-            except ValueError as e:
-                raise ValueError(f"`{where}`: the summary at {path!r}: {e}") from e
-        if isinstance(leaf, _MEDIA):
-            field = leaf.counts if isinstance(leaf, HistogramSummary) else leaf.value_
-            _numeric(path, field, where=where)
-            items: Iterator[tuple[str, Any]] = iter([(path, leaf)])
+            items: Any = read(leaf.__dict__, path, where)
         else:
-            items = _expand(path, _callback_value(path, leaf, where), where=where)
+            if isinstance(leaf, Summary):
+                try:
+                    # Through the class: `leaf.validate` would build an Equinox
+                    # bound method (a Module) per call, ~30 µs.
+                    type(leaf).validate(leaf)
+                except ValueError as e:
+                    raise ValueError(f"`{where}`: the summary at {path!r}: {e}") from e
+            if isinstance(leaf, _MEDIA):
+                field = (
+                    leaf.counts if isinstance(leaf, HistogramSummary) else leaf.value_
+                )
+                _numeric(path, field, where=where)
+                items = [(path, leaf)]
+            else:
+                items = _expand(path, _callback_value(path, leaf, where), where=where)
         for sub, value in items:
-            if sub in out:
+            if sub in seen:
                 raise _collision(sub, where=where)
             if not isinstance(value, _MEDIA):
                 value = _numeric(sub, value, where=where)
+            seen.add(sub)
             out[sub] = value
-    return out
+
+    def put_rows(paths: tuple[str, ...], columns: list[Any]) -> None:
+        nonlocal out
+        for column in columns:
+            if column.dtype not in checked:
+                _numeric(paths[0], column, where=where)
+                checked.add(column.dtype)
+        if not seen.isdisjoint(paths):
+            raise _collision(next(p for p in paths if p in seen), where=where)
+        seen.update(paths)
+        if out:
+            parts.append(out)
+            out = {}
+        parts.append(Rows(paths, columns))
+
+    flatten_into(put, tree, "", "/", put_rows)
+    if out or not parts:
+        parts.append(out)
+    return HostValues(parts)
 
 
 def _read_weighted(fields: dict[str, Any], path: str, where: str) -> list[Any]:
@@ -365,9 +393,9 @@ class HostSummaries:
 
     Attributes:
         step: the step, an int in `[0, 2**63)`.
-        values: `{path: value}` from `fetch_summaries`: NumPy arrays, and
-            `ImageSummary` / `AudioSummary` / `HistogramSummary` objects with NumPy
-            fields.
+        values: `{path: value}` as `fetch_summaries` returns it (a read-only
+            mapping, `HostValues`): NumPy arrays, and `ImageSummary` /
+            `AudioSummary` / `HistogramSummary` objects with NumPy fields.
     """
 
     step: int
@@ -432,7 +460,7 @@ class AbstractWriter(abc.ABC):
         """
         where = f"{type(self).__name__}.write"
         checked = check_step(step, where=where)
-        host = HostSummaries(checked, fetch_summaries(summaries, where=where))
+        host = HostSummaries(checked, host_values(summaries, where=where))
         self.check(host)
         return host
 
