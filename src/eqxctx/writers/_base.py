@@ -394,7 +394,7 @@ class HostSummaries:
     Attributes:
         step: the step, an int in `[0, 2**63)`.
         values: `{path: value}` as `fetch_summaries` returns it (a read-only
-            mapping, `HostValues`): NumPy arrays, and `ImageSummary` /
+            mapping): NumPy arrays, and `ImageSummary` /
             `AudioSummary` / `HistogramSummary` objects with NumPy fields.
     """
 
