@@ -440,7 +440,7 @@ def add_leaf(
         validate_leaf_name(name, where=ADDERS[kind])
     if check_leaf(value, f"{kind}/{name}") == SUMMARY:
         try:
-            value.validate()
+            type(value).validate(value)  # not `value.validate`: see accumulate_leaf
         except ValueError as e:
             msg = f"`{ADDERS[kind]}`: the summary at {kind}/{name}: {e}"
             raise ValueError(msg) from e

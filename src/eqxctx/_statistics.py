@@ -399,4 +399,4 @@ class MomentsSummary(Summary):
         )
 
     def __add__(self, other: Any) -> "MomentsSummary":
-        return self.accumulate(other)
+        return type(self).accumulate(self, other)

@@ -227,7 +227,7 @@ class WeightedSummary(Summary):
         return WeightedSummary(mean, weight)
 
     def __add__(self, other: Any) -> "WeightedSummary":
-        return self.accumulate(other)
+        return type(self).accumulate(self, other)
 
     def identity(self) -> "WeightedSummary":
         """Return weight 0 (mean 0): it adds nothing to a weighted mean."""
@@ -494,14 +494,16 @@ def is_summary(x: object) -> bool:
 def accumulate_leaf(a: Any, b: Any) -> Any:
     """Accumulate two leaves: `Summary.accumulate`, else `+` (AXLearn's rule)."""
     if isinstance(a, Summary):
-        return a.accumulate(b)
+        # Through the class: `a.accumulate` builds an Equinox `BoundMethod` (a
+        # Module) on every access.
+        return type(a).accumulate(a, b)
     return a + b
 
 
 def leaf_value(x: Any) -> Any:
     """Return what a writer logs for a summary leaf: `value()` or the raw value."""
     if isinstance(x, Summary):
-        return x.value()
+        return type(x).value(x)
     return x
 
 
