@@ -173,7 +173,7 @@ def fetch_summaries(
     """
     # One fetch of the summary trees first (module outputs and state updates stay on
     # the device), so that per-iteration views index NumPy arrays on the host.
-    trees = _summary_trees(summaries)
+    trees = summary_trees(summaries)
     # One process: one batched transfer. Several: `to_host` reads replicated arrays
     # from a local shard and all-gathers arrays split over the processes.
     fetched = _device_get(trees) if jax.process_count() == 1 else to_host(trees)
@@ -284,12 +284,12 @@ def _is_plain(cls: type) -> bool:
     return issubclass(cls, (np.ndarray, np.generic, bool, int, float))
 
 
-def _summary_trees(summaries: object) -> object:
+def summary_trees(summaries: object) -> object:
     """`summaries` with each `OutputCollection` replaced by its summaries mapping."""
     if isinstance(summaries, OutputCollection):
         return summaries.summaries
     if isinstance(summaries, Mapping):
-        return {k: _summary_trees(v) for k, v in summaries.items()}
+        return {k: summary_trees(v) for k, v in summaries.items()}
     return summaries
 
 
