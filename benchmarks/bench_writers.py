@@ -8,11 +8,16 @@ and at width 256, batch 256. Each round runs
 `block_until_ready` and the writers' `close` (so nothing is left unwritten):
 
 - none: the steps only;
-- async: `AsyncWriter(MultiWriter(JsonlWriter, TensorBoardWriter), defer_fetch=True)`;
-- async (no defer): the same with `defer_fetch=False`;
+- async: `AsyncWriter(MultiWriter(JsonlWriter, TensorBoardWriter))`, which in one
+  process fetches on its background thread (`background_fetch=True`, the default);
+- async, calling-thread fetch: the same with `background_fetch=False,
+  defer_fetch=True` (what every process of a multi-process run does);
 - sync: `MultiWriter(JsonlWriter, TensorBoardWriter)` writing on the training thread.
 
-Ratios are variant / none, each the minimum over the rounds, from one run. A second
+Ratios are variant / none, each the minimum over the rounds, from one run; with
+them the CPU time per step (the median over the rounds) of the whole process and of
+the training thread alone (`time.thread_time`), which says where a writer's work
+runs and how much of the machine the step leaves free. A second
 table gives the host bytes that one write fetches for a 1M-element float32 tensor as a
 raw array and as `HistogramSummary`s (the counts only), with the device time (the
 minimum of 7 calls). A third table gives what one write costs, by part: the fetch on
@@ -23,10 +28,11 @@ the calling thread, and each writer's `write_host` (the background thread's work
 """
 
 import argparse
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -35,6 +41,7 @@ import numpy as np
 import optax
 
 import eqxctx
+import eqxctx.writers._fetch as fetch_module
 from eqxctx.demo._data import load_digits_split, train_batches
 from eqxctx.demo._model import Classifier
 from eqxctx.demo._train import make_train_step
@@ -57,16 +64,26 @@ CONFIGS = ((64, 64), (256, 256))
 
 VARIANTS: dict[str, Callable[[str], AbstractWriter | None]] = {
     "none": lambda logdir: None,
-    "async": lambda logdir: AsyncWriter(_writers(logdir), defer_fetch=True),
-    "async (no defer)": lambda logdir: AsyncWriter(_writers(logdir)),
+    "async": lambda logdir: AsyncWriter(_writers(logdir)),
+    "async, calling-thread fetch (`defer_fetch`)": lambda logdir: AsyncWriter(
+        _writers(logdir), background_fetch=False, defer_fetch=True
+    ),
     "sync": _writers,
 }
 
 
+class Times(NamedTuple):
+    """One loop: wall, process CPU and training-thread CPU time (seconds)."""
+
+    wall: float
+    process: float
+    thread: float
+
+
 def make_loop(
     steps: int, width: int, batch_size: int
-) -> Callable[[AbstractWriter | None], float]:
-    """Return `loop(writer) -> seconds` running `steps` demo training steps."""
+) -> Callable[[AbstractWriter | None], Times]:
+    """Return `loop(writer) -> Times` running `steps` demo training steps."""
     train, _ = load_digits_split(seed=0)
     key = jax.random.PRNGKey(0)
     model = Classifier(num_layers=4, width=width, dropout=0.1, key=key)
@@ -77,9 +94,9 @@ def make_loop(
     data = [next(batches) for _ in range(steps)]
     key = jax.random.PRNGKey(1)
 
-    def loop(writer: AbstractWriter | None) -> float:
+    def loop(writer: AbstractWriter | None) -> Times:
         m, s = model, opt_state
-        start = time.perf_counter()
+        start = time.perf_counter(), time.process_time(), time.thread_time()
         for step, batch in enumerate(data):
             m, s, summaries = step_fn(m, s, batch, jax.random.fold_in(key, step))
             if writer is not None:
@@ -87,20 +104,32 @@ def make_loop(
         jax.block_until_ready(m)
         if writer is not None:
             writer.close()
-        return time.perf_counter() - start
+        end = time.perf_counter(), time.process_time(), time.thread_time()
+        return Times(*(b - a for a, b in zip(start, end, strict=True)))
 
     loop(None)  # compile
     return loop
 
 
-def bench_loop(steps: int, rounds: int, width: int, batch: int) -> dict[str, float]:
+def bench_loop(steps: int, rounds: int, width: int, batch: int) -> dict[str, Times]:
+    """Per variant: the minimum wall time, the median CPU times (seconds)."""
     loop = make_loop(steps, width, batch)
-    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    with tempfile.TemporaryDirectory() as logdir:
+        loop(_writers(logdir))  # warm up the writers' own compilations
+        loop(_writers(logdir))
+    times: dict[str, list[Times]] = {name: [] for name in VARIANTS}
     for _ in range(rounds):
         for name, make in VARIANTS.items():
             with tempfile.TemporaryDirectory() as logdir:
                 times[name].append(loop(make(logdir)))
-    return {name: min(ts) for name, ts in times.items()}
+    return {
+        name: Times(
+            min(t.wall for t in ts),
+            statistics.median(t.process for t in ts),
+            statistics.median(t.thread for t in ts),
+        )
+        for name, ts in times.items()
+    }
 
 
 def fetched_bytes(summaries: dict[str, Any]) -> int:
@@ -138,11 +167,15 @@ def bench_histogram(size: int) -> list[tuple[str, int, float]]:
 
 
 def bench_components(width: int, batch_size: int) -> list[tuple[str, float]]:
-    """Microseconds per write of the demo's summaries, by part (min of 7 x 200).
+    """CPU microseconds per write of the demo's summaries, by part (min of 7 x 200).
 
-    The fetch reads arrays that were never read before (as in a training loop); the
-    TensorBoard write is timed with tensorboardX's checksums in C (the `crc32c`
-    package, when installed) and in its own pure Python.
+    CPU time of the thread that runs the part (`time.thread_time`), alone (no step
+    running beside it). The fetch reads arrays that were never read before (as in a
+    training loop), with one transfer per dtype (`eqxctx.writers._fetch`) and, for
+    comparison, one per array (as before it); `AsyncWriter.write` is what the
+    training thread pays with the background fetch. The TensorBoard write is timed
+    with tensorboardX's checksums in C (the `crc32c` package, when installed) and in
+    its own pure Python.
     """
     import tensorboardX.crc32c as tbx_crc  # the `tensorboard` extra
     import tensorboardX.record_writer as tbx_record
@@ -157,26 +190,62 @@ def bench_components(width: int, batch_size: int) -> list[tuple[str, float]]:
     rounds, n = 7, 200
     outs = [
         {"train": step_fn(model, opt_state, batch, jax.random.fold_in(key, i))[2]}
-        for i in range(rounds * n + 20)
+        for i in range(3 * rounds * (n + 3) + 60)
     ]
     jax.block_until_ready(outs)
     fresh = iter(outs)
 
-    def best(fn: Callable[[], object]) -> float:
-        times = []
+    def interleaved(fns: dict[str, Callable[[], object]]) -> dict[str, float]:
+        times: dict[str, list[float]] = {name: [] for name in fns}
         for _ in range(rounds):
-            start = time.perf_counter()
-            for _ in range(n):
-                fn()
-            times.append((time.perf_counter() - start) / n)
-        return min(times) * 1e6
+            for name, fn in fns.items():
+                start = time.thread_time()
+                for _ in range(n):
+                    fn()
+                times[name].append((time.thread_time() - start) / n)
+        return {name: min(ts) * 1e6 for name, ts in times.items()}
+
+    def best(fn: Callable[[], object]) -> float:
+        return interleaved({"": fn})[""]
 
     with tempfile.TemporaryDirectory() as logdir:
         jsonl = JsonlWriter(f"{logdir}/s.jsonl")
         tb = TensorBoardWriter(logdir)
         for _ in range(20):
             jsonl.fetch(0, next(fresh))
-        rows = [("fetch (calling thread)", best(lambda: jsonl.fetch(0, next(fresh))))]
+        saved_size = fetch_module.MAX_BATCHED_SIZE
+
+        def fetch_with(max_size: int) -> Callable[[], object]:
+            def run() -> object:
+                if max_size != fetch_module.MAX_BATCHED_SIZE:  # a new round
+                    fetch_module.MAX_BATCHED_SIZE = max_size
+                    fetch_module._plans.clear()  # pyright: ignore[reportPrivateUsage]
+                    for _ in range(3):
+                        jsonl.fetch(0, next(fresh))
+                return jsonl.fetch(0, next(fresh))
+
+            return run
+
+        try:  # interleaved rounds: batched, then array by array (-1: no batching)
+            fetches = interleaved(
+                {
+                    "fetch, one transfer per dtype": fetch_with(saved_size),
+                    "fetch, one transfer per array (before)": fetch_with(-1),
+                }
+            )
+        finally:
+            fetch_module.MAX_BATCHED_SIZE = saved_size
+            fetch_module._plans.clear()  # pyright: ignore[reportPrivateUsage]
+        rows = list(fetches.items())
+        with AsyncWriter(MultiWriter(JsonlWriter(f"{logdir}/a.jsonl"))) as writer:
+            for _ in range(20):
+                writer.write(0, next(fresh))
+            rows.append(
+                (
+                    "`AsyncWriter.write`, background fetch (training thread)",
+                    best(lambda: writer.write(0, next(fresh))),
+                )
+            )
         host = jsonl.fetch(0, outs[0])
         rows.append(("JSONL write_host", best(lambda: jsonl.write_host(host))))
         native = tbx_record.crc32c is not tbx_crc._crc32c  # pyright: ignore[reportPrivateUsage]
@@ -209,16 +278,23 @@ def main() -> None:
     print(
         f"jax {jax.__version__}, {jax.devices()[0].platform}, {steps} steps x {rounds}"
     )
-    print("\n| model | writer | loop (ms/step) | ratio to none |")
-    print("|---|---|--:|--:|")
+    print(
+        "\n| model | writer | loop (ms/step) | ratio to none "
+        "| CPU ms/step: process | training thread |"
+    )
+    print("|---|---|--:|--:|--:|--:|")
     for width, batch in CONFIGS:
         best = bench_loop(steps, rounds, width, batch)
         for name, t in best.items():
-            ratio = t / best["none"]
+            ratio = t.wall / best["none"].wall
             label = f"width {width}, batch {batch}"
-            print(f"| {label} | {name} | {t / steps * 1e3:.2f} | {ratio:.3f}x |")
+            ms = [x / steps * 1e3 for x in t]
+            print(
+                f"| {label} | {name} | {ms[0]:.2f} | {ratio:.3f}x | {ms[1]:.2f} "
+                f"| {ms[2]:.2f} |"
+            )
     width, batch = CONFIGS[0]
-    print(f"\n| one write of the demo's summaries (width {width}) | µs |")
+    print(f"\n| one write of the demo's summaries (width {width}) | CPU µs |")
     print("|---|--:|")
     for name, us in bench_components(width, batch):
         print(f"| {name} | {us:.0f} |")

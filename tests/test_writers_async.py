@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -58,10 +59,19 @@ class Recorder(AbstractWriter):
         self.closed = True
 
 
-@pytest.mark.parametrize("defer_fetch", [False, True])
-def test_async_writes_everything_in_order(tmp_path: Path, defer_fetch: bool) -> None:
+@pytest.mark.parametrize(
+    ("defer_fetch", "background_fetch"), [(False, True), (False, False), (True, False)]
+)
+def test_async_writes_everything_in_order(
+    tmp_path: Path, defer_fetch: bool, background_fetch: bool
+) -> None:
     inner = MultiWriter(JsonlWriter(tmp_path / "s.jsonl"), TensorBoardWriter(tmp_path))
-    with AsyncWriter(inner, max_pending=3, defer_fetch=defer_fetch) as w:
+    with AsyncWriter(
+        inner,
+        max_pending=3,
+        defer_fetch=defer_fetch,
+        background_fetch=background_fetch,
+    ) as w:
         moments = eqxctx.MomentsSummary(jnp.arange(4.0))
         for step in range(50):
             w.write(step, {"loss": jnp.float32(step), "m": moments})
@@ -148,7 +158,7 @@ def test_async_defer_fetch_fetches_one_step_late() -> None:
         return x
 
     inner = Recorder()
-    w = AsyncWriter(inner, defer_fetch=True)
+    w = AsyncWriter(inner, defer_fetch=True, background_fetch=False)
     w.write(0, {"x": eqxctx.CallbackSummary(record, jnp.float32(0))})
     assert fetched == []  # step 0 waits for the next write
     w.write(1, {"x": eqxctx.CallbackSummary(record, jnp.float32(1))})
@@ -162,7 +172,7 @@ def test_async_defer_fetch_fetches_one_step_late() -> None:
 
 
 def test_async_errors_on_the_calling_thread() -> None:
-    w = AsyncWriter(Recorder())
+    w = AsyncWriter(Recorder(), background_fetch=False)
     with pytest.raises(ValueError, match="step must be >= 0"):
         w.write(-1, {"x": 1.0})
     with pytest.raises(TypeError, match="'summaries/x'"):
@@ -170,6 +180,64 @@ def test_async_errors_on_the_calling_thread() -> None:
     w.close()
     with pytest.raises(ValueError, match="max_pending"):
         AsyncWriter(Recorder(), max_pending=0)
+
+
+def test_async_background_fetch_runs_on_the_thread_and_keeps_values() -> None:
+    threads: list[str] = []
+
+    def record(x: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        assert isinstance(x, np.ndarray)  # fetched: NumPy, as on the calling thread
+        return x * 2
+
+    inner = Recorder()
+    summaries = {
+        "x": jnp.float32(1.0),
+        "cb": eqxctx.CallbackSummary(record, jnp.float32(3)),
+    }
+    with AsyncWriter(inner) as w:
+        w.write(0, summaries)
+        summaries["x"] = jnp.float32(-1.0)  # the caller's mapping may change now
+        w.write(1, summaries)
+    assert threads == ["eqxctx-AsyncWriter"] * 2
+    assert inner.steps == [0, 1]
+    assert [float(v["x"]) for v in inner.values] == [1.0, -1.0]
+    assert [float(v["cb"]) for v in inner.values] == [6.0, 6.0]
+
+
+def test_async_background_fetch_error_raises_on_the_next_call() -> None:
+    inner = Recorder()
+    w = AsyncWriter(inner)
+    w.write(0, {"x": 1.0})
+    w.write(1, {"x": "text"})  # refused by the fetch, on the thread
+    with pytest.raises(TypeError, match="'summaries/x'") as info:
+        w.flush()
+    assert "failed writing step 1 with Recorder" in "".join(info.value.__notes__)
+    with pytest.raises(ValueError, match=r"failed at step 1.*close this writer"):
+        w.write(2, {"x": 2.0})
+    w.close()
+    assert inner.steps == [0]
+
+
+def test_async_several_processes_fetch_on_the_calling_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A fetch may be a collective: with several processes it stays in program order.
+    threads: list[str] = []
+
+    def record(x: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return x
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    inner = Recorder()
+    with AsyncWriter(inner) as w:
+        for step in range(3):
+            w.write(step, {"x": eqxctx.CallbackSummary(record, jnp.float32(step))})
+            assert len(threads) == step + 1  # fetched before `write` returned
+    assert set(threads) == {threading.main_thread().name}
+    assert inner.steps == [0, 1, 2]
+    assert [float(v["x"]) for v in inner.values] == [0.0, 1.0, 2.0]
 
 
 def test_multi_writer_checks_all_before_writing_any(tmp_path: Path) -> None:

@@ -346,6 +346,7 @@ class Context:
         name: str,
         x: Any,  # checked by `_gradients` with a message naming the path
         fn: Any = None,  # checked by `_gradients`, naming the path
+        level: int = 0,
     ) -> tuple[Array, "Context"]:
         """Return `x` unchanged and a context recording `fn(cotangent of x)`.
 
@@ -362,36 +363,43 @@ class Context:
             fn: static, `fn(cotangent) -> array or Summary`, where the cotangent has
                 `x`'s shape and dtype. None: the root mean square of the cotangent,
                 a float32 scalar.
+            level: the summary's level (an int, static), as in `add_summary`: the
+                probe is kept only if `level <= ctx.summary_level` (every level is
+                kept when `summary_level` is None, the default); a dropped probe
+                records nothing and adds nothing to the backward pass.
 
         Returns:
             `(x, ctx)`: `x` itself and the new context.
 
         Raises:
-            TypeError: `x` is not a floating-point array, or (under
-                `value_and_grad`) `fn` returns neither an array nor a `Summary`;
-                the message names the path.
+            TypeError: `x` is not a floating-point array, `level` is not an int,
+                or (under `value_and_grad`) `fn` returns neither an array nor a
+                `Summary`; the message names the path.
             OutputConflictError: under `value_and_grad`, a summary `name` already
                 exists at this path (forward and gradient summaries share names).
         """
         from ._gradients import add_probe  # (it imports this module)
 
-        return add_probe(self, "summaries", name, x, fn)
+        return add_probe(self, "summaries", name, x, fn, level)
 
-    def add_gradient_output(self, name: str, x: Any) -> tuple[Array, "Context"]:
+    def add_gradient_output(
+        self, name: str, x: Any, level: int = 0
+    ) -> tuple[Array, "Context"]:
         """Return `x` unchanged and a context recording the cotangent of `x`.
 
         As `add_gradient_summary`, with the full cotangent (`x`'s shape and dtype)
         recorded as module output `name` (stacked `[N, ...]` under a scan), like
-        Flax's `perturb`.
+        Flax's `perturb`; `level` as in `add_module_output`.
 
         Raises:
-            TypeError: `x` is not a floating-point array (naming the path).
+            TypeError: `x` is not a floating-point array (naming the path), or
+                `level` is not an int.
             OutputConflictError: under `value_and_grad`, module output `name`
                 already exists at this path.
         """
         from ._gradients import add_probe  # (it imports this module)
 
-        return add_probe(self, "module_outputs", name, x, None)
+        return add_probe(self, "module_outputs", name, x, None, level)
 
     def replace_collection(self, collection: OutputCollection) -> "Context":
         """Return a new context whose collection is `collection`.
@@ -600,11 +608,23 @@ def gradient_state(ctx: Context) -> Any:
 
 
 def gradient_root(
-    prng_key: MaybeKey, is_training: bool, *, shape_only: bool, gradients: Any
+    prng_key: MaybeKey,
+    is_training: bool,
+    *,
+    shape_only: bool,
+    gradients: Any,
+    summary_level: int | None = None,
 ) -> Context:
     """A root context (named "root") carrying a `_gradients.GradientState`."""
     return _make(
-        ("root",), prng_key, (), is_training, _EMPTY, shape_only, None, gradients
+        ("root",),
+        prng_key,
+        (),
+        is_training,
+        _EMPTY,
+        shape_only,
+        summary_level,
+        gradients,
     )
 
 

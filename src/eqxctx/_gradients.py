@@ -28,6 +28,7 @@ from jaxtyping import Array, PyTree
 
 from ._context import (
     Context,
+    _drops as drops,  # pyright: ignore[reportPrivateUsage]
     gradient_state,
 )
 from ._errors import OutputConflictError
@@ -201,12 +202,17 @@ def add_probe(
     name: str,
     x: Any,
     fn: Any,  # checked here, with a message naming the path
+    level: Any = 0,  # checked by `drops`, with a message
 ) -> tuple[Any, Context]:
     """`ctx.add_gradient_summary` / `add_gradient_output` (see their docstrings)."""
     where = _ADDERS[kind]
     validate_leaf_name(name, where=where)
     path = "/".join((*ctx.path, name))
     _check_probe_input(x, where, path)
+    # A probe above the summary level is dropped: no sink, no custom_vjp, nothing
+    # in the backward pass (the default, level 0 with no level set, costs a compare).
+    if (level or ctx.summary_level is not None) and drops(ctx, name, level, where):
+        return x, ctx
     if fn is None:
         fn = rms if kind == "summaries" else _identity
     elif not callable(fn):

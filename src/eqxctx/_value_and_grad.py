@@ -20,6 +20,7 @@ from ._context import (
     check_path,
     check_prng_key,
     check_returns_context,
+    check_summary_level,
     gradient_root,
 )
 from ._gradients import GradientState, Level, PendingGradient, Probe, is_pending
@@ -138,7 +139,10 @@ def _positions(argnums: object) -> tuple[int, ...]:
 
 
 def value_and_grad(
-    fn: Callable[..., tuple[Any, Context]], *, argnums: int | Sequence[int] = 0
+    fn: Callable[..., tuple[Any, Context]],
+    *,
+    argnums: int | Sequence[int] = 0,
+    summary_level: int | None = None,
 ) -> Callable[..., tuple[tuple[Array, OutputCollection], Any]]:
     """Return a function giving `fn`'s loss, its collection and its gradients.
 
@@ -159,6 +163,10 @@ def value_and_grad(
         fn: the loss function, `fn(*args, ctx, **kwargs) -> (loss, ctx)`; `loss` a
             scalar floating-point array.
         argnums: the position (or positions) in `args` to differentiate, static.
+        summary_level: the root context's summary level (static, as in
+            `functional`): summaries, module outputs and gradient probes added with
+            `level > summary_level` are dropped, so XLA removes their computation,
+            forward and backward. None (the default) keeps every level.
 
     Returns:
         A function `(*args, prng_key, is_training, **kwargs)` returning
@@ -168,9 +176,10 @@ def value_and_grad(
 
     Raises:
         TypeError: `fn` is not callable, `argnums` is not an int or a sequence of
-            ints; at call time, a bad `prng_key` / `is_training`, a loss that is
-            not a floating-point array, `fn` not returning `(loss, ctx)`, and the
-            probes' own errors (naming their paths).
+            ints, `summary_level` is neither None nor an int; at call time, a
+            bad `prng_key` / `is_training`, a loss that is not a floating-point
+            array, `fn` not returning `(loss, ctx)`, and the probes' own errors
+            (naming their paths).
         ValueError: at call time, a non-scalar loss, an `argnums` out of range.
 
     References:
@@ -192,6 +201,7 @@ def value_and_grad(
         )
     single = _is_int(argnums)
     positions = _positions(argnums)
+    level = check_summary_level(summary_level, "eqxctx.value_and_grad")
     where = "`eqxctx.value_and_grad(fn)`: fn"
 
     def wrapper(
@@ -213,7 +223,13 @@ def value_and_grad(
             full = list(args)
             for p, d in zip(positions, diff, strict=True):
                 full[p] = d
-            ctx = gradient_root(key, training, shape_only=shape_only, gradients=state)
+            ctx = gradient_root(
+                key,
+                training,
+                shape_only=shape_only,
+                gradients=state,
+                summary_level=level,
+            )
             out, out_ctx = check_returns_context(fn(*full, ctx, **kwargs), where)
             check_path(out_ctx, ctx, where)
             _check_loss(out, where)

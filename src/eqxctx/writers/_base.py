@@ -27,6 +27,7 @@ from eqxctx._summary import (
 )
 from eqxctx._transfer import to_host
 
+from ._fetch import device_get
 from ._host import HostValue, HostValues, Part, Rows
 
 
@@ -177,7 +178,7 @@ def host_values(summaries: object, *, where: str) -> HostValues:
     """
     # One fetch of the summary trees first (module outputs and state updates stay on
     # the device), so that per-iteration views index NumPy arrays on the host.
-    trees = _summary_trees(summaries)
+    trees = summary_trees(summaries)
     # One process: one batched transfer. Several: `to_host` reads replicated arrays
     # from a local shard and all-gathers arrays split over the processes.
     fetched = _device_get(trees) if jax.process_count() == 1 else to_host(trees)
@@ -295,31 +296,13 @@ _READERS: dict[type, Any] = {
 
 
 def _device_get(tree: Any) -> Any:
-    """`jax.device_get(tree)` (one process), at a tenth of its cost per array.
+    """`jax.device_get(tree)` (one process), at a fraction of its cost per array.
 
-    Starts every array's transfer (`copy_to_host_async`), then reads each with
-    `numpy.asarray`: ~3 µs per array where `jax.device_get` takes ~12 µs (measured
-    on CPU, jax 0.10), which is most of a write of a few dozen summaries.
+    `eqxctx.writers._fetch.device_get`: one transfer per dtype for the small arrays
+    (~1.5 µs per array), the others started together (`copy_to_host_async`) and
+    read with `numpy.asarray` (~7 µs per array; `jax.device_get` takes ~12 µs).
     """
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    try:
-        arrays = [_is_jax_array(type(x)) for x in leaves]
-        for x, is_array in zip(leaves, arrays, strict=True):
-            if is_array:
-                x.copy_to_host_async()
-        host = [
-            np.asarray(x) if is_array else x
-            for x, is_array in zip(leaves, arrays, strict=True)
-        ]
-    except Exception:  # anything unusual (e.g. a key array): JAX's own errors
-        return jax.device_get(tree)
-    return treedef.unflatten(host)
-
-
-@functools.cache
-def _is_jax_array(cls: type) -> bool:
-    """Whether values of `cls` are `jax.Array`s (an ABC check, once per type)."""
-    return issubclass(cls, jax.Array)
+    return device_get(tree)
 
 
 @functools.cache
@@ -328,12 +311,12 @@ def _is_plain(cls: type) -> bool:
     return issubclass(cls, (np.ndarray, np.generic, bool, int, float))
 
 
-def _summary_trees(summaries: object) -> object:
+def summary_trees(summaries: object) -> object:
     """`summaries` with each `OutputCollection` replaced by its summaries mapping."""
     if isinstance(summaries, OutputCollection):
         return summaries.summaries
     if isinstance(summaries, Mapping):
-        return {k: _summary_trees(v) for k, v in summaries.items()}
+        return {k: summary_trees(v) for k, v in summaries.items()}
     return summaries
 
 

@@ -236,8 +236,14 @@ class TensorBoardWriter(AbstractWriter):
         if self._file is None:
             return
         summary = self._summary_pb2.Summary
+        scalar = summary.Value
         values: list[Any] = []
         for path, value in host.values.items():
+            if type(value) is np.ndarray and not value.ndim:
+                # Most values: a scalar, without `_value`'s media checks (each an
+                # ABC `isinstance`, ~1 µs).
+                values.append(scalar(tag=tag_of(path), simple_value=float(value)))
+                continue
             proto = self._value(tag_of(path), value)
             if proto is not None:
                 values.append(proto)

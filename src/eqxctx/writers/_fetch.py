@@ -1,0 +1,149 @@
+"""One process: fetch a write's arrays with one device-to-host transfer per dtype.
+
+A write of a training step's summaries reads a few dozen small arrays. Reading them
+one by one costs ~7 µs of Python per array (start each transfer with
+`copy_to_host_async`, then `numpy.asarray`; `jax.device_get` costs ~12 µs); a
+cached `jax.jit` that ravels and concatenates the small arrays of each dtype costs
+one dispatch (~10 µs) plus ~1.5 µs per array, and one transfer per dtype, split back
+into the per-leaf arrays as NumPy views (measured on CPU, jax 0.10: 16 arrays, 112
+vs 37 µs). On an accelerator it also replaces one small device-to-host copy per
+array by one per dtype. The values are the same bits (a concatenation copies them).
+"""
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+#: Arrays larger than this (elements) are fetched alone: batching them would copy
+#: them once more on the device, for a per-array cost that no longer matters.
+MAX_BATCHED_SIZE = 1 << 14
+
+#: The most signatures kept (each batched one holds a compiled function); past it
+#: the cache starts again.
+MAX_PLANS = 64
+
+
+class _Plan(NamedTuple):
+    """How to fetch the arrays of one signature.
+
+    Attributes:
+        batched: the array positions (in the list of arrays) passed to `fn`.
+        fn: the jitted function: the batched arrays -> one flat array per dtype.
+        splits: per output of `fn`, `(position, start, stop, shape)` of each array.
+        alone: the array positions fetched one by one.
+    """
+
+    batched: tuple[int, ...]
+    fn: Callable[[list[jax.Array]], list[jax.Array]]
+    splits: tuple[tuple[tuple[int, int, int, tuple[int, ...]], ...], ...]
+    alone: tuple[int, ...]
+
+
+#: signature -> the plan, or None once seen (a plan is made at the second sighting,
+#: so a signature written once compiles nothing).
+_plans: dict[tuple[Any, ...], _Plan | None] = {}
+
+
+def _batchable(x: jax.Array, sharding: Any) -> bool:
+    dtype = x.dtype
+    return (
+        x.size <= MAX_BATCHED_SIZE
+        and x.sharding == sharding
+        and not jnp.issubdtype(dtype, jax.dtypes.prng_key)
+        and dtype != jax.dtypes.float0
+    )
+
+
+def _make_plan(arrays: list[jax.Array]) -> _Plan | None:
+    """The plan for `arrays`, or None where batching saves nothing (< 2 arrays)."""
+    first = arrays[0].sharding
+    # One sharding, replicated (one device, or every device holding the whole
+    # array): the batched output is read from one device, as each array would be.
+    if not first.is_fully_replicated:
+        return None
+    groups: dict[Any, list[int]] = {}
+    for i, x in enumerate(arrays):
+        if _batchable(x, first):
+            groups.setdefault(x.dtype, []).append(i)
+    batched = tuple(i for group in groups.values() for i in group)
+    if len(batched) < 2:
+        return None
+    order = {i: k for k, i in enumerate(batched)}
+    slots = [[order[i] for i in group] for group in groups.values()]
+
+    def concatenate(xs: list[jax.Array]) -> list[jax.Array]:
+        return [jnp.concatenate([jnp.ravel(xs[k]) for k in slot]) for slot in slots]
+
+    splits = []
+    for group in groups.values():
+        start, items = 0, []
+        for i in group:
+            shape = tuple(arrays[i].shape)
+            stop = start + int(np.prod(shape, dtype=np.int64))
+            items.append((i, start, stop, shape))
+            start = stop
+        splits.append(tuple(items))
+    alone = tuple(i for i in range(len(arrays)) if i not in order)
+    return _Plan(batched, jax.jit(concatenate), tuple(splits), alone)
+
+
+def _plan(arrays: list[jax.Array]) -> _Plan | None:
+    signature = tuple((x.shape, x.dtype, x.sharding) for x in arrays)
+    if signature in _plans:
+        plan = _plans[signature]
+        if plan is None:  # the second sighting (or not batchable: made again, cheap)
+            plan = _plans[signature] = _make_plan(arrays)
+        return plan
+    if len(_plans) >= MAX_PLANS:
+        _plans.clear()
+    _plans[signature] = None
+    return None
+
+
+def device_get(tree: Any) -> Any:
+    """`jax.device_get(tree)` for one process: NumPy arrays, other leaves as they are.
+
+    Small arrays with one replicated sharding are fetched in one transfer per dtype
+    (from the second write of the same signature: shapes, dtypes, shardings); the
+    others (large ones, typed PRNG keys, other shardings) each start their transfer
+    (`copy_to_host_async`) and are read with `numpy.asarray`. Anything unusual is
+    left to `jax.device_get` (and its errors, e.g. for a deleted array).
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    where = [i for i, x in enumerate(leaves) if _is_jax_array(type(x))]
+    if not where:
+        return treedef.unflatten(leaves)
+    arrays: list[jax.Array] = [leaves[i] for i in where]
+    try:
+        plan = _plan(arrays) if len(arrays) > 1 else None
+        if plan is None:
+            for x in arrays:
+                x.copy_to_host_async()
+            host = [np.asarray(x) for x in arrays]
+        else:
+            outs = plan.fn([arrays[k] for k in plan.batched])
+            for k in plan.alone:
+                arrays[k].copy_to_host_async()
+            host: list[Any] = [None] * len(arrays)
+            for out, items in zip(outs, plan.splits, strict=True):
+                flat = np.asarray(out)
+                for k, start, stop, shape in items:
+                    host[k] = flat[start:stop].reshape(shape)
+            for k in plan.alone:
+                host[k] = np.asarray(arrays[k])
+    except Exception:  # anything unusual (e.g. a key array): JAX's own errors
+        return jax.device_get(tree)
+    for i, value in zip(where, host, strict=True):
+        leaves[i] = value
+    return treedef.unflatten(leaves)
+
+
+@functools.cache
+def _is_jax_array(cls: type) -> bool:
+    """Whether values of `cls` are `jax.Array`s (an ABC check, once per type)."""
+    return issubclass(cls, jax.Array)
