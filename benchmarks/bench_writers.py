@@ -8,10 +8,10 @@ and at width 256, batch 256. Each round runs
 `block_until_ready` and the writers' `close` (so nothing is left unwritten):
 
 - none: the steps only;
-- async: `AsyncWriter(MultiWriter(JsonlWriter, TensorBoardWriter))`, which in one
-  process fetches on its background thread (`background_fetch=True`, the default);
-- async, calling-thread fetch: the same with `background_fetch=False,
-  defer_fetch=True` (what every process of a multi-process run does);
+- async: `AsyncWriter(MultiWriter(JsonlWriter, TensorBoardWriter),
+  background_fetch=True)`, which in one process fetches on its background thread;
+- async, calling-thread fetch: the same with `defer_fetch=True` (the default
+  `background_fetch=False`; what every process of a multi-process run does);
 - sync: `MultiWriter(JsonlWriter, TensorBoardWriter)` writing on the training thread.
 
 Ratios are variant / none, each the minimum over the rounds, from one run; with
@@ -64,7 +64,7 @@ CONFIGS = ((64, 64), (256, 256))
 
 VARIANTS: dict[str, Callable[[str], AbstractWriter | None]] = {
     "none": lambda logdir: None,
-    "async": lambda logdir: AsyncWriter(_writers(logdir)),
+    "async": lambda logdir: AsyncWriter(_writers(logdir), background_fetch=True),
     "async, calling-thread fetch (`defer_fetch`)": lambda logdir: AsyncWriter(
         _writers(logdir), background_fetch=False, defer_fetch=True
     ),

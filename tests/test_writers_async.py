@@ -195,7 +195,7 @@ def test_async_background_fetch_runs_on_the_thread_and_keeps_values() -> None:
         "x": jnp.float32(1.0),
         "cb": eqxctx.CallbackSummary(record, jnp.float32(3)),
     }
-    with AsyncWriter(inner) as w:
+    with AsyncWriter(inner, background_fetch=True) as w:
         w.write(0, summaries)
         summaries["x"] = jnp.float32(-1.0)  # the caller's mapping may change now
         w.write(1, summaries)
@@ -207,7 +207,7 @@ def test_async_background_fetch_runs_on_the_thread_and_keeps_values() -> None:
 
 def test_async_background_fetch_error_raises_on_the_next_call() -> None:
     inner = Recorder()
-    w = AsyncWriter(inner)
+    w = AsyncWriter(inner, background_fetch=True)
     w.write(0, {"x": 1.0})
     w.write(1, {"x": "text"})  # refused by the fetch, on the thread
     with pytest.raises(TypeError, match="'summaries/x'") as info:

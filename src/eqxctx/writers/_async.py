@@ -31,20 +31,22 @@ class AsyncWriter(AbstractWriter):
     protobuf, disk). `AsyncWriter` runs `write_host` on a background thread, and
     `fetch`:
 
-    - in a one-process run, on the background thread too (`background_fetch=True`,
-      the default): `write` checks the step and queues the summaries' device arrays
+    - on the calling thread (the default): `write` validates the summaries and
+      copies them to the host, so an invalid summary is raised by that `write`. The
+      fetch may be a collective (`eqxctx.to_host` all-gathers arrays split over
+      processes) that every process must run in program order. With
+      `defer_fetch=True`, step n is fetched when step n + 1 is written (or at
+      `flush`/`close`): a training loop that dispatches step n + 1 before writing
+      step n never waits for the device, as the fetched arrays are ready.
+    - with `background_fetch=True`, in a one-process run, on the background thread
+      too: `write` checks the step and queues the summaries' device arrays
       (a new mapping of them: the caller may change its own afterwards), so the
       calling thread pays a queue `put` (~10 µs) instead of the fetch (~0.3 ms for
       the demo's 35 values on CPU, more while a step runs beside it). An invalid
       summary (a `TypeError` or `ValueError` of `fetch`) is then raised by the next
       `write`, `flush` or `close`, like a background write error. A
-      `CallbackSummary`'s function runs on the background thread.
-    - in a multi-process run (or with `background_fetch=False`), on the calling
-      thread: the fetch may be a collective (`eqxctx.to_host` all-gathers arrays
-      split over processes) that every process must run in program order. With
-      `defer_fetch=True`, step n is then fetched when step n + 1 is written (or at
-      `flush`/`close`): a training loop that dispatches step n + 1 before writing
-      step n never waits for the device, as the fetched arrays are ready.
+      `CallbackSummary`'s function runs on the background thread. In a
+      multi-process run the fetch stays on the calling thread.
 
     Steps are written in order. The queue holds at most `max_pending` steps; a
     `write` that finds it full waits for the thread (memory stays bounded). With a
@@ -64,10 +66,10 @@ class AsyncWriter(AbstractWriter):
             `JsonlWriter` and a `TensorBoardWriter`); `AsyncWriter` owns it and
             closes it.
         max_pending: the most steps waiting for the thread (>= 1).
-        defer_fetch: where the calling thread fetches (several processes, or
-            `background_fetch=False`), fetch each step at the next write, one step
-            late.
-        background_fetch: in a one-process run, fetch on the background thread.
+        defer_fetch: where the calling thread fetches (the default; several
+            processes), fetch each step at the next write, one step late.
+        background_fetch: in a one-process run, fetch on the background thread
+            (errors in the summaries then surface at the next call).
 
     Raises:
         ValueError: if `max_pending` is less than 1.
@@ -89,7 +91,7 @@ class AsyncWriter(AbstractWriter):
         *,
         max_pending: int = 8,
         defer_fetch: bool = False,
-        background_fetch: bool = True,
+        background_fetch: bool = False,
     ):
         if isinstance(max_pending, bool) or max_pending < 1:
             raise ValueError(
