@@ -555,7 +555,7 @@ def key_in_any(name: str, levels: "Levels") -> bool:
     return name[-1:].isdigit() and _reserved(name, levels) is not None
 
 
-def child_in_any(name: str, levels: "Levels", child_types: Any) -> bool:
+def child_in_any(name: str, levels: "Levels", child_types: frozenset[type]) -> bool:
     """Whether `name` is a child (of `child_types`) or reserved in one of `levels`."""
     for m in levels:
         log = m._log
