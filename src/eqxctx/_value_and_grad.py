@@ -24,7 +24,7 @@ from ._context import (
 )
 from ._gradients import GradientState, Level, PendingGradient, Probe, is_pending
 from ._repeat import fold_stacked
-from ._typing import ArrayTree, Leaf, MaybeKey, Names
+from ._typing import ArrayTree, Leaf, Names, PRNGKey
 
 
 #: A gradient probe's address `(path, kind, name)` (`PendingGradient.key`).
@@ -202,7 +202,10 @@ def value_and_grad(
     where = "`eqxctx.value_and_grad(fn)`: fn"
 
     def wrapper(
-        *args: ArrayTree, prng_key: MaybeKey, is_training: object, **kwargs: object
+        *args: ArrayTree,
+        prng_key: PRNGKey | None,
+        is_training: object,
+        **kwargs: object,
     ) -> tuple[tuple[Array, OutputCollection], ArrayTree]:
         key = check_prng_key(prng_key, "eqxctx.value_and_grad")
         training = check_is_training(is_training, "eqxctx.value_and_grad")
