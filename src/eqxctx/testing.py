@@ -317,7 +317,7 @@ def _iteration_entry(draw: Draw, spec: _Spec) -> OutputCollection:
             ctx = ctx.merge(inner)
         return ctx
 
-    def run(xs_: Array) -> OutputCollection:
+    def run(xs_: ArrayTree) -> OutputCollection:  # NumPy, or traced by `jax.vmap`
         ctx = Context.root()
         if combinator == "vmap":
             return vmap_in_context(
