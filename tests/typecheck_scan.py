@@ -67,3 +67,16 @@ def check_call() -> None:
     y, ctx = Context.root().call("layer", layer, jnp.ones(3))
     assert_type(y, jax.Array)
     assert_type(ctx, Context)
+
+
+def check_call_with_args() -> None:
+    def block(
+        x: jax.Array, ctx: Context, *, scale: float
+    ) -> tuple[tuple[jax.Array, dict[str, jax.Array]], Context]:
+        return (x * scale, {"x": x}), ctx
+
+    ctx = Context.root()
+    (y, aux), ctx = ctx.call("block", block, jnp.ones(3), scale=2.0)
+    assert_type(y, jax.Array)
+    assert_type(aux, dict[str, jax.Array])
+    assert_type(ctx, Context)

@@ -94,6 +94,7 @@ _KEY_HINT = (
 )
 
 
+# `ctx: Any`: a `Context` (`_context` imports this module, so it cannot be named).
 def note_missing_key(error: TypeError, ctx: Any, where: str) -> None:
     """Add a note to JAX's error for drawing from a `None` key, naming `ctx`'s path.
 

@@ -32,8 +32,8 @@ from ._leaves import (
     validate_child_name,
     validate_leaf_name,
 )
-from ._mapping import EMPTY, FrozenMapping, child_in_any, key_in_any
-from ._typing import Leaf, PathPredicate, Tree
+from ._mapping import EMPTY, FrozenMapping, Levels, child_in_any, key_in_any
+from ._typing import Children, Leaf, PathPredicate, SummaryTree, Tree
 
 
 __all__ = [
@@ -116,14 +116,14 @@ class OutputCollection:
             f"module_outputs={dict(self.module_outputs.items_list())!r})"
         )
 
-    def __eq__(self, other: object) -> Any:
+    def __eq__(self, other: object) -> Any:  # `bool | Array` (`eqx.tree_equal`)
         if not isinstance(other, OutputCollection):
             return NotImplemented
         return eqx.tree_equal(self, other)
 
     __hash__ = None  # pyright: ignore[reportAssignmentType]
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[object, ...]:
         return (
             OutputCollection,
             (self.summaries, self.state_updates, self.module_outputs),
@@ -391,11 +391,11 @@ def _flatten_with_keys(coll: OutputCollection) -> tuple[list[Any], None]:
     ], None
 
 
-def _flatten(coll: OutputCollection) -> tuple[tuple[Any, ...], None]:
+def _flatten(coll: OutputCollection) -> tuple[Levels, None]:
     return (coll.summaries, coll.state_updates, coll.module_outputs), None
 
 
-def _unflatten(_: None, children: Any) -> OutputCollection:
+def _unflatten(_: None, children: Children) -> OutputCollection:
     # After every jitted call, for every collection returned: no helper calls.
     out = object.__new__(OutputCollection)
     summaries, state_updates, module_outputs = children
@@ -480,7 +480,7 @@ def _check_merge(mine: OutputCollection, other: OutputCollection) -> None:
     """Raise `OutputConflictError` for the first (sorted) name `merge` cannot take."""
     my_trees, their_trees = _trees(mine), _trees(other)
 
-    def kind_of(trees: tuple[Any, ...], name: str) -> str | None:
+    def kind_of(trees: Levels, name: str) -> str | None:
         """'child' or 'leaf' for a name present at this level, else None."""
         found = None
         for tree in trees:
@@ -562,7 +562,7 @@ def summary_tree(summaries: object, *, where: str) -> FrozenMapping:
     return tree
 
 
-def _summaries_of(tree: Mapping[str, Any]) -> dict[str, Any]:
+def _summaries_of(tree: Tree) -> Tree:
     return {
         key: value.summaries
         if isinstance(value, OutputCollection)
@@ -585,7 +585,7 @@ def check_summary_name(key: object, prefix: str, *, where: str) -> str:
     return key
 
 
-def check_summary_names(tree: Mapping[str, Any], prefix: str, *, where: str) -> None:
+def check_summary_names(tree: SummaryTree, prefix: str, *, where: str) -> None:
     """Check every name once (a per-iteration entry's names once, not per iteration)."""
     for key, value in tree.items():
         path = prefix + check_summary_name(key, prefix, where=where)

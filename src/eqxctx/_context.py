@@ -8,7 +8,7 @@ import dataclasses
 import functools
 import hashlib
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeAlias
 
 import equinox as eqx
 import jax
@@ -28,7 +28,7 @@ from ._collection import (
 )
 from ._errors import CALL_TWICE_HINT, PREFIX_HINT, OutputConflictError
 from ._leaves import validate_leaf_name
-from ._typing import Leaf, MaybeKey, PRNGKey, R
+from ._typing import ArrayTree, Children, Leaf, MaybeKey, Names, PRNGKey, R
 
 
 class _Unset:
@@ -36,7 +36,11 @@ class _Unset:
         return "<unset>"
 
 
-_UNSET: Any = _Unset()
+_UNSET: Any = _Unset()  # `Any`: the default of parameters of other types
+
+#: A `_gradients.GradientState` (the `value_and_grad` sinks), or None. `Any`:
+#: `_gradients` imports this module, so the class cannot be named here.
+GradientSinks: TypeAlias = Any
 
 
 @functools.lru_cache(maxsize=4096)
@@ -93,7 +97,7 @@ def check_prng_key(key: object, where: str) -> MaybeKey:
     )
 
 
-def _derive(base: MaybeKey, names: tuple[Any, ...]) -> MaybeKey:
+def _derive(base: MaybeKey, names: Names) -> MaybeKey:
     key = base
     for name in names:
         key = fold_in_name(key, name)
@@ -158,7 +162,7 @@ class Context:
 
     def __init__(
         self,
-        path: tuple[Any, ...],
+        path: Names,
         prng_key: PRNGKey | None,
         is_training: bool,
         collection: OutputCollection,
@@ -179,14 +183,14 @@ class Context:
             f"summary_level={self.summary_level!r})"
         )
 
-    def __eq__(self, other: object) -> Any:
+    def __eq__(self, other: object) -> Any:  # `bool | Array` (`eqx.tree_equal`)
         if not isinstance(other, Context):
             return NotImplemented
         return eqx.tree_equal(self, other)
 
     __hash__ = None  # pyright: ignore[reportAssignmentType]
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[object, ...]:
         return (
             Context,
             (
@@ -344,8 +348,8 @@ class Context:
     def add_gradient_summary(
         self,
         name: str,
-        x: Any,  # checked by `_gradients` with a message naming the path
-        fn: Any = None,  # checked by `_gradients`, naming the path
+        x: ArrayTree,  # checked by `_gradients` with a message naming the path
+        fn: object = None,  # checked by `_gradients`, naming the path
         level: int = 0,
     ) -> tuple[Array, "Context"]:
         """Return `x` unchanged and a context recording `fn(cotangent of x)`.
@@ -383,7 +387,7 @@ class Context:
         return add_probe(self, "summaries", name, x, fn, level)
 
     def add_gradient_output(
-        self, name: str, x: Any, level: int = 0
+        self, name: str, x: ArrayTree, level: int = 0
     ) -> tuple[Array, "Context"]:
         """Return `x` unchanged and a context recording the cotangent of `x`.
 
@@ -435,8 +439,8 @@ class Context:
         name: str,
         fn: Callable[..., tuple[R, "Context"]],
         /,
-        *args: Any,
-        **kwargs: Any,
+        *args: object,
+        **kwargs: object,
     ) -> tuple[R, "Context"]:
         """Run `fn(*args, child_ctx, **kwargs)` in child context `name`.
 
@@ -499,16 +503,14 @@ _SET = {name: Context.__dict__[name].__set__ for name in Context.__slots__}
 
 def _init(
     ctx: Context,
-    # `tuple[Any, ...]`: beartype samples variadic tuples with `random`, which
-    # hypothesis forbids inside strategies (contexts are built in strategies).
-    path: tuple[Any, ...],
+    path: Names,
     base_key: MaybeKey,  # also batched: a context unflattened by `jax.vmap`
-    key_names: tuple[Any, ...],
+    key_names: Names,
     is_training: bool,
     collection: OutputCollection,
     shape_only: bool,
     level: int | None,
-    gradients: Any = None,
+    gradients: GradientSinks = None,
 ) -> None:
     _SET["path"](ctx, path)
     _SET["_base_key"](ctx, base_key)
@@ -524,16 +526,14 @@ def _init(
 
 
 def _make(
-    # `tuple[Any, ...]`: beartype samples variadic tuples with `random`, which
-    # hypothesis forbids inside strategies (contexts are built in strategies).
-    path: tuple[Any, ...],
+    path: Names,
     base_key: MaybeKey,  # also batched: a context unflattened by `jax.vmap`
-    key_names: tuple[Any, ...],
+    key_names: Names,
     is_training: bool,
     collection: OutputCollection,
     shape_only: bool,
     level: int | None,
-    gradients: Any = None,
+    gradients: GradientSinks = None,
 ) -> Context:
     """Build a context from checked parts (no walk, no checks).
 
@@ -584,7 +584,7 @@ def iteration_context(
     prng_key: PRNGKey | None,
     *,
     shape_only: bool,
-    gradients: Any = _UNSET,
+    gradients: GradientSinks = _UNSET,
 ) -> Context:
     """The context of one iteration of a scan or vmap: `parent`'s child `name`.
 
@@ -602,7 +602,7 @@ def iteration_context(
     )
 
 
-def gradient_state(ctx: Context) -> Any:
+def gradient_state(ctx: Context) -> GradientSinks:
     """The context's `_gradients.GradientState`, or None (no `value_and_grad`)."""
     return ctx._gradients  # pyright: ignore[reportPrivateUsage]
 
@@ -612,7 +612,7 @@ def gradient_root(
     is_training: bool,
     *,
     shape_only: bool,
-    gradients: Any,
+    gradients: GradientSinks,
     summary_level: int | None = None,
 ) -> Context:
     """A root context (named "root") carrying a `_gradients.GradientState`."""
@@ -653,7 +653,7 @@ _KEYS = (
 )
 
 
-_Aux = tuple[Any, bool, int | None]  # path, is_training, summary_level: static
+_Aux = tuple[Names, bool, int | None]  # path, is_training, summary_level: static
 
 
 def _flatten_with_keys(ctx: Context) -> tuple[list[Any], _Aux]:
@@ -665,7 +665,7 @@ def _flatten_with_keys(ctx: Context) -> tuple[list[Any], _Aux]:
     )
 
 
-def _flatten(ctx: Context) -> tuple[tuple[Any, ...], _Aux]:
+def _flatten(ctx: Context) -> tuple[tuple[object, ...], _Aux]:
     # The gradient sinks (under `value_and_grad` only) are children too, so that
     # they pass through transformations of a function taking the context.
     aux = (ctx.path, ctx.is_training, ctx.summary_level)
@@ -675,7 +675,7 @@ def _flatten(ctx: Context) -> tuple[tuple[Any, ...], _Aux]:
     return (ctx.prng_key, ctx.collection, grads), aux
 
 
-def _unflatten(aux: Any, children: Any) -> Context:
+def _unflatten(aux: _Aux, children: Children) -> Context:
     path, is_training, level = aux
     grads = children[2] if len(children) == 3 else None
     return _make(path, children[0], (), is_training, children[1], False, level, grads)
@@ -725,7 +725,7 @@ def check_path(returned: Context, given: Context, what: str) -> None:
         )
 
 
-def check_returns_context(result: object, what: str) -> tuple[Any, Context]:
+def check_returns_context(result: object, what: str) -> tuple[ArrayTree, Context]:
     """Return `result` as `(out, ctx)`, or raise `TypeError` starting with `what`."""
     if (
         not isinstance(result, tuple)

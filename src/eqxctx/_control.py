@@ -5,7 +5,6 @@ identity (`_reconcile.py`). The loops are in `_loops.py`.
 """
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 from jaxtyping import ArrayLike, PyTree
@@ -21,10 +20,10 @@ from ._context import (
     iteration_context,
 )
 from ._reconcile import fill_collection, union_collections
-from ._typing import R
+from ._typing import ArrayTree, R
 
 
-def check_result(result: object, ctx: Context, what: str) -> tuple[Any, Context]:
+def check_result(result: object, ctx: Context, what: str) -> tuple[ArrayTree, Context]:
     """Return `(out, ctx')`, checking it is a pair whose context has `ctx`'s path."""
     out, got = check_returns_context(result, what)
     check_path(got, ctx, what)
@@ -37,15 +36,19 @@ def _branch_context(context: Context, name: str, shape_only: bool) -> Context:
 
 
 def _run_branches(
-    dispatch: Callable[[list[Callable[..., Any]]], tuple[Any, OutputCollection]],
-    branches: Sequence[Callable[..., Any]],
-    operands: tuple[Any, ...],
+    dispatch: Callable[
+        [list[Callable[..., ArrayTree]]], tuple[ArrayTree, OutputCollection]
+    ],
+    branches: Sequence[Callable[..., ArrayTree]],
+    operands: tuple[ArrayTree, ...],
     names: tuple[str, ...],
     context: Context,
     child_name: str,
     where: str,
-) -> tuple[Any, OutputCollection]:
-    def run(j: int, ops: tuple[Any, ...], shape_only: bool) -> tuple[Any, Any]:
+) -> tuple[ArrayTree, OutputCollection]:
+    def run(
+        j: int, ops: tuple[ArrayTree, ...], shape_only: bool
+    ) -> tuple[ArrayTree, ArrayTree]:
         ctx = _branch_context(context, child_name, shape_only)
         result = branches[j](*ops, ctx)
         out, ctx = check_result(result, ctx, f"{where}: {names[j]}")
@@ -66,8 +69,8 @@ def _run_branches(
         ]
         spec = union_collections(colls, names, child_name, where)
 
-        def wrapped(j: int) -> Callable[..., tuple[Any, OutputCollection]]:
-            def branch(*ops: Any) -> tuple[Any, OutputCollection]:
+        def wrapped(j: int) -> Callable[..., tuple[ArrayTree, OutputCollection]]:
+            def branch(*ops: ArrayTree) -> tuple[ArrayTree, OutputCollection]:
                 out, coll = run(j, ops, False)
                 return out, fill_collection(spec, coll)
 

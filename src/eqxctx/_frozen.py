@@ -5,9 +5,10 @@ leaves' types compared too.
 """
 
 import dataclasses
-from typing import Any
 
 import jax
+
+from ._typing import ArrayTree
 
 
 class Frozen:
@@ -15,7 +16,7 @@ class Frozen:
 
     __slots__ = ("_hash", "leaves", "treedef", "types")
 
-    def __init__(self, tree: Any, *, what: str):
+    def __init__(self, tree: ArrayTree, *, what: str):
         leaves, treedef = jax.tree.flatten(tree)
         self.leaves = tuple(leaves)
         self.treedef = treedef
@@ -33,7 +34,7 @@ class Frozen:
                 "must be hashable; turn it into an array or a tuple."
             ) from None
 
-    def tree(self) -> Any:
+    def tree(self) -> ArrayTree:
         return self.treedef.unflatten(self.leaves)
 
     def __hash__(self) -> int:
@@ -49,7 +50,7 @@ class Frozen:
         )
 
 
-def _value_types(x: Any) -> Any:
+def _value_types(x: object) -> object:
     """The types of everything `x` holds, nested like it (for `Frozen`'s equality).
 
     Walks dataclasses (so `eqx.Module`s, including their `eqx.field(static=True)`

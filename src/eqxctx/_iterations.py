@@ -22,7 +22,7 @@ from jax.core import Tracer
 
 from ._errors import PREFIX_HINT, OutputConflictError
 from ._leaves import check_leaf
-from ._mapping import EMPTY, FrozenMapping, Pairs
+from ._mapping import EMPTY, Entry, FrozenMapping, Pairs
 from ._summary import Summary
 from ._typing import Leaf, PathPredicate, SummaryTree, Tree, TreeDef
 
@@ -67,7 +67,7 @@ class IterationSummaries(eqx.Module):
 
     def __init__(
         self,
-        length: Any,  # an int, checked here with a message naming the argument
+        length: object,  # an int, checked here with a message naming the argument
         stacked: Tree,
         # `Any`, not `tuple[int, ...] | None`: beartype checks a variadic tuple by
         # sampling it with `random`, which hypothesis forbids inside strategies.
@@ -223,7 +223,7 @@ def freeze(tree: object, path: str) -> FrozenMapping:
         return tree
     if not isinstance(tree, Mapping):
         raise TypeError(f"`OutputCollection`: {path!r} must be a mapping, got {tree!r}")
-    pairs: list[tuple[str, Any]] = []
+    pairs: list[tuple[str, Entry]] = []
     for key, value in list(tree.items()):
         sub = f"{path}/{key}"
         if not isinstance(key, str):
@@ -275,7 +275,7 @@ def _is_unit(x: object) -> bool:
 #: the `length * len(columns)` paths in iteration-major order (path `j` is row
 #: `j // len(columns)` of column `j % len(columns)`); each column has the iteration
 #: axis first. `paths` is one cached tuple per layout: the same object every step.
-PutRows: TypeAlias = Callable[[tuple[str, ...], list[Any]], None]
+PutRows: TypeAlias = Callable[[tuple[str, ...], list[np.ndarray]], None]
 
 
 def flatten_into(

@@ -2,12 +2,13 @@
 
 import contextlib
 import re
-from typing import Any, Final, Literal, TypeAlias
+from typing import Final, Literal, TypeAlias
 
 import jax
 import jax.numpy as jnp
 
 from ._summary import Summary, is_array_leaf
+from ._typing import DType
 
 
 #: One of the three kinds of outputs of a collection.
@@ -44,10 +45,10 @@ def validate_leaf_name(name: object, *, where: str) -> str:
 
 
 _NUMERIC_KINDS = (jnp.number, jnp.bool_, jax.dtypes.prng_key)
-_numeric_cache: dict[Any, bool] = {}
+_numeric_cache: dict[DType, bool] = {}
 
 
-def _is_numeric(dtype: Any) -> bool:
+def _is_numeric(dtype: DType) -> bool:
     """Return whether `dtype` is a number, a bool or a typed PRNG key (bfloat16 too)."""
     known = _numeric_cache.get(dtype)
     if known is not None:
@@ -65,10 +66,10 @@ def _is_numeric(dtype: Any) -> bool:
 _SUMMARY_PATHS = ("summaries", "IterationSummaries")
 
 
-_key_cache: dict[Any, bool] = {}
+_key_cache: dict[DType, bool] = {}
 
 
-def _is_key(dtype: Any) -> bool:
+def _is_key(dtype: DType) -> bool:
     """Whether `dtype` is a typed PRNG key's (cached per dtype)."""
     known = _key_cache.get(dtype)
     if known is None:

@@ -7,12 +7,11 @@ carry (identities before the first iteration); `fori_in_context` with static bou
 
 import operator
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.core import Tracer
-from jaxtyping import ArrayLike
+from jaxtyping import Array, ArrayLike
 
 from ._checks import check_context, check_drop
 from ._collection import OutputCollection, validate_child_name
@@ -22,7 +21,7 @@ from ._control import check_result
 from ._reconcile import identity_of
 from ._repeat import accumulate_trees, accumulator_shape, cast_like
 from ._summary import Summary
-from ._typing import Carry, PRNGKeys
+from ._typing import ArrayTree, Carry, Leaf, PRNGKeys, SummaryTree
 
 
 def _no_stacked_outputs(coll: OutputCollection, prefix: str, where: str) -> None:
@@ -39,10 +38,10 @@ def _no_stacked_outputs(coll: OutputCollection, prefix: str, where: str) -> None
             )
 
 
-def _identity_tree(summaries: Any) -> Any:
+def _identity_tree(summaries: SummaryTree) -> SummaryTree:
     """Identities for an accumulator: `Summary.identity`, zeros for arrays and media."""
 
-    def zeros_or_identity(s: Any) -> Any:
+    def zeros_or_identity(s: Leaf) -> Leaf:
         if isinstance(s, Summary):
             ident = identity_of(s)
             if ident is not None:
@@ -109,7 +108,7 @@ def while_in_context(
     where = "`while_in_context`"
     child_key: PRNGKeys | None = fold_in_name(context.prng_key, name)
 
-    def one(val: Any, i: Any, shape_only: bool) -> tuple[Any, OutputCollection]:
+    def one(val: Carry, i: Array, shape_only: bool) -> tuple[Carry, OutputCollection]:
         key = None if child_key is None else jax.random.fold_in(child_key, i)
         ctx = iteration_context(context, name, key, shape_only=shape_only)
         result = body_fn(val, ctx)
@@ -129,10 +128,12 @@ def while_in_context(
     like = accumulator_shape(shapes[1].summaries)
     acc0 = cast_like(_identity_tree(like), like)
 
-    def cond(state: tuple[Any, Any, Any, Any]) -> Any:
+    def cond(state: tuple[Carry, SummaryTree, Array, Array]) -> ArrayLike:
         return cond_fn(state[0])
 
-    def body(state: tuple[Any, Any, Any, Any]) -> tuple[Any, Any, Any, Any]:
+    def body(
+        state: tuple[Carry, SummaryTree, Array, Array],
+    ) -> tuple[Carry, SummaryTree, Array, Array]:
         val, acc, first, i = state
         new_val, coll = one(val, i, False)
         new = cast_like(coll.summaries, like)
@@ -147,14 +148,14 @@ def while_in_context(
     return val, _result(name, acc)
 
 
-def cast_like_tree(tree: Any, like: Any) -> Any:
+def cast_like_tree(tree: ArrayTree, like: ArrayTree) -> ArrayTree:
     """Return `tree` with each leaf cast to the dtype of `like`'s (weak types too)."""
     return jax.tree_util.tree_map(
         lambda x, s: jnp.asarray(x, jnp.result_type(s)), tree, like
     )
 
 
-def _result(name: str, summaries: Any) -> OutputCollection:
+def _result(name: str, summaries: SummaryTree) -> OutputCollection:
     return OutputCollection.empty().add_child(name, OutputCollection(summaries, {}, {}))
 
 
@@ -170,7 +171,7 @@ def _static_int(x: object) -> int | None:
 def fori_in_context(
     lower: ArrayLike,
     upper: ArrayLike,
-    body_fn: Callable[[Any, Carry, Context], tuple[Carry, Context]],
+    body_fn: Callable[[Array, Carry, Context], tuple[Carry, Context]],
     init_val: Carry,
     *,
     context: Context,
@@ -223,7 +224,9 @@ def fori_in_context(
     lo, hi = _static_int(lower), _static_int(upper)
     if lo is not None and hi is not None:
 
-        def scan_body(val: Any, i: Any, ctx: Context) -> tuple[Any, None, Context]:
+        def scan_body(
+            val: Carry, i: Array, ctx: Context
+        ) -> tuple[Carry, None, Context]:
             result = body_fn(i, val, ctx)
             new, ctx = check_result(result, ctx, "`fori_in_context`: body_fn")
             return new, None, ctx
@@ -249,7 +252,9 @@ def fori_in_context(
         dtype = jnp.result_type(lower, upper)
     lo_a, hi_a = jnp.asarray(lower, dtype), jnp.asarray(upper, dtype)
 
-    def body(state: tuple[Any, Any], ctx: Context) -> tuple[Any, Context]:
+    def body(
+        state: tuple[Array, Carry], ctx: Context
+    ) -> tuple[tuple[Array, Carry], Context]:
         i, val = state
         result = body_fn(i, val, ctx)
         new, ctx_out = check_result(result, ctx, "`fori_in_context`: body_fn")

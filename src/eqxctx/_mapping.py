@@ -23,6 +23,13 @@ from typing import Any, TypeAlias
 import jax
 from jax.core import Tracer
 
+from ._typing import Children, Names
+
+
+#: A value of a level: a leaf, a nested `FrozenMapping` or a scan's per-iteration
+#: entry (duck-typed here: this module imports none of their classes).
+Entry: TypeAlias = Any
+
 
 _DICT_KEY = jax.tree_util.DictKey
 
@@ -69,7 +76,7 @@ class _Log:
     )
 
     keys: list[str] | tuple[str, ...]
-    values: list[Any] | tuple[Any, ...]
+    values: list[Entry] | tuple[Entry, ...]
     # None until a read needs it (frozen logs only).
     index: dict[str, int] | None
     # key -> (position, span) for the entries that reserve numbered names; None
@@ -109,7 +116,7 @@ class _Log:
         self.traced = traced
         self.checked = checked
 
-    def append(self, key: str, value: Any, span: int) -> None:
+    def append(self, key: str, value: Entry, span: int) -> None:
         """Append to an open log."""
         pos = len(self.keys)
         self.keys.append(key)  # pyright: ignore[reportAttributeAccessIssue]
@@ -166,7 +173,7 @@ class _Log:
             self.values = list(self.values)
         return index
 
-    def numbers(self) -> dict[str, Any]:
+    def numbers(self) -> dict[str, list[tuple[int, int]]]:
         """Return the index of numbered keys, brought up to date (amortized O(1))."""
         keys = self.keys
         numbered = self.numbered
@@ -185,7 +192,7 @@ class _Log:
 # suite's runtime checks) samples sequence items with `random`, which hypothesis
 # forbids inside strategies, and collections are built inside `eqxctx.testing`'s.
 Pairs: TypeAlias = Iterable[Any]  # of `(key, value)` tuples
-Keys: TypeAlias = tuple[Any, ...]  # of `str`
+Keys: TypeAlias = Names  # of `str`
 
 
 _no_span: set[type] = set()
@@ -224,7 +231,7 @@ def _resolve_traced(root: _Log) -> bool:
     each such level once: a level whose flag is known is not entered. Called under
     `_LOCK` by insertion (an open log's values are appended under it).
     """
-    stack: list[tuple[_Log, Iterator[Any]]] = [(root, iter(root.values))]
+    stack: list[tuple[_Log, Iterator[Entry]]] = [(root, iter(root.values))]
     while stack:
         log, values = stack[-1]
         below: _Log | None = None
@@ -268,7 +275,7 @@ def _span_of(value: object) -> int:
     return span.__get__(value)
 
 
-class FrozenMapping(Mapping[str, Any]):
+class FrozenMapping(Mapping[str, Entry]):
     """A read-only `Mapping[str, ...]`, as held by every level of an `OutputCollection`.
 
     Reads (`m[key]`, `key in m`, `len(m)`, iteration in insertion order) are those of
@@ -279,7 +286,7 @@ class FrozenMapping(Mapping[str, Any]):
 
     __slots__ = ("_log", "_n", "_sorted")
 
-    def __init__(self, items: Mapping[str, Any] | Pairs = ()):
+    def __init__(self, items: Mapping[str, Entry] | Pairs = ()):
         index: dict[str, int] = {}
         log = _Log([], [], index)
         pairs = items.items() if isinstance(items, Mapping) else items
@@ -294,7 +301,7 @@ class FrozenMapping(Mapping[str, Any]):
     # -- reading -----------------------------------------------------------------
 
     # The reads inline `_index` (they run several times per add).
-    def __getitem__(self, key: str) -> Any:
+    def __getitem__(self, key: str) -> Entry:
         log = self._log
         index = log.index
         pos = (index if index is not None else log.build_index()).get(key)
@@ -302,7 +309,7 @@ class FrozenMapping(Mapping[str, Any]):
             raise KeyError(key)
         return log.values[pos]
 
-    def get(self, key: str, default: Any = None) -> Any:
+    def get(self, key: str, default: Entry = None) -> Entry:
         """Return the value of `key`, or `default` if absent."""
         log = self._log
         index = log.index
@@ -327,7 +334,7 @@ class FrozenMapping(Mapping[str, Any]):
     def __len__(self) -> int:
         return self._n
 
-    def items_list(self) -> list[Any]:
+    def items_list(self) -> list[Any]:  # of `(key, entry)` pairs (see `Pairs`)
         """Return `list(self.items())`, faster."""
         log = self._log
         return list(zip(log.keys[: self._n], log.values[: self._n], strict=True))
@@ -350,13 +357,13 @@ class FrozenMapping(Mapping[str, Any]):
 
     __hash__ = None
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[object, ...]:
         return (FrozenMapping, (self.items_list(),))
 
     def __copy__(self) -> "FrozenMapping":
         return self
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> "FrozenMapping":
+    def __deepcopy__(self, memo: dict[int, object]) -> "FrozenMapping":
         import copy
 
         return FrozenMapping(
@@ -414,7 +421,7 @@ class FrozenMapping(Mapping[str, Any]):
 
     # -- persistent insertion ------------------------------------------------------
 
-    def inserted(self, key: str, value: Any) -> "FrozenMapping":
+    def inserted(self, key: str, value: Entry) -> "FrozenMapping":
         """Return a new version with `key: value` added; `self` is unchanged.
 
         O(1) amortized. The caller has checked that `key` is not present.
@@ -548,7 +555,7 @@ def key_in_any(name: str, levels: "Levels") -> bool:
     return name[-1:].isdigit() and _reserved(name, levels) is not None
 
 
-def child_in_any(name: str, levels: "Levels", child_types: Any) -> bool:
+def child_in_any(name: str, levels: "Levels", child_types: frozenset[type]) -> bool:
     """Whether `name` is a child (of `child_types`) or reserved in one of `levels`."""
     for m in levels:
         log = m._log
@@ -581,7 +588,7 @@ def _flatten_with_keys(m: FrozenMapping) -> tuple[list[Any], Keys]:
     return [(key_type(k), values[index[k]]) for k in keys], keys
 
 
-def _flatten(m: FrozenMapping) -> tuple[list[Any] | tuple[Any, ...], Keys]:
+def _flatten(m: FrozenMapping) -> tuple[Children, Keys]:
     keys = m._sorted
     if keys is None:
         keys = m.sorted_keys()
@@ -597,7 +604,7 @@ def _flatten(m: FrozenMapping) -> tuple[list[Any] | tuple[Any, ...], Keys]:
     return [values[index[k]] for k in keys], keys
 
 
-def _unflatten(keys: Keys, children: Iterable[Any]) -> FrozenMapping:
+def _unflatten(keys: Keys, children: Children) -> FrozenMapping:
     # No checks: JAX unflattens with arbitrary objects (tracers, sentinels, None).
     # The log is frozen: its index, spans and tracer flag are derived when a read
     # needs them, so this costs two objects (JAX unflattens at every boundary).

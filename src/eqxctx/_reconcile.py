@@ -13,7 +13,7 @@ such leaves, and `_Entry` for an `IterationSummaries`.
 """
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +22,13 @@ import numpy as np
 from ._collection import OutputCollection
 from ._iterations import IterationSummaries
 from ._leaves import KINDS
+from ._mapping import Entry
 from ._summary import Summary
-from ._typing import Leaf, Tree
+from ._typing import ArrayTree, DType, Leaf, Tree, TreeDef
+
+
+#: A spec tree (see above): a dict, a leaf spec, an `_Entry` or `_MISSING`.
+Spec: TypeAlias = Any
 
 
 class _Entry:
@@ -31,18 +36,19 @@ class _Entry:
 
     __slots__ = ("length", "outer", "stacked")
 
-    def __init__(self, length: int, outer: int, stacked: dict[str, Any]):
+    def __init__(self, length: int, outer: int, stacked: dict[str, Spec]):
         self.length = length
         self.outer = outer
         self.stacked = stacked
 
 
-def _dtype(x: Any) -> Any:
+def _dtype(x: object) -> DType:
     dtype = getattr(x, "dtype", None)
     return jnp.result_type(x) if dtype is None else dtype
 
 
-def _signature(leaf: Leaf) -> tuple[Any, ...]:
+# The `(shape, dtype)` pairs are a `tuple[Any, ...]`: beartype would sample them.
+def _signature(leaf: Leaf) -> tuple[str, TreeDef, tuple[Any, ...]]:
     """Kind, structure, shapes and dtypes of a leaf (weak types ignored)."""
     leaves, treedef = jax.tree_util.tree_flatten(leaf)
     kind = type(leaf).__name__ if isinstance(leaf, Summary) else "array"
@@ -59,7 +65,7 @@ def _describe(leaf: Leaf) -> str:
     return f"{kind}({shapes})"
 
 
-def _spec_of(value: Any) -> Any:
+def _spec_of(value: Entry) -> Spec:
     """Turn a collection level into a spec tree (dicts, leaves and `_Entry`s)."""
     if isinstance(value, IterationSummaries):
         leaves = jax.tree_util.tree_leaves(value.stacked)
@@ -78,7 +84,7 @@ def has_identity(leaf: Leaf) -> bool:
     return out is not None
 
 
-def identity_of(spec: Leaf) -> Any:
+def identity_of(spec: Leaf) -> Leaf:
     """Return the identity of a `Summary` spec (None if none), or zeros for an array."""
     zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(np.shape(s), _dtype(s)), spec)
     if not isinstance(spec, Summary):
@@ -89,7 +95,7 @@ def identity_of(spec: Leaf) -> Any:
     return _cast(ident, spec)
 
 
-def _cast(tree: Any, like: Any) -> Any:
+def _cast(tree: ArrayTree, like: ArrayTree) -> ArrayTree:
     leaves, treedef = jax.tree_util.tree_flatten(like)
     got = jax.tree_util.tree_leaves(tree)
     return treedef.unflatten(
@@ -97,7 +103,7 @@ def _cast(tree: Any, like: Any) -> Any:
     )
 
 
-def _unfillable(kind: str, spec: Any, path: str) -> tuple[str, str] | None:
+def _unfillable(kind: str, spec: Spec, path: str) -> tuple[str, str] | None:
     """Return `(path, what)` of the first entry that has no identity, else None."""
     if isinstance(spec, _Entry):
         return _unfillable(kind, spec.stacked, path)
@@ -118,11 +124,11 @@ def _unfillable(kind: str, spec: Any, path: str) -> tuple[str, str] | None:
 
 def _union(
     kind: str,
-    specs: list[Any],
+    specs: list[Any],  # of `Spec`s: beartype would sample a list's items
     path: str,
     names: tuple[str, ...],
     where: str,
-) -> Any:
+) -> Spec:
     """Return the union spec of one entry over the branches (`_MISSING` if absent)."""
     present = [i for i, s in enumerate(specs) if s is not _MISSING]
     given = [specs[i] for i in present]
@@ -184,7 +190,7 @@ def _union(
     return first
 
 
-def _what(spec: Any) -> str:
+def _what(spec: Spec) -> str:
     if isinstance(spec, dict):
         return "a child"
     if isinstance(spec, _Entry):
@@ -197,21 +203,21 @@ class _Missing:
         return "<missing>"
 
 
-_MISSING: Any = _Missing()
+_MISSING: Spec = _Missing()
 
 
 def union_collections(
     colls: list[OutputCollection], names: tuple[str, ...], prefix: str, where: str
-) -> dict[str, Any]:
+) -> dict[str, Spec]:
     """Return `{kind: union spec}` of the branches' collections, or raise."""
-    out: dict[str, Any] = {}
+    out: dict[str, Spec] = {}
     for kind in KINDS:
         specs = [_spec_of(getattr(c, kind)) for c in colls]
         out[kind] = _union(kind, specs, f"{kind}/{prefix}", names, where)
     return out
 
 
-def _fill(spec: Any, value: Any) -> Any:
+def _fill(spec: Spec, value: Entry) -> Entry:
     """Return `value` laid out as `spec`, with identities where it lacks entries."""
     if isinstance(spec, _Entry):
         stacked = _fill(spec.stacked, _MISSING if value is _MISSING else value.stacked)
@@ -226,6 +232,6 @@ def _fill(spec: Any, value: Any) -> Any:
     return _cast(value, spec)
 
 
-def fill_collection(spec: dict[str, Any], coll: OutputCollection) -> OutputCollection:
+def fill_collection(spec: dict[str, Spec], coll: OutputCollection) -> OutputCollection:
     """Return `coll` in the union layout `spec` (from `union_collections`)."""
     return OutputCollection(*(_fill(spec[kind], getattr(coll, kind)) for kind in KINDS))

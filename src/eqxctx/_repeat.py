@@ -6,7 +6,7 @@ instead of being sliced into `N` children inside the compiled program.
 """
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -342,7 +342,12 @@ def _merge_entries(tree: SummaryTree) -> SummaryTree:
     return out
 
 
-def _fold_all(entries: list[Any]) -> list[Any]:
+#: A list of `IterationSummaries`. `list[Any]`: beartype samples a list's items with
+#: `random`, which hypothesis forbids inside strategies.
+Entries: TypeAlias = list[Any]
+
+
+def _fold_all(entries: Entries) -> list[SummaryTree]:
     return [_merge_entries({"_": e})["_"] for e in entries]
 
 
@@ -350,7 +355,7 @@ def _fold_all(entries: list[Any]) -> list[Any]:
 _fold_all_jit = jax.jit(_fold_all)
 
 
-def _collect(tree: SummaryTree, found: list[Any]) -> None:
+def _collect(tree: SummaryTree, found: Entries) -> None:
     for value in tree.values():
         if isinstance(value, IterationSummaries):
             found.append(value)
@@ -358,7 +363,7 @@ def _collect(tree: SummaryTree, found: list[Any]) -> None:
             _collect(value, found)
 
 
-def _replace(tree: SummaryTree, merged: Iterator[Any]) -> SummaryTree:
+def _replace(tree: SummaryTree, merged: Iterator[SummaryTree]) -> SummaryTree:
     out: dict[str, Leaf] = {}
     for key, value in tree.items():
         if isinstance(value, IterationSummaries):
@@ -380,7 +385,7 @@ def merge_iteration_summaries(summaries: SummaryTree) -> SummaryTree:
     numbers stay Python numbers); so is `summaries`. Returns `summaries` itself when
     it holds no entry.
     """
-    entries: list[Any] = []
+    entries: Entries = []
     _collect(summaries, entries)
     if not entries:
         return summaries

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, ArrayLike, Float, Int, Shaped
 
 from ._summary import Summary, _extreme, check_same_kind  # pyright: ignore[reportPrivateUsage]
-from ._typing import ArrayValue
+from ._typing import ArrayValue, DType
 
 
 #: The number of buckets of `HistogramSummary(value, range=...)` without `bins=`.
@@ -44,7 +44,7 @@ def tensorflow_edges() -> tuple[float, ...]:
     return (-math.inf, *negative, 0.0, *positive, math.inf)
 
 
-def _compare_dtype(dtype: Any) -> Any:
+def _compare_dtype(dtype: DType) -> np.dtype[Any]:
     """The dtype in which values are compared with the edges (float32 at least)."""
     if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits > 32:
         return jnp.dtype(dtype)

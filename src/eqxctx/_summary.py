@@ -17,7 +17,7 @@ import numpy as np
 from jax.core import Tracer
 from jaxtyping import Array, ArrayLike, PyTree
 
-from ._typing import ArrayValue
+from ._typing import ArrayTree, ArrayValue, Leaf
 
 
 _S = TypeVar("_S", bound="_KeepFirst")
@@ -27,7 +27,7 @@ def _as_array(x: ArrayLike) -> Array:
     return jnp.asarray(x)
 
 
-def _as_int(x: Any) -> Any:
+def _as_int(x: object) -> object:
     """A NumPy integer as an `int` (a static field); anything else as it is."""
     return int(x) if isinstance(x, np.integer) else x
 
@@ -318,7 +318,7 @@ class SumSummary(Summary):
         return SumSummary(jnp.zeros_like(self.value_))
 
 
-def _extreme(x: Array, largest: bool) -> Any:
+def _extreme(x: Array, largest: bool) -> bool | int | float:
     """Return the largest (or smallest) value of `x`'s dtype (±inf for floats)."""
     dtype = x.dtype
     if dtype == jnp.bool_:
@@ -466,12 +466,12 @@ class CallbackSummary(_KeepFirst):
         kwargs: keyword arguments, a PyTree (traced).
     """
 
-    fn: Callable[..., Any] = eqx.field(static=True)
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
+    fn: Callable[..., ArrayTree] = eqx.field(static=True)
+    args: tuple[ArrayTree, ...]
+    kwargs: dict[str, ArrayTree]
 
-    # `fn: Any`: checked here, with a message naming the argument.
-    def __init__(self, fn: Any, *args: Any, **kwargs: Any):
+    # `fn: object`: checked here, with a message naming the argument.
+    def __init__(self, fn: object, *args: ArrayTree, **kwargs: ArrayTree):
         if not callable(fn):
             raise TypeError(
                 "`CallbackSummary(fn, *args, **kwargs)`: fn must be callable (it "
@@ -481,7 +481,7 @@ class CallbackSummary(_KeepFirst):
         self.args = args
         self.kwargs = kwargs
 
-    def value(self) -> Any:
+    def value(self) -> ArrayTree:
         """Return `fn(*args, **kwargs)`."""
         return self.fn(*self.args, **self.kwargs)
 
@@ -491,7 +491,7 @@ def is_summary(x: object) -> bool:
     return isinstance(x, Summary)
 
 
-def accumulate_leaf(a: Any, b: Any) -> Any:
+def accumulate_leaf(a: Leaf, b: Leaf) -> Leaf:
     """Accumulate two leaves: `Summary.accumulate`, else `+` (AXLearn's rule)."""
     if isinstance(a, Summary):
         # Through the class: `a.accumulate` builds an Equinox `BoundMethod` (a
@@ -500,7 +500,7 @@ def accumulate_leaf(a: Any, b: Any) -> Any:
     return a + b
 
 
-def leaf_value(x: Any) -> Any:
+def leaf_value(x: Leaf) -> ArrayTree:
     """Return what a writer logs for a summary leaf: `value()` or the raw value."""
     if isinstance(x, Summary):
         return type(x).value(x)

@@ -7,10 +7,11 @@ treedef (`StaticOut`, as `eqx.filter_jit` does). `Step` (`_step.py`) jits these
 functions closed over itself.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import equinox as eqx
 import jax
+from jaxtyping import Array
 
 from ._collection import OutputCollection
 from ._context import Context, check_returns_context
@@ -22,6 +23,7 @@ from ._transfer import (
     replicate_tree,
     replicated,
 )
+from ._typing import ArrayTree, Batch, Children, Leaf, PRNGKey
 
 
 if TYPE_CHECKING:
@@ -32,14 +34,14 @@ if TYPE_CHECKING:
 class StaticOut:
     """Non-array outputs, carried in the output treedef (like `eqx.filter_jit`)."""
 
-    def __init__(self, value: Any):
+    def __init__(self, value: ArrayTree):
         self.value = value
 
-    def tree_flatten(self) -> tuple[tuple[()], Any]:
+    def tree_flatten(self) -> tuple[tuple[()], ArrayTree]:
         return (), self.value
 
     @classmethod
-    def tree_unflatten(cls, aux: Any, children: Any) -> "StaticOut":
+    def tree_unflatten(cls, aux: ArrayTree, children: Children) -> "StaticOut":
         del children
         return cls(aux)
 
@@ -47,12 +49,12 @@ class StaticOut:
 def run_step(
     step: "Step",
     static_kwargs: Frozen | None,
-    param_leaves: tuple[Any, ...],
-    prng_key: Any,
-    batch: Any,
-    mask: Any,
-    dynamic_kwargs: Any,
-) -> tuple[Any, Any, StaticOut | None]:
+    param_leaves: tuple[Leaf, ...],
+    prng_key: PRNGKey,
+    batch: Batch,
+    mask: Array | None,
+    dynamic_kwargs: ArrayTree,
+) -> tuple[PRNGKey, ArrayTree, StaticOut | None]:
     """The traced step: AXLearn's `_jit_run_on_batch`."""
     step.traces += 1
     settings, mesh, explicit = step.settings, step.mesh, step.explicit
@@ -64,7 +66,7 @@ def run_step(
     )
     new_key, iter_key = jax.random.split(prng_key)
     new_key = constrain(new_key, replicated(mesh, new_key), explicit=explicit)
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, ArrayTree] = {}
     if static_kwargs is not None:
         kwargs = eqx.combine(dynamic_kwargs, static_kwargs.tree())
     if settings.mask_kwarg is not None and mask is not None:
@@ -117,6 +119,10 @@ def run_step(
 
 
 def run_step_without_kwargs(
-    step: "Step", param_leaves: tuple[Any, ...], prng_key: Any, batch: Any, mask: Any
-) -> tuple[Any, Any, StaticOut | None]:
+    step: "Step",
+    param_leaves: tuple[Leaf, ...],
+    prng_key: PRNGKey,
+    batch: Batch,
+    mask: Array | None,
+) -> tuple[PRNGKey, ArrayTree, StaticOut | None]:
     return run_step(step, None, param_leaves, prng_key, batch, mask, None)

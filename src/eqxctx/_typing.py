@@ -32,6 +32,25 @@ Batch: TypeAlias = Any
 #: A `jax.tree_util.PyTreeDef` (JAX exports it as a value, not a type).
 TreeDef: TypeAlias = Any
 
+#: Any PyTree (of arrays, numbers, `Summary`s, None, ...): a carry, `xs`, `ys`, a
+#: function's output or gradients, passed through or flattened at run time. `Any`
+#: for type checkers, as jaxtyping's `PyTree` is.
+ArrayTree: TypeAlias = Any
+
+#: A dtype: a NumPy dtype, a scalar type (`np.float32`) or JAX's extended dtype of a
+#: typed key; checked at run time (`jnp.issubdtype`).
+DType: TypeAlias = Any
+
+#: A tuple of names (a context's path, a mapping's keys). `tuple[Any, ...]`, not
+#: `tuple[str, ...]`: beartype samples the items of a variadic tuple with `random`,
+#: which hypothesis forbids inside strategies (contexts are built in strategies).
+Names: TypeAlias = tuple[Any, ...]
+
+#: The children of a PyTree node as JAX hands them to an `unflatten` function (a
+#: tuple or a list). `Any`: beartype samples a sequence's items with `random`, which
+#: hypothesis forbids inside strategies.
+Children: TypeAlias = Any
+
 #: What `Context.prng_key` holds: a `PRNGKey` (or a batch of them, once a context has
 #: passed through `jax.vmap`), or None for a key-less context. `Any` for type
 #: checkers, so that `jax.random.normal(ctx.prng_key, ...)` needs no narrowing; a

@@ -5,7 +5,7 @@ See `_gradients.py` for the probes themselves and the mechanism.
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TypeAlias
 
 import equinox as eqx
 import jax
@@ -25,9 +25,14 @@ from ._context import (
 )
 from ._gradients import GradientState, Level, PendingGradient, Probe, is_pending
 from ._repeat import fold_stacked
+from ._typing import ArrayTree, Leaf, Names, PRNGKey
 
 
-def _lay_out(grad: PyTree[Array], probe: Probe, pending: PendingGradient) -> Any:
+#: A gradient probe's address `(path, kind, name)` (`PendingGradient.key`).
+ProbeKey: TypeAlias = tuple[Names, str, str]
+
+
+def _lay_out(grad: PyTree[Array], probe: Probe, pending: PendingGradient) -> ArrayTree:
     """Turn a sink's gradient `[*lengths, ...]` into the placeholder's layout."""
     leaves = jax.tree_util.tree_leaves(grad)
     leaves = [
@@ -69,7 +74,7 @@ def _lay_out(grad: PyTree[Array], probe: Probe, pending: PendingGradient) -> Any
     )
 
 
-def _fold(tree: Any, length: int) -> Any:
+def _fold(tree: ArrayTree, length: int) -> ArrayTree:
     return fold_stacked({"_": tree}, length)["_"]
 
 
@@ -78,8 +83,8 @@ def _to_back(a: Array, *, pos: int, last: int, flip: bool) -> Array:
     return jnp.flip(a, last) if flip else a
 
 
-def _probes(collection: OutputCollection) -> dict[Any, Probe]:
-    found: dict[Any, Probe] = {}
+def _probes(collection: OutputCollection) -> dict[ProbeKey, Probe]:
+    found: dict[ProbeKey, Probe] = {}
     for leaf in jax.tree_util.tree_leaves(collection, is_leaf=is_pending):
         if isinstance(leaf, PendingGradient):
             found[leaf.key] = leaf.probe
@@ -87,9 +92,11 @@ def _probes(collection: OutputCollection) -> dict[Any, Probe]:
 
 
 def _fill(
-    collection: OutputCollection, grads: dict[Any, Any], probes: dict[Any, Probe]
+    collection: OutputCollection,
+    grads: dict[ProbeKey, ArrayTree],
+    probes: dict[ProbeKey, Probe],
 ) -> OutputCollection:
-    def fill(leaf: Any) -> Any:
+    def fill(leaf: Leaf) -> Leaf:
         if not isinstance(leaf, PendingGradient):
             return leaf
         if leaf.key not in grads:
@@ -104,7 +111,7 @@ def _fill(
     return jax.tree_util.tree_map(fill, collection, is_leaf=is_pending)
 
 
-def _check_loss(loss: Any, where: str) -> None:
+def _check_loss(loss: object, where: str) -> None:
     shape = getattr(loss, "shape", None)
     dtype = getattr(loss, "dtype", None)
     if shape is None or dtype is None:
@@ -139,11 +146,11 @@ def _positions(argnums: object) -> tuple[int, ...]:
 
 
 def value_and_grad(
-    fn: Callable[..., tuple[Any, Context]],
+    fn: Callable[..., tuple[object, Context]],
     *,
     argnums: int | Sequence[int] = 0,
     summary_level: int | None = None,
-) -> Callable[..., tuple[tuple[Array, OutputCollection], Any]]:
+) -> Callable[..., tuple[tuple[Array, OutputCollection], ArrayTree]]:
     """Return a function giving `fn`'s loss, its collection and its gradients.
 
     `fn(*args, ctx, **kwargs) -> (loss, ctx)` runs in a root context (named
@@ -205,8 +212,11 @@ def value_and_grad(
     where = "`eqxctx.value_and_grad(fn)`: fn"
 
     def wrapper(
-        *args: Any, prng_key: Any, is_training: Any, **kwargs: Any
-    ) -> tuple[tuple[Array, OutputCollection], Any]:
+        *args: ArrayTree,
+        prng_key: PRNGKey | None,
+        is_training: object,
+        **kwargs: object,
+    ) -> tuple[tuple[Array, OutputCollection], ArrayTree]:
         key = check_prng_key(prng_key, "eqxctx.value_and_grad")
         training = check_is_training(is_training, "eqxctx.value_and_grad")
         for p in positions:
@@ -218,7 +228,7 @@ def value_and_grad(
         diff = tuple(args[p] for p in positions)
 
         def run(
-            diff: tuple[Any, ...], state: GradientState, shape_only: bool
+            diff: tuple[ArrayTree, ...], state: GradientState, shape_only: bool
         ) -> tuple[Array, OutputCollection]:
             full = list(args)
             for p, d in zip(positions, diff, strict=True):
@@ -243,7 +253,7 @@ def value_and_grad(
         sinks = {k: p.sink() for k, p in probes.items()}
 
         def loss_fn(
-            inputs: tuple[tuple[Any, ...], dict[Any, Any]],
+            inputs: tuple[tuple[ArrayTree, ...], dict[ProbeKey, ArrayTree]],
         ) -> tuple[Array, OutputCollection]:
             d, s = inputs
             return run(d, GradientState("live", (), s), False)

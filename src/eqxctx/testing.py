@@ -14,6 +14,7 @@ from typing import Any, TypeAlias
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array
 
 
 try:
@@ -40,6 +41,7 @@ from ._summary import (
     SumSummary,
     WeightedSummary,
 )
+from ._typing import ArrayTree, ArrayValue, DType, Leaf
 
 
 __all__ = [
@@ -58,9 +60,13 @@ Draw: TypeAlias = Callable[[st.SearchStrategy[Any]], Any]
 #: The raw-value marker in `summary_kinds`: raw arrays as summary leaves.
 RAW = "raw"
 
+#: A summary kind: `RAW` or a `Summary` subclass (`Any`: a kind is called with the
+#: fields of its own class).
+SummaryKind: TypeAlias = Any
+
 #: What `summary_leaves` and `output_collections` draw by default: raw arrays and
 #: every built-in `Summary` kind, each shaped as its `validate()` requires.
-DEFAULT_SUMMARY_KINDS: tuple[Any, ...] = (
+DEFAULT_SUMMARY_KINDS: tuple[SummaryKind, ...] = (
     RAW,
     WeightedSummary,
     MinSummary,
@@ -112,7 +118,7 @@ def _shapes(max_side: int, max_rank: int) -> st.SearchStrategy[tuple[int, ...]]:
     )
 
 
-def _elements(dtype: Any) -> st.SearchStrategy[Any]:
+def _elements(dtype: DType) -> st.SearchStrategy[Any]:
     dtype = np.dtype(dtype)
     if dtype == np.bool_:
         return st.booleans()
@@ -150,7 +156,7 @@ def array_leaves(
     return arrays()
 
 
-def _plot(x: Any) -> Any:
+def _plot(x: ArrayValue) -> ArrayValue:
     """A `CallbackSummary` function (module level: one identity for every draw)."""
     return np.sum(np.asarray(x, np.float32))
 
@@ -192,7 +198,7 @@ def summary_leaves(
     means = array_leaves(shapes=shape_st, dtypes=floats or (np.float32,))
 
     @st.composite
-    def leaf(draw: Draw) -> Any:
+    def leaf(draw: Draw) -> Leaf:
         with _same_random_state():
             return _summary_leaf(draw, draw(st.sampled_from(kinds)), values, means)
 
@@ -200,8 +206,11 @@ def summary_leaves(
 
 
 def _summary_leaf(
-    draw: Draw, kind: Any, values: st.SearchStrategy[Any], means: st.SearchStrategy[Any]
-) -> Any:
+    draw: Draw,
+    kind: SummaryKind,
+    values: st.SearchStrategy[Any],
+    means: st.SearchStrategy[Any],
+) -> Leaf:
     """Draw one summary leaf of `kind` (see `summary_leaves`)."""
     if kind == RAW:
         return draw(values)
@@ -246,7 +255,7 @@ class _Spec:
     iterations: bool
 
 
-def _stacked_leaf(kind: Any, x: Any) -> Any:
+def _stacked_leaf(kind: SummaryKind, x: Array) -> Leaf:
     """What a scan body adds per iteration for `kind`, from its slice `x`."""
     if kind == RAW:
         return x
@@ -293,7 +302,7 @@ def _iteration_entry(draw: Draw, spec: _Spec) -> OutputCollection:
     n = max(length, 1) if combinator == "vmap" else length
     xs = draw(hnp.arrays(dtype, (*outer, n, 2), elements=_elements(dtype)))
 
-    def body(x: Any, ctx: Any) -> Any:
+    def body(x: Array, ctx: Context) -> Context:
         for name, kind in kinds.items():
             ctx = ctx.add_summary(name, _stacked_leaf(kind, x[0]))
         for kind in outputs:
@@ -308,7 +317,7 @@ def _iteration_entry(draw: Draw, spec: _Spec) -> OutputCollection:
             ctx = ctx.merge(inner)
         return ctx
 
-    def run(xs_: Any) -> OutputCollection:
+    def run(xs_: ArrayTree) -> OutputCollection:  # NumPy, or traced by `jax.vmap`
         ctx = Context.root()
         if combinator == "vmap":
             return vmap_in_context(
@@ -494,7 +503,7 @@ def contexts(
     return context()
 
 
-def _as_numpy(leaf: Any) -> list[np.ndarray]:
+def _as_numpy(leaf: Leaf) -> list[np.ndarray]:
     # Through `jnp.asarray`: a Python number, a NumPy array and a JAX array of the same
     # values compare equal when JAX would give them the same dtype.
     return [np.asarray(jnp.asarray(x)) for x in jax.tree_util.tree_leaves(leaf)]
@@ -506,7 +515,7 @@ def assert_collections_equal(
     *,
     rtol: float = 1e-6,
     atol: float = 1e-6,
-    value_fn: Callable[[Any], Any] = lambda x: x,
+    value_fn: Callable[[Leaf], ArrayTree] = lambda x: x,
 ) -> None:
     """Assert that two collections have the same flattened paths, types and values.
 
