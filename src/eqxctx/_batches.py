@@ -286,6 +286,6 @@ class SummaryAccumulator(eqx.Module):
             return EMPTY
         return materialize_tree(self.accumulated)
 
-    def flatten(self) -> dict[str, Any]:
+    def flatten(self) -> dict[str, Leaf]:
         """Return the accumulated summaries as `{"a/b/name": leaf}` ({} before any)."""
         return self.flat or {}

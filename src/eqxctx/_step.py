@@ -17,13 +17,14 @@ import dataclasses
 import functools
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 import equinox as eqx
 import jax
 import numpy as np
 from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jaxtyping import PyTree
 
 from ._frozen import Frozen
 from ._mapping import EMPTY
@@ -36,6 +37,7 @@ from ._partition import (
 )
 from ._plan import (
     BatchPlan,
+    Mask,
     Padding,
     batch_rows,
     make_plan,
@@ -49,9 +51,22 @@ from ._transfer import (
     replicated,
     to_global,
 )
+from ._typing import (
+    ArrayLeaf,
+    Batch,
+    KeyPath,
+    Method,
+    PathPredicate,
+    PRNGKey,
+    TreeDef,
+)
 
 
 _flatten = jax.tree_util.default_registry.flatten
+
+#: What the jitted step returns: `(new_key, (output_batch, summaries,
+#: module_outputs), static outputs or None)` (`_traced.run_step`).
+StepResult: TypeAlias = tuple[PRNGKey, tuple[PyTree, PyTree, PyTree], StaticOut | None]
 _flatten_with_path = jax.tree_util.tree_flatten_with_path
 
 
@@ -63,17 +78,17 @@ class Settings:
     and is compared by value (static callables by identity).
     """
 
-    method: Any
+    method: Method
     mesh: Mesh
     input_partition: Frozen
     output_partition: Frozen
     # One spec per parameter leaf, already fitted to its rank.
     param_specs: tuple[PartitionSpec, ...]
     static_model: Frozen
-    drop_module_outputs: Callable[[str], bool]
+    drop_module_outputs: PathPredicate
     is_training: bool
     # The structure of the model's array part (`MethodRunner.param_leaves`).
-    param_treedef: Any
+    param_treedef: TreeDef
     pad_batches: bool = False
     batch_sizes: tuple[int, ...] | None = None
     mask_kwarg: str | None = None
@@ -130,9 +145,9 @@ class Step:
             named_sharding(mesh, s) for s in settings.param_specs
         )
         self.traces = 0
-        self.plans: dict[Any, BatchPlan] = {}
+        self.plans: dict[TreeDef, BatchPlan] = {}
         self.last: BatchPlan | None = None
-        self.masks: dict[tuple[int, NamedSharding], Any] = {}
+        self.masks: dict[tuple[int, NamedSharding], jax.Array] = {}
         # `unflatten` of the one-level structure of this step's runners: the next
         # runner is rebuilt from `(param_leaves, prng_key)` through the public PyTree
         # API (~1 µs; `eqx.Module.__init__` walks every leaf, ~10 µs). Set by the
@@ -182,7 +197,7 @@ class Step:
     def __copy__(self) -> "Step":
         return self
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> "Step":
+    def __deepcopy__(self, memo: dict[int, object]) -> "Step":
         # Copies share the caches, so a copied runner keeps its compilations.
         del memo
         return self
@@ -193,8 +208,11 @@ class Step:
     # -- before the program: the batch ---------------------------------------------
 
     def place_batch(
-        self, leaves: list[Any], treedef: Any, lowered: BatchPlan | None = None
-    ) -> tuple[Any, Any, Padding | None]:
+        self,
+        leaves: list[ArrayLeaf],
+        treedef: TreeDef,
+        lowered: BatchPlan | None = None,
+    ) -> tuple[Batch, Mask | None, Padding | None]:
         """Place (and pad) a batch given as its leaves and treedef.
 
         With `lowered` (a `CompiledRunner`), the leaves get the lowered shardings and
@@ -253,7 +271,7 @@ class Step:
             self.last = plan
         return treedef.unflatten(placed), mask, padding
 
-    def plan(self, leaves: list[Any], treedef: Any) -> BatchPlan:
+    def plan(self, leaves: list[ArrayLeaf], treedef: TreeDef) -> BatchPlan:
         """Return how batches with this structure and these leaf ranks are placed.
 
         Raises:
@@ -273,11 +291,11 @@ class Step:
 
     def plan_from(
         self,
-        leaves: list[Any],
-        treedef: Any,
+        leaves: list[ArrayLeaf],
+        treedef: TreeDef,
         specs: list[PartitionSpec],
         shardings: list[NamedSharding],
-        with_path: list[Any],
+        with_path: list[tuple[KeyPath, ArrayLeaf]],
     ) -> BatchPlan:
         """Return the `BatchPlan` of leaves placed with `shardings` (`make_plan`)."""
         settings = self.settings
@@ -293,7 +311,7 @@ class Step:
 
     def mask(
         self, rows: int, size: int, sharding: NamedSharding, *, tracing: bool
-    ) -> Any:
+    ) -> Mask:
         """Return `bool[size]`, True for the first `rows` rows, placed as `sharding`."""
         host = np.arange(size) < rows
         if tracing:
@@ -306,7 +324,7 @@ class Step:
             self.masks[(size, sharding)] = mask
         return mask
 
-    def place_kwargs(self, dynamic: Any) -> Any:
+    def place_kwargs(self, dynamic: PyTree) -> PyTree:
         """Replicate array keyword arguments committed to devices off the mesh.
 
         `jax.jit` refuses an argument committed to another device set (e.g. a
@@ -314,7 +332,7 @@ class Step:
         the mesh and NumPy arrays pass as they are.
         """
 
-        def put(x: Any) -> Any:
+        def put(x: ArrayLeaf) -> ArrayLeaf:
             if (
                 isinstance(x, jax.Array)
                 and not isinstance(x, Tracer)
@@ -326,7 +344,7 @@ class Step:
 
         return jax.tree.map(put, dynamic)
 
-    def split_kwargs(self, kwargs: dict[str, Any]) -> tuple[Any, "Frozen"]:
+    def split_kwargs(self, kwargs: dict[str, PyTree]) -> tuple[PyTree, "Frozen"]:
         """Return the array and the static (frozen) parts of keyword arguments.
 
         Raises:
@@ -346,11 +364,11 @@ class Step:
 
     def call(
         self,
-        param_leaves: tuple[Any, ...],
-        prng_key: Any,
-        input_batch: Any,
-        kwargs: dict[str, Any],
-    ) -> tuple[Any, Any]:
+        param_leaves: tuple[jax.Array, ...],
+        prng_key: PRNGKey,
+        input_batch: Batch,
+        kwargs: dict[str, PyTree],
+    ) -> tuple[PRNGKey, Any]:
         """Run one batch; return `(new_key, output)`: the path of every call.
 
         `MethodRunner.__call__` and `run_batches` run batches this way; a
@@ -409,12 +427,12 @@ class Step:
 
     def run_with_kwargs(
         self,
-        param_leaves: tuple[Any, ...],
-        prng_key: Any,
-        batch: Any,
-        mask: Any,
-        kwargs: dict[str, Any],
-    ) -> tuple[Any, Any, "StaticOut | None"]:
+        param_leaves: tuple[jax.Array, ...],
+        prng_key: PRNGKey,
+        batch: Batch,
+        mask: Mask | None,
+        kwargs: dict[str, PyTree],
+    ) -> StepResult:
         """Run the step with the method's keyword arguments (static part static)."""
         dynamic, static = self.split_kwargs(kwargs)
         return self.jitted_kwargs(
@@ -423,10 +441,10 @@ class Step:
 
     def finish(
         self,
-        result: tuple[Any, Any, "StaticOut | None"],
-        batch: Any,
+        result: StepResult,
+        batch: Batch | None,
         padding: Padding | None,
-    ) -> tuple[Any, Any]:
+    ) -> tuple[PRNGKey, Any]:
         """Return `(new_key, output)` from the program's result: the one output path."""
         new_key, out, extra = result
         if extra is not None:
@@ -444,7 +462,9 @@ class Step:
             EMPTY if module_outputs is None else module_outputs,
         )
 
-    def next_runner(self, runner: Any, param_leaves: Any, new_key: Any) -> Any:
+    def next_runner(
+        self, runner: Any, param_leaves: tuple[jax.Array, ...], new_key: PRNGKey
+    ) -> Any:
         """Return `runner` with `new_key`, rebuilt through the public PyTree API."""
         rebuild = self.rebuild
         if rebuild is None:

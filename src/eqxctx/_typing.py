@@ -32,6 +32,34 @@ Batch: TypeAlias = Any
 #: A `jax.tree_util.PyTreeDef` (JAX exports it as a value, not a type).
 TreeDef: TypeAlias = Any
 
+#: A `jax.tree_util` key path: a tuple of `DictKey`, `GetAttrKey`, `SequenceKey`, ...
+KeyPath: TypeAlias = tuple[Any, ...]
+
+#: An array leaf as the runner places it: a `jax.Array` (global, single-device or
+#: traced), a NumPy array, a Python scalar, or (for `MethodRunner.lower`) a
+#: `jax.ShapeDtypeStruct`.
+ArrayLeaf: TypeAlias = Any
+
+#: A model: a PyTree (e.g. an `eqx.Module`) whose array leaves are its parameters and
+#: whose other leaves are static.
+Model: TypeAlias = Any
+
+#: A model's array part (`eqx.partition(model, eqx.is_array)[0]`): its parameters in
+#: the model's structure, None elsewhere.
+Params: TypeAlias = Any
+
+#: How a tree is split over a mesh: a `DataPartition`, a `PartitionSpec` or None
+#: (replicated), or a prefix tree of them over the batch, the output or the
+#: parameters (for the parameters also a callable `(path, leaf) -> PartitionSpec`).
+PartitionTree: TypeAlias = Any
+
+#: The method a `MethodRunner` runs: `method(model, batch, ctx, **kwargs) -> (output,
+#: ctx)`, or the name of a method of the model.
+Method: TypeAlias = Callable[..., Any] | str
+
+#: One entry of a `PartitionSpec`: None, a mesh axis name, or a tuple of names.
+SpecEntry: TypeAlias = Any
+
 #: What `Context.prng_key` holds: a `PRNGKey` (or a batch of them, once a context has
 #: passed through `jax.vmap`), or None for a key-less context. `Any` for type
 #: checkers, so that `jax.random.normal(ctx.prng_key, ...)` needs no narrowing; a
