@@ -1,6 +1,6 @@
 """How a runner places and pads batches: `BatchPlan`, padding, the rows mask.
 
-A `BatchPlan` is what `Step.prepare` knows about batches of one structure and leaf
+A `BatchPlan` is what `Step.call` knows about batches of one structure and leaf
 ranks: each leaf's sharding (the input partition and AXLearn's rank rule), what the
 fast path compares, the batch axis' shard count (padded sizes are multiples of it) and
 the mask's sharding. Padding (`pad_batches`, `batch_sizes`) appends zero rows on the
@@ -51,7 +51,7 @@ class BatchPlan:
         shardings: each leaf's sharding (the input partition, the rank rule).
         dict_keys: for a plain dict whose values are all leaves, its keys in leaf
             order (such a batch is checked without flattening it); else None.
-        signature: what `Step.prepare` compares of each leaf (`_SIGNATURE...`).
+        signature: what `Step.call` compares of each leaf (`_SIGNATURE...`).
         multiple: the padded batch size is a multiple of this (the number of shards
             of the batch axis).
         mask_sharding: the sharding of the mask (`mask_kwarg`).

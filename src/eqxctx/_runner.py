@@ -11,9 +11,9 @@ The runner keeps its semantics (array leaves traced, every other leaf static, eq
 static parts share a compilation) but partitions the model once, in `create`, into a
 tuple of parameter leaves (flattened by JAX in C++) and a hashable `Settings`, and
 calls a `jax.jit` of the step that closes over the settings' `Step`. A warm call is
-`Step.prepare` (the batch checked against the last one in C, ~1 µs), JAX's dispatch,
-and `Step.finish` (the next runner rebuilt with `tree_unflatten` from a cached treedef,
-the `Output` dataclass), never blocking. See `docs/architecture.md`.
+`Step.call` (the batch checked against the last one in C, JAX's dispatch, the
+`Output` dataclass) and the next runner rebuilt with `tree_unflatten` from a cached
+treedef, never blocking. See `docs/architecture.md`.
 """
 
 import dataclasses

@@ -5,10 +5,11 @@ partitions, the model's non-array leaves, padding and donation), compared by val
 `Step` is the explicit cache of one `Settings`: its `jax.jit`s, how batches of each
 structure are placed, its trace count. Runners created from equal settings share one
 `Step`, so they share compilations, as equal static parts do under `eqx.filter_jit`.
-`Step.prepare` (place and pad the batch) and `Step.finish` (unpad, build the
-`Output`) are the one path around the compiled program, for a call and
-for a `CompiledRunner` alike, as Equinox's `_jit.py` routes its call and `.lower()`
-through one `_call`. The traced function is in `_traced.py`, batch plans and padding
+`Step.call` (check the batch against the last one, else `place_batch`: place and
+pad it; run the program; build the `Output`, through `finish` where it needs
+unpadding) is the one path around the compiled program for a call and `run_batches`;
+a `CompiledRunner` runs `place_batch` and `finish` too, as Equinox's `_jit.py` routes
+its call and `.lower()` through one `_call`. The traced function is in `_traced.py`, batch plans and padding
 in `_plan.py`.
 """
 
@@ -100,15 +101,17 @@ class Step:
     """The compiled step of one `Settings`, with its caches (an explicit object).
 
     Runners created from equal settings share one `Step` (`Step.of`), so they share
-    its `jax.jit`s and so their compilations. `prepare` and `finish` are the one path
-    around the compiled program, for `MethodRunner.__call__` and `CompiledRunner`.
+    its `jax.jit`s and so their compilations. `call` (with `place_batch` and
+    `finish`) is the one path around the compiled program, for
+    `MethodRunner.__call__`, `run_batches` and (`place_batch`, `finish`)
+    `CompiledRunner`.
     A `Step` is the runner's static field: it compares and hashes by its settings.
 
     Attributes:
         settings: the configuration.
         traces: how many times the step has been traced (`MethodRunner.trace_count`).
         plans: per batch treedef, how batches of that structure are placed.
-        last: the plan of the last batch placed, checked first by `prepare`.
+        last: the plan of the last batch placed, checked first by `call`.
     """
 
     __slots__ = (
@@ -360,7 +363,7 @@ class Step:
         dynamic, static = eqx.partition(kwargs, eqx.is_array)
         return dynamic, Frozen(static, what="a keyword argument")
 
-    # -- the call: prepare, run, finish -------------------------------------------
+    # -- the call: check or place the batch, run, build the Output ------------------
 
     def call(
         self,
