@@ -9,8 +9,8 @@ structure are placed, its trace count. Runners created from equal settings share
 pad it; run the program; build the `Output`, through `finish` where it needs
 unpadding) is the one path around the compiled program for a call and `run_batches`;
 a `CompiledRunner` runs `place_batch` and `finish` too, as Equinox's `_jit.py` routes
-its call and `.lower()` through one `_call`. The traced function is in `_traced.py`, batch plans and padding
-in `_plan.py`.
+its call and `.lower()` through one `_call`. The traced function is in `_traced.py`,
+batch plans and padding in `_plan.py`.
 """
 
 import collections
