@@ -25,8 +25,7 @@ if TYPE_CHECKING:
 
 
 def _signature(runner: "MethodRunner") -> list[tuple[tuple[int, ...], Any, Sharding]]:
-    # The runner's key is placed (a `jax.Array`), like its parameters.
-    leaves: list[jax.Array] = [*runner.param_leaves, cast(jax.Array, runner.prng_key)]
+    leaves = [*runner.param_leaves, runner.prng_key]
     return [(np.shape(x), jax.typeof(x).dtype, x.sharding) for x in leaves]
 
 

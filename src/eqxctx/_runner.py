@@ -46,7 +46,7 @@ from ._typing import (
     Params,
     PartitionTree,
     PathPredicate,
-    PRNGKey,
+    PRNGKeyArray,
     SummaryTree,
     Tree,
 )
@@ -114,7 +114,7 @@ class MethodRunner(eqx.Module):
     """
 
     param_leaves: tuple[jax.Array, ...]
-    prng_key: PRNGKey
+    prng_key: PRNGKeyArray
     step: Step = eqx.field(static=True)
 
     @jax.tree_util.register_dataclass
@@ -142,7 +142,7 @@ class MethodRunner(eqx.Module):
         """
 
         output_batch: PyTree
-        input_batch: Batch | None
+        input_batch: Batch
         summaries: SummaryTree
         module_outputs: Tree
 

@@ -58,7 +58,7 @@ from ._typing import (
     KeyPath,
     Method,
     PathPredicate,
-    PRNGKey,
+    PRNGKeyArray,
     TreeDef,
 )
 
@@ -67,7 +67,9 @@ _flatten = jax.tree_util.default_registry.flatten
 
 #: What the jitted step returns: `(new_key, (output_batch, summaries,
 #: module_outputs), static outputs or None)` (`_traced.run_step`).
-StepResult: TypeAlias = tuple[PRNGKey, tuple[PyTree, PyTree, PyTree], StaticOut | None]
+StepResult: TypeAlias = tuple[
+    PRNGKeyArray, tuple[PyTree, PyTree, PyTree], StaticOut | None
+]
 _flatten_with_path = jax.tree_util.tree_flatten_with_path
 
 
@@ -368,10 +370,10 @@ class Step:
     def call(
         self,
         param_leaves: tuple[jax.Array, ...],
-        prng_key: PRNGKey,
+        prng_key: PRNGKeyArray,
         input_batch: Batch,
         kwargs: dict[str, PyTree],
-    ) -> tuple[PRNGKey, Any]:
+    ) -> tuple[PRNGKeyArray, Any]:
         """Run one batch; return `(new_key, output)`: the path of every call.
 
         `MethodRunner.__call__` and `run_batches` run batches this way; a
@@ -431,7 +433,7 @@ class Step:
     def run_with_kwargs(
         self,
         param_leaves: tuple[jax.Array, ...],
-        prng_key: PRNGKey,
+        prng_key: PRNGKeyArray,
         batch: Batch,
         mask: Mask | None,
         kwargs: dict[str, PyTree],
@@ -447,7 +449,7 @@ class Step:
         result: StepResult,
         batch: Batch | None,
         padding: Padding | None,
-    ) -> tuple[PRNGKey, Any]:
+    ) -> tuple[PRNGKeyArray, Any]:
         """Return `(new_key, output)` from the program's result: the one output path."""
         new_key, out, extra = result
         if extra is not None:
@@ -466,7 +468,7 @@ class Step:
         )
 
     def next_runner(
-        self, runner: Any, param_leaves: tuple[jax.Array, ...], new_key: PRNGKey
+        self, runner: Any, param_leaves: tuple[jax.Array, ...], new_key: PRNGKeyArray
     ) -> Any:
         """Return `runner` with `new_key`, rebuilt through the public PyTree API."""
         rebuild = self.rebuild

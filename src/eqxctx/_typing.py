@@ -16,6 +16,10 @@ R = TypeVar("R")
 #: (`jax.random.key`).
 PRNGKey: TypeAlias = Key[Array, ""] | UInt32[Array, "2"] | UInt32[np.ndarray, "2"]
 
+#: A PRNG key on the device (what a `MethodRunner` holds, placed on its mesh): a raw
+#: `uint32[2]` or a typed key array.
+PRNGKeyArray: TypeAlias = Key[Array, ""] | UInt32[Array, "2"]
+
 #: An array on the device (`jax.Array`) or on the host (NumPy): what a `Summary`'s
 #: `value()` returns; host views of per-iteration summaries hold NumPy values.
 ArrayValue: TypeAlias = Array | np.ndarray | np.number[Any] | np.bool_
