@@ -22,6 +22,9 @@ the rounds (the machine is shared and noisy), and ratios are taken in the same r
 Usage:
 
     .venv/bin/python benchmarks/bench_runner.py [--quick] [--rounds N]
+        [--only per_call|run_batches|padding] [--devices 1 8] [--leaves 10 100 1000]
+
+(`--devices 1 --leaves 10 --only per_call`: the one-device, 10-leaf per-call rows.)
 
 (`BENCH_MIN=1` reports the minimum of the rounds instead of the median.)
 
@@ -43,7 +46,7 @@ from collections.abc import Callable
 from typing import Any
 
 
-LEAVES = (10, 100, 1000)
+LEAVES = tuple(int(n) for n in os.environ.get("BENCH_LEAVES", "10,100,1000").split(","))
 #: Interleaved rounds per row (medians are reported); `--rounds` or BENCH_ROUNDS.
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "9"))
 # Pipelined loops keep at most this many calls in flight: XLA's CPU runtime can
@@ -209,7 +212,7 @@ def _run_batches(devices: int, quick: bool) -> list[dict[str, Any]]:
 
     rows: list[dict[str, Any]] = []
     count = 50 if quick else 200
-    for n in (10, 100):
+    for n in [n for n in LEAVES if n <= 100]:
         s = _setup(devices, n)
         runner, bare, mesh = s["runner"], s["bare"], s["mesh"]
         sharding = NamedSharding(mesh, P("data"))
@@ -359,7 +362,13 @@ def main() -> None:
         description="MethodRunner vs jax.jit and a hand-written loop."
     )
     parser.add_argument("--quick", action="store_true", help="fewer calls and rounds")
-    parser.add_argument("--devices", type=int, help="(internal) measure in-process")
+    parser.add_argument(
+        "--devices", type=int, nargs="+", default=[1, 8], help="device counts (1 8)"
+    )
+    parser.add_argument(
+        "--leaves", type=int, nargs="+", help="parameter leaf counts (10 100 1000)"
+    )
+    parser.add_argument("--child", type=int, help="(internal) measure in-process")
     parser.add_argument("--rounds", type=int, help="interleaved rounds per row (9)")
     parser.add_argument(
         "--only", choices=["per_call", "run_batches", "padding"], help="one part"
@@ -367,26 +376,28 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds is not None:
         os.environ["BENCH_ROUNDS"] = str(args.rounds)  # read by the subprocesses
-    if args.devices is not None:
+    if args.leaves:
+        os.environ["BENCH_LEAVES"] = ",".join(map(str, args.leaves))
+    if args.child is not None:
         if args.only == "per_call":
-            rows = _per_call(args.devices, args.quick)
+            rows = _per_call(args.child, args.quick)
         elif args.only == "run_batches":
-            rows = _run_batches(args.devices, args.quick)
+            rows = _run_batches(args.child, args.quick)
         elif args.only == "padding":
-            rows = _padding(args.devices)
+            rows = _padding(args.child)
         else:
-            rows = _measure(args.devices, args.quick)
+            rows = _measure(args.child, args.quick)
         print(json.dumps(rows))
         return
     rows: list[dict[str, Any]] = []
-    for devices in (1, 8):
+    for devices in args.devices:
         env = dict(os.environ)
         env["XLA_FLAGS"] = (
             env.get("XLA_FLAGS", "")
             + f" --xla_force_host_platform_device_count={devices}"
         )
         env["JAX_PLATFORMS"] = "cpu"
-        cmd = [sys.executable, __file__, f"--devices={devices}"]
+        cmd = [sys.executable, __file__, f"--child={devices}"]
         if args.quick:
             cmd.append("--quick")
         if args.only:

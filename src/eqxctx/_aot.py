@@ -6,35 +6,37 @@ lowering and compilation" in the JAX docs), applied to the runner's jitted step
 `compile()` returns a `CompiledRunner` called like the runner.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, Sharding
+from jaxtyping import PyTree
 
 from ._frozen import Frozen
 from ._partition import leaf_shardings, path_str, resolve_specs
 from ._plan import BatchPlan, batch_rows
 from ._transfer import place
+from ._typing import ArrayLeaf, Batch
 
 
 if TYPE_CHECKING:
     from ._runner import MethodRunner
 
 
-def _signature(runner: "MethodRunner") -> list[tuple[Any, Any, Any]]:
+def _signature(runner: "MethodRunner") -> list[tuple[tuple[int, ...], Any, Sharding]]:
     leaves = [*runner.param_leaves, runner.prng_key]
     return [(np.shape(x), jax.typeof(x).dtype, x.sharding) for x in leaves]
 
 
-def _dtype(x: Any) -> Any:
+def _dtype(x: ArrayLeaf) -> Any:
     """The dtype of an array, `ShapeDtypeStruct` or Python scalar."""
     dtype = getattr(x, "dtype", None)
     return np.result_type(x) if dtype is None else dtype
 
 
 def lower_runner(
-    runner: "MethodRunner", batch_spec: Any, **kwargs: Any
+    runner: "MethodRunner", batch_spec: Batch, **kwargs: PyTree
 ) -> "LoweredRunner":
     """Lower `runner`'s step for batches like `batch_spec`; see `MethodRunner.lower`.
 
@@ -48,18 +50,19 @@ def lower_runner(
     specs = resolve_specs(
         step.input_partition, batch_spec, mesh, what="input_partition"
     )
-    shardings: list[Any] = [getattr(x, "sharding", None) for x in leaves]
+    shardings: list[Sharding | None] = [getattr(x, "sharding", None) for x in leaves]
     todo = [i for i, s in enumerate(shardings) if not isinstance(s, NamedSharding)]
     computed = leaf_shardings(
         [specs[i] for i in todo], [with_path[i] for i in todo], mesh, kind="batch"
     )
     for i, s in zip(todo, computed, strict=True):
         shardings[i] = s
+    named = cast("list[NamedSharding]", shardings)  # every entry is one now
     structs = [
         jax.ShapeDtypeStruct(tuple(np.shape(x)), _dtype(x), sharding=s)
-        for x, s in zip(leaves, shardings, strict=True)
+        for x, s in zip(leaves, named, strict=True)
     ]
-    plan = step.plan_from(leaves, treedef, specs, shardings, with_path)
+    plan = step.plan_from(leaves, treedef, specs, named, with_path)
     mask = None
     settings = step.settings
     if settings.pad_batches or settings.mask_kwarg is not None:
@@ -183,7 +186,7 @@ class CompiledRunner(_Staged):
         return self._program.memory_analysis()
 
     def __call__(
-        self, input_batch: Any, **kwargs: Any
+        self, input_batch: Batch, **kwargs: PyTree
     ) -> tuple["MethodRunner", "MethodRunner.Output"]:
         """Run the compiled step; see `MethodRunner.__call__`.
 

@@ -87,11 +87,9 @@ def _run(
     max_in_flight: int | None,
     kwargs: dict[str, PyTree],
 ) -> Iterator[MethodRunner.Output]:
-    # The runner's own path (`Step.call`, inlined: a frame is ~0.1 µs of a ~20 µs
-    # batch), threading only the key: the successor runners are never seen, so
-    # they are not built.
-    step, params, key = runner.step, runner.param_leaves, runner.prng_key
-    prepare, jitted, finish = step.prepare, step.jitted, step.finish
+    # The runner's own path (`Step.call`), threading only the key: the successor
+    # runners are never seen, so they are not built.
+    call, params, key = runner.step.call, runner.param_leaves, runner.prng_key
     # Each step's new key is one array, ready when that step's program has run: the
     # bound waits on it (one method call, where `jax.block_until_ready` of the
     # outputs walks their tree; ~1 µs per batch).
@@ -99,12 +97,7 @@ def _run(
     push, pop = pending.append, pending.popleft
     bound = max_in_flight if max_in_flight is not None else 0
     for batch in batches:
-        placed, mask, padding = prepare(batch)
-        if kwargs:
-            result = step.run_with_kwargs(params, key, placed, mask, kwargs)
-        else:
-            result = jitted(params, key, placed, mask)
-        key, output = finish(result, placed, padding)
+        key, output = call(params, key, batch, kwargs)
         if bound:
             push(key)
             if len(pending) > bound:
@@ -293,6 +286,6 @@ class SummaryAccumulator(eqx.Module):
             return EMPTY
         return materialize_tree(self.accumulated)
 
-    def flatten(self) -> dict[str, Any]:
+    def flatten(self) -> dict[str, Leaf]:
         """Return the accumulated summaries as `{"a/b/name": leaf}` ({} before any)."""
         return self.flat or {}

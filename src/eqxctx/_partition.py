@@ -7,12 +7,14 @@ of `reshard_fn` (`axlearn/common/utils.py`), on top of `jax.sharding.PartitionSp
 
 import enum
 import functools
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Hashable, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jaxtyping import PyTree
+
+from ._typing import ArrayLeaf, KeyPath, Params, PartitionTree, SpecEntry
 
 
 #: Mesh axes over which `DataPartition.BATCH` splits the batch (AXLearn's
@@ -146,7 +148,7 @@ def _is_partition_leaf(x: object) -> bool:
     return x is None or isinstance(x, (PartitionSpec, DataPartition))
 
 
-def path_str(path: tuple[Any, ...]) -> str:
+def path_str(path: KeyPath) -> str:
     """Return a key path as "a/b/0" (attribute names, dict keys, sequence indices)."""
     parts: list[str] = []
     for k in path:
@@ -168,7 +170,7 @@ def _tree_noun(what: str) -> str:
 
 
 def resolve_specs(
-    partition: Any, tree: Any, mesh: Mesh, *, what: str
+    partition: PartitionTree, tree: PyTree, mesh: Mesh, *, what: str
 ) -> list[PartitionSpec]:
     """Return one `PartitionSpec` per leaf of `tree` (before the rank rule).
 
@@ -226,9 +228,9 @@ def resolve_specs(
     return specs
 
 
-def unknown_axes(spec: PartitionSpec, axes: "set[Any]") -> list[Any]:
+def unknown_axes(spec: PartitionSpec, axes: "set[Hashable]") -> list[str]:
     """Return the axis names in `spec` that are not in `axes`."""
-    out: list[Any] = []
+    out: list[str] = []
     for entry in spec:
         if entry is None:
             continue
@@ -239,7 +241,7 @@ def unknown_axes(spec: PartitionSpec, axes: "set[Any]") -> list[Any]:
 
 
 def raise_unknown_axes(
-    spec: PartitionSpec, unknown: list[Any], mesh: Mesh, *, what: str, path: str
+    spec: PartitionSpec, unknown: list[str], mesh: Mesh, *, what: str, path: str
 ) -> None:
     """Raise the `ValueError` for a spec that names axes the mesh does not have."""
     raise ValueError(
@@ -255,7 +257,7 @@ def named_sharding(mesh: Mesh, spec: PartitionSpec) -> NamedSharding:
     return NamedSharding(mesh, spec)
 
 
-def mesh_axes_size(mesh: Mesh, entry: Any) -> tuple[tuple[str, ...], int]:
+def mesh_axes_size(mesh: Mesh, entry: SpecEntry) -> tuple[tuple[str, ...], int]:
     """Return the axis names of one spec entry and the number of shards they make."""
     if entry is None:
         return (), 1
@@ -329,7 +331,7 @@ def check_divisible(
 
 def leaf_shardings(
     specs: Sequence[PartitionSpec],
-    with_path: Sequence[tuple[Any, Any]],
+    with_path: Sequence[tuple[KeyPath, ArrayLeaf]],
     mesh: Mesh,
     *,
     kind: str,
@@ -398,7 +400,7 @@ def is_callable_partition(param_partition: object) -> bool:
 
 
 def resolve_param_specs(
-    param_partition: Any, params: Any, mesh: Mesh
+    param_partition: PartitionTree, params: Params, mesh: Mesh
 ) -> tuple[PartitionSpec, ...]:
     """Return one `PartitionSpec` per array leaf of `params` (before the rank rule).
 

@@ -1,6 +1,6 @@
 """How a runner places and pads batches: `BatchPlan`, padding, the rows mask.
 
-A `BatchPlan` is what `Step.prepare` knows about batches of one structure and leaf
+A `BatchPlan` is what `Step.call` knows about batches of one structure and leaf
 ranks: each leaf's sharding (the input partition and AXLearn's rank rule), what the
 fast path compares, the batch axis' shard count (padded sizes are multiples of it) and
 the mask's sharding. Padding (`pad_batches`, `batch_sizes`) appends zero rows on the
@@ -10,16 +10,18 @@ host; `unpad` cuts the outputs back.
 import functools
 import math
 import operator
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Hashable
+from typing import NamedTuple, TypeAlias
 
 import jax
 import numpy as np
 from jax.core import Tracer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jaxtyping import PyTree
 
 from ._partition import batch_shards, is_explicit, named_sharding, path_str
 from ._transfer import REPLICATED, constrain, replicated
+from ._typing import ArrayLeaf, KeyPath, TreeDef
 
 
 # What `MethodRunner.__call__` compares of each batch leaf with the last batch's: the
@@ -29,6 +31,15 @@ _SIGNATURE = operator.attrgetter("__class__", "sharding")
 _SIGNATURE_WITH_RANK = operator.attrgetter("__class__", "sharding", "ndim")
 # With padding or a mask the batch size matters too.
 _SIGNATURE_WITH_SHAPE = operator.attrgetter("__class__", "sharding", "shape")
+
+#: What `signature` reads of a leaf: `(type, sharding[, ndim | shape])`.
+Signature: TypeAlias = tuple[object, ...]
+
+#: The rows mask passed as `mask_kwarg`: `bool[padded_batch]` (NumPy inside a trace).
+Mask: TypeAlias = jax.Array | np.ndarray
+
+#: A key of a plain-dict batch (any hashable JAX sorts).
+DictKeyName: TypeAlias = Hashable
 
 
 class BatchPlan:
@@ -40,7 +51,7 @@ class BatchPlan:
         shardings: each leaf's sharding (the input partition, the rank rule).
         dict_keys: for a plain dict whose values are all leaves, its keys in leaf
             order (such a batch is checked without flattening it); else None.
-        signature: what `Step.prepare` compares of each leaf (`_SIGNATURE...`).
+        signature: what `Step.call` compares of each leaf (`_SIGNATURE...`).
         multiple: the padded batch size is a multiple of this (the number of shards
             of the batch axis).
         mask_sharding: the sharding of the mask (`mask_kwarg`).
@@ -64,11 +75,11 @@ class BatchPlan:
 
     def __init__(
         self,
-        treedef: Any,
+        treedef: TreeDef,
         ranks: tuple[int, ...],
         shardings: list[NamedSharding],
-        dict_keys: tuple[Any, ...] | None,
-        signature: Callable[[Any], Any],
+        dict_keys: tuple[DictKeyName, ...] | None,
+        signature: Callable[[ArrayLeaf], Signature],
         multiple: int,
         mask_sharding: NamedSharding,
     ):
@@ -79,12 +90,14 @@ class BatchPlan:
         self.signature = signature
         self.multiple = multiple
         self.mask_sharding = mask_sharding
-        self.expected: list[Any] | None = None
-        self.mask: Any = None
+        self.expected: list[Signature] | None = None
+        self.mask: Mask | None = None
         self.lowered_rows: int | None = None
 
 
-def flat_dict_keys(batch: Any, with_path: list[Any]) -> tuple[Any, ...] | None:
+def flat_dict_keys(
+    batch: PyTree, with_path: list[tuple[KeyPath, ArrayLeaf]]
+) -> tuple[DictKeyName, ...] | None:
     """The keys of a plain dict whose values are all leaves, in leaf order; else None.
 
     Such a batch (AXLearn's usual input) is checked without flattening it: same keys,
@@ -92,7 +105,7 @@ def flat_dict_keys(batch: Any, with_path: list[Any]) -> tuple[Any, ...] | None:
     """
     if type(batch) is not dict or len(with_path) != len(batch):
         return None
-    keys: list[Any] = []
+    keys: list[DictKeyName] = []
     for path, _ in with_path:
         if len(path) != 1 or not isinstance(path[0], jax.tree_util.DictKey):
             return None
@@ -101,11 +114,11 @@ def flat_dict_keys(batch: Any, with_path: list[Any]) -> tuple[Any, ...] | None:
 
 
 def make_plan(
-    leaves: list[Any],
-    treedef: Any,
+    leaves: list[ArrayLeaf],
+    treedef: TreeDef,
     specs: list[PartitionSpec],
     shardings: list[NamedSharding],
-    with_path: list[Any],
+    with_path: list[tuple[KeyPath, ArrayLeaf]],
     *,
     mesh: Mesh,
     by_shape: bool,
@@ -183,7 +196,7 @@ def padded_size(rows: int, plan: BatchPlan, batch_sizes: tuple[int, ...] | None)
     )
 
 
-def unpad(tree: Any, padding: "Padding", mesh: Mesh) -> Any:
+def unpad(tree: PyTree, padding: "Padding", mesh: Mesh) -> PyTree:
     """Cut every array leaf whose leading size is the padded one to the real rows.
 
     The cut arrays are replicated (a sharded array must divide over its devices).
@@ -215,7 +228,9 @@ def _cut(leaves: list[jax.Array], rows: int, mesh: Mesh) -> list[jax.Array]:
     return [constrain(x, replicated(mesh, x), explicit=explicit)[:rows] for x in leaves]
 
 
-def batch_rows(leaves: list[Any], treedef: Any, ranks: tuple[int, ...]) -> int | None:
+def batch_rows(
+    leaves: list[ArrayLeaf], treedef: TreeDef, ranks: tuple[int, ...]
+) -> int | None:
     """Return the common leading size of the leaves of rank >= 1 (None: no such leaf).
 
     Raises:
@@ -237,7 +252,7 @@ def batch_rows(leaves: list[Any], treedef: Any, ranks: tuple[int, ...]) -> int |
     return int(sizes[0])
 
 
-def pad_rows(x: Any, size: int) -> Any:
+def pad_rows(x: ArrayLeaf, size: int) -> ArrayLeaf:
     """Return `x` with zero rows appended up to `size` rows (on the host if it can)."""
     if isinstance(x, Tracer):
         widths = [(0, size - x.shape[0])] + [(0, 0)] * (x.ndim - 1)

@@ -11,19 +11,20 @@ The runner keeps its semantics (array leaves traced, every other leaf static, eq
 static parts share a compilation) but partitions the model once, in `create`, into a
 tuple of parameter leaves (flattened by JAX in C++) and a hashable `Settings`, and
 calls a `jax.jit` of the step that closes over the settings' `Step`. A warm call is
-`Step.prepare` (the batch checked against the last one in C, ~1 µs), JAX's dispatch,
-and `Step.finish` (the next runner rebuilt with `tree_unflatten` from a cached treedef,
-the `Output` dataclass), never blocking. See `docs/architecture.md`.
+`Step.call` (the batch checked against the last one in C, JAX's dispatch, the
+`Output` dataclass) and the next runner rebuilt with `tree_unflatten` from a cached
+treedef, never blocking. See `docs/architecture.md`.
 """
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import equinox as eqx
 import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
+from jaxtyping import PyTree
 
 from ._aot import LoweredRunner, lower_runner
 from ._checks import check_callable
@@ -38,6 +39,17 @@ from ._partition import (
 )
 from ._step import Settings, Step
 from ._transfer import place, replicated
+from ._typing import (
+    Batch,
+    Method,
+    Model,
+    Params,
+    PartitionTree,
+    PathPredicate,
+    PRNGKeyArray,
+    SummaryTree,
+    Tree,
+)
 
 
 # Reads a field of the runner without `eqx.Module.__getattribute__` (Python code that
@@ -46,7 +58,7 @@ from ._transfer import place, replicated
 _field = object.__getattribute__
 
 
-def _available_methods(model: Any) -> list[str]:
+def _available_methods(model: Model) -> list[str]:
     names = {
         n
         for n in dir(type(model))
@@ -57,7 +69,7 @@ def _available_methods(model: Any) -> list[str]:
     return sorted(names)
 
 
-def _check_method(model: Any, method: object) -> None:
+def _check_method(model: Model, method: object) -> None:
     """Raise for a method of `model` bound to it (`model.predict`)."""
     owner = getattr(method, "__self__", None)
     func = getattr(method, "__func__", None)
@@ -101,12 +113,12 @@ class MethodRunner(eqx.Module):
             step's caches, shared by runners of equal settings.
     """
 
-    param_leaves: tuple[Any, ...]
-    prng_key: Any
+    param_leaves: tuple[jax.Array, ...]
+    prng_key: PRNGKeyArray
     step: Step = eqx.field(static=True)
 
     @jax.tree_util.register_dataclass
-    @dataclasses.dataclass(frozen=True)
+    @dataclasses.dataclass(frozen=True, slots=True)
     class Output:
         """What one call of a `MethodRunner` returns (AXLearn's `MethodRunner.Output`).
 
@@ -129,23 +141,23 @@ class MethodRunner(eqx.Module):
                 (nested mapping), replicated; not cut by padding.
         """
 
-        output_batch: Any
-        input_batch: Any
-        summaries: Mapping[str, Any]
-        module_outputs: Mapping[str, Any]
+        output_batch: PyTree
+        input_batch: Batch
+        summaries: SummaryTree
+        module_outputs: Tree
 
     @classmethod
     def create(
         cls,
-        model: Any,
-        method: Callable[..., Any] | str,
+        model: Model,
+        method: Method,
         *,
         mesh: Mesh,
-        prng_key: Any,
-        input_partition: Any = DataPartition.FULL,
-        output_partition: Any = DataPartition.BATCH,
-        param_partition: Any = None,
-        drop_module_outputs: Callable[[str], bool] = lambda path: True,
+        prng_key: object,
+        input_partition: PartitionTree = DataPartition.FULL,
+        output_partition: PartitionTree = DataPartition.BATCH,
+        param_partition: PartitionTree = None,
+        drop_module_outputs: PathPredicate = lambda path: True,
         is_training: bool | np.bool_ = False,
         pad_batches: bool = False,
         batch_sizes: Sequence[int] | None = None,
@@ -318,12 +330,12 @@ class MethodRunner(eqx.Module):
         return self.step.settings
 
     @property
-    def params(self) -> Any:
+    def params(self) -> Params:
         """The model's array leaves in the model's structure (None elsewhere)."""
         return self.settings.param_treedef.unflatten(self.param_leaves)
 
     @property
-    def model(self) -> Any:
+    def model(self) -> Model:
         """The model: `params` combined with its non-array part."""
         return eqx.combine(self.params, self.settings.static_model.tree())
 
@@ -353,7 +365,7 @@ class MethodRunner(eqx.Module):
         return self.step.traces
 
     def __call__(
-        self, input_batch: Any, **kwargs: Any
+        self, input_batch: Batch, **kwargs: PyTree
     ) -> tuple["MethodRunner", "MethodRunner.Output"]:
         """Run the method on one batch; return the next runner and the outputs.
 
@@ -384,23 +396,17 @@ class MethodRunner(eqx.Module):
                 leaf is not an array (a `jax.ShapeDtypeStruct`: use `lower`; an
                 object that is not a registered PyTree), naming the leaf.
         """
-        # `Step.call`, inlined: each Python frame costs ~0.1 µs of a ~15 µs call.
         step: Step = _field(self, "step")
         params = _field(self, "param_leaves")
-        batch, mask, padding = step.prepare(input_batch)
-        if kwargs:
-            result = step.run_with_kwargs(
-                params, _field(self, "prng_key"), batch, mask, kwargs
-            )
-        else:
-            result = step.jitted(params, _field(self, "prng_key"), batch, mask)
-        new_key, output = step.finish(result, batch, padding)
+        new_key, output = step.call(
+            params, _field(self, "prng_key"), input_batch, kwargs
+        )
         rebuild = step.rebuild
         if rebuild is None:
             return step.next_runner(self, params, new_key), output
         return rebuild((params, new_key)), output
 
-    def lower(self, batch_spec: Any, **kwargs: Any) -> LoweredRunner:
+    def lower(self, batch_spec: Batch, **kwargs: PyTree) -> LoweredRunner:
         """Lower the step for batches like `batch_spec`, ahead of time.
 
         Args:

@@ -7,13 +7,13 @@ Follows AXLearn's `host_to_global_device_array` (`axlearn/common/utils.py`), on 
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import numpy as np
 from jax.core import Tracer
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jaxtyping import PyTree
 
 from ._partition import (
     check_divisible,
@@ -25,12 +25,13 @@ from ._partition import (
     path_str,
     resolve_specs,
 )
+from ._typing import ArrayLeaf, KeyPath, Leaf, PartitionTree, Tree
 
 
 REPLICATED = PartitionSpec()
 
 
-def passes(x: Any, sharding: NamedSharding) -> bool:
+def passes(x: ArrayLeaf, sharding: NamedSharding) -> bool:
     """Return whether `x` is a global array already placed as `sharding` says.
 
     A sharding equivalent to `sharding` for `x`'s rank passes too
@@ -44,12 +45,12 @@ def passes(x: Any, sharding: NamedSharding) -> bool:
 
 
 def place(
-    leaves: Sequence[Any],
+    leaves: Sequence[ArrayLeaf],
     shardings: Sequence[NamedSharding],
     *,
     paths: Callable[[], list[str]],
     process_local: bool,
-) -> list[Any]:
+) -> list[jax.Array]:
     """Return each leaf as a global array with its sharding: the one placement rule.
 
     Used for batches (`MethodRunner.__call__`, `CompiledRunner`) and parameters
@@ -69,7 +70,7 @@ def place(
     Raises:
         TypeError, ValueError: see `to_global`, naming the leaf.
     """
-    out: list[Any] = []
+    out: list[jax.Array] = []
     for i, (x, s) in enumerate(zip(leaves, shardings, strict=True)):
         if isinstance(x, Tracer) or passes(x, s):
             out.append(x)
@@ -86,8 +87,8 @@ def place(
 
 
 def constrain_leaves(
-    leaves: Sequence[Any], shardings: Sequence[NamedSharding], *, explicit: bool
-) -> list[Any]:
+    leaves: Sequence[jax.Array], shardings: Sequence[NamedSharding], *, explicit: bool
+) -> list[jax.Array]:
     """Constrain each traced array to its sharding (see `constrain`)."""
     return [
         constrain(x, s, explicit=explicit)
@@ -95,7 +96,7 @@ def constrain_leaves(
     ]
 
 
-def to_global(x: Any, sharding: NamedSharding, *, path: str | None) -> jax.Array:
+def to_global(x: ArrayLeaf, sharding: NamedSharding, *, path: str | None) -> jax.Array:
     """Return `x` as a global array with `sharding`.
 
     Host-local leaves (NumPy arrays, Python scalars, arrays addressable by this process
@@ -195,7 +196,7 @@ def _local_slices(mesh: Mesh, names: tuple[str, ...]) -> int:
     return count
 
 
-def constrain(x: Any, sharding: NamedSharding, *, explicit: bool) -> Any:
+def constrain(x: Leaf, sharding: NamedSharding, *, explicit: bool) -> Leaf:
     """Constrain a traced array to `sharding`.
 
     On meshes with Explicit axes `jax.lax.with_sharding_constraint` only asserts, so
@@ -209,8 +210,8 @@ def constrain(x: Any, sharding: NamedSharding, *, explicit: bool) -> Any:
 
 
 def constrain_tree(
-    tree: Any, partition: Any, mesh: Mesh, *, what: str, kind: str
-) -> Any:
+    tree: PyTree, partition: PartitionTree, mesh: Mesh, *, what: str, kind: str
+) -> PyTree:
     """Constrain every array of `tree` by `partition` (with the rank rule).
 
     Runs at trace time. Checks that each leaf's dimensions divide over their mesh
@@ -233,7 +234,7 @@ def constrain_tree(
     return treedef.unflatten(leaves)
 
 
-def replicate_tree(tree: Any, mesh: Mesh) -> Any:
+def replicate_tree(tree: Tree, mesh: Mesh) -> Tree:
     """Constrain every array of `tree` to be replicated over `mesh` (traced)."""
     explicit = is_explicit(mesh)
     return jax.tree.map(
@@ -241,7 +242,7 @@ def replicate_tree(tree: Any, mesh: Mesh) -> Any:
     )
 
 
-def replicated(mesh: Mesh, x: Any) -> NamedSharding:
+def replicated(mesh: Mesh, x: ArrayLeaf) -> NamedSharding:
     """The replicated sharding of `x` on `mesh`, in JAX's form for its rank."""
     return named_sharding(
         mesh, normalize_spec(REPLICATED, np.ndim(x), explicit=is_explicit(mesh))
@@ -252,7 +253,7 @@ def _is_key_array(x: jax.Array) -> bool:
     return bool(jax.numpy.issubdtype(x.dtype, jax.dtypes.prng_key))
 
 
-def to_host(tree: Any, *, gather: bool = True) -> Any:
+def to_host(tree: PyTree, *, gather: bool = True) -> PyTree:
     """Fetch the arrays of `tree` to the host as NumPy arrays.
 
     Never reads data that this process cannot address: replicated arrays are read from
@@ -286,7 +287,7 @@ def to_host(tree: Any, *, gather: bool = True) -> Any:
         array([0, 0], dtype=uint32)
     """
 
-    def fetch(path: tuple[Any, ...], x: Any) -> Any:
+    def fetch(path: KeyPath, x: Leaf) -> Leaf:
         if not isinstance(x, jax.Array):
             return x
         if _is_key_array(x):

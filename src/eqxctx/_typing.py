@@ -16,6 +16,10 @@ R = TypeVar("R")
 #: (`jax.random.key`).
 PRNGKey: TypeAlias = Key[Array, ""] | UInt32[Array, "2"] | UInt32[np.ndarray, "2"]
 
+#: A PRNG key on the device (what a `MethodRunner` holds, placed on its mesh): a raw
+#: `uint32[2]` or a typed key array.
+PRNGKeyArray: TypeAlias = Key[Array, ""] | UInt32[Array, "2"]
+
 #: An array on the device (`jax.Array`) or on the host (NumPy): what a `Summary`'s
 #: `value()` returns; host views of per-iteration summaries hold NumPy values.
 ArrayValue: TypeAlias = Array | np.ndarray | np.number[Any] | np.bool_
@@ -50,6 +54,34 @@ Names: TypeAlias = tuple[Any, ...]
 #: tuple or a list). `Any`: beartype samples a sequence's items with `random`, which
 #: hypothesis forbids inside strategies.
 Children: TypeAlias = Any
+
+#: A `jax.tree_util` key path: a tuple of `DictKey`, `GetAttrKey`, `SequenceKey`, ...
+KeyPath: TypeAlias = tuple[Any, ...]
+
+#: An array leaf as the runner places it: a `jax.Array` (global, single-device or
+#: traced), a NumPy array, a Python scalar, or (for `MethodRunner.lower`) a
+#: `jax.ShapeDtypeStruct`.
+ArrayLeaf: TypeAlias = Any
+
+#: A model: a PyTree (e.g. an `eqx.Module`) whose array leaves are its parameters and
+#: whose other leaves are static.
+Model: TypeAlias = Any
+
+#: A model's array part (`eqx.partition(model, eqx.is_array)[0]`): its parameters in
+#: the model's structure, None elsewhere.
+Params: TypeAlias = Any
+
+#: How a tree is split over a mesh: a `DataPartition`, a `PartitionSpec` or None
+#: (replicated), or a prefix tree of them over the batch, the output or the
+#: parameters (for the parameters also a callable `(path, leaf) -> PartitionSpec`).
+PartitionTree: TypeAlias = Any
+
+#: The method a `MethodRunner` runs: `method(model, batch, ctx, **kwargs) -> (output,
+#: ctx)`, or the name of a method of the model.
+Method: TypeAlias = Callable[..., Any] | str
+
+#: One entry of a `PartitionSpec`: None, a mesh axis name, or a tuple of names.
+SpecEntry: TypeAlias = Any
 
 #: What `Context.prng_key` holds: a `PRNGKey` (or a batch of them, once a context has
 #: passed through `jax.vmap`), or None for a key-less context. `Any` for type
