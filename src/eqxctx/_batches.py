@@ -5,9 +5,10 @@ Follow AXLearn's `InferenceRunner.run` and `MetricAccumulator`
 """
 
 import collections
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, TypeAlias
+from typing import Any, NoReturn, TypeAlias
 
 import equinox as eqx
 import jax
@@ -21,7 +22,7 @@ from ._mapping import EMPTY, FrozenMapping
 from ._repeat import accumulate_trees
 from ._runner import MethodRunner
 from ._summary import Summary, accumulate_leaf
-from ._typing import Batch, Leaf, SummaryTree, TreeDef
+from ._typing import Batch, Children, Leaf, SummaryTree, TreeDef
 
 
 #: What `SummaryAccumulator.update` accepts: an `OutputCollection` or a nested
@@ -205,7 +206,7 @@ def _accumulate_same_layout(a: SummaryTree, b: SummaryTree) -> FrozenMapping | N
     return _out_treedef(treedef, len(out)).unflatten(out)
 
 
-class SummaryAccumulator(eqx.Module):
+class SummaryAccumulator:
     """Accumulates summaries across batches (AXLearn's `MetricAccumulator`).
 
     Pure: `update` returns a new accumulator and leaves `self` unchanged. Leaves with
@@ -229,11 +230,30 @@ class SummaryAccumulator(eqx.Module):
         3.0
     """
 
-    accumulated: FrozenMapping | None = None
+    # A frozen class registered as a PyTree (below), as `OutputCollection` is, not an
+    # `eqx.Module`: Equinox builds a `BoundMethod` module on every method access
+    # (`acc.update`), which cost as much as the rest of an update's Python.
+    __slots__ = ("accumulated",)
+    accumulated: FrozenMapping | None
 
     def __init__(self, accumulated: FrozenMapping | None = None):
-        # A custom `__init__`: Equinox's generated one walks every leaf.
-        self.accumulated = accumulated
+        _set_accumulated(self, accumulated)
+
+    def __setattr__(self, name: str, value: object) -> NoReturn:
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field '{name}'")
+
+    def __repr__(self) -> str:
+        return f"SummaryAccumulator(accumulated={self.accumulated!r})"
+
+    def __eq__(self, other: object) -> Any:  # `bool | Array` (`eqx.tree_equal`)
+        if not isinstance(other, SummaryAccumulator):
+            return NotImplemented
+        return eqx.tree_equal(self, other)
+
+    __hash__ = None  # pyright: ignore[reportAssignmentType]
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (SummaryAccumulator, (self.accumulated,))
 
     @property
     def flat(self) -> dict[str, Leaf] | None:
@@ -289,3 +309,31 @@ class SummaryAccumulator(eqx.Module):
     def flatten(self) -> dict[str, Leaf]:
         """Return the accumulated summaries as `{"a/b/name": leaf}` ({} before any)."""
         return self.flat or {}
+
+
+_set_accumulated = SummaryAccumulator.__dict__["accumulated"].__set__
+_ACCUMULATED = jax.tree_util.GetAttrKey("accumulated")
+
+
+def _accumulator_flatten_with_keys(
+    acc: SummaryAccumulator,
+) -> tuple[list[tuple[Any, FrozenMapping | None]], None]:
+    return [(_ACCUMULATED, acc.accumulated)], None
+
+
+def _accumulator_flatten(
+    acc: SummaryAccumulator,
+) -> tuple[tuple[FrozenMapping | None], None]:
+    return (acc.accumulated,), None
+
+
+def _accumulator_unflatten(_: None, children: Children) -> SummaryAccumulator:
+    return SummaryAccumulator(children[0])
+
+
+jax.tree_util.register_pytree_with_keys(
+    SummaryAccumulator,
+    _accumulator_flatten_with_keys,
+    _accumulator_unflatten,
+    _accumulator_flatten,
+)
