@@ -238,7 +238,9 @@ class OutputCollection:
         if owner is not None:
             entry = self.summaries[owner]
             if isinstance(entry, IterationSummaries):
-                return _make(entry.iteration(int(name[len(owner) :])), EMPTY, EMPTY)
+                i = int(name[len(owner) :])
+                # Through the class: no Equinox `BoundMethod` (see `accumulate_leaf`).
+                return _make(IterationSummaries.iteration(entry, i), EMPTY, EMPTY)
         trees = _trees(self)
         if not any(_is_child(t.get(name)) for t in trees):
             raise KeyError(

@@ -422,7 +422,7 @@ def materialize_tree(tree: Tree) -> FrozenMapping:
     for key, value in _items(tree):
         if isinstance(value, IterationSummaries):
             pairs.append((key, EMPTY))
-            for i, it in enumerate(value.iterations()):
+            for i, it in enumerate(IterationSummaries.iterations(value)):
                 pairs.append((f"{key}{i}", materialize_tree(it)))
         elif isinstance(value, Mapping):
             pairs.append((key, materialize_tree(value)))
@@ -521,7 +521,9 @@ def _prune_entry(
         raise _NonUniform
     # Slice: prune the materialized entry (`drop` is memoized: nothing asked twice).
     pairs = [(key, EMPTY)]
-    pairs += [(f"{key}{i}", it) for i, it in enumerate(entry.iterations())]
+    pairs += [
+        (f"{key}{i}", it) for i, it in enumerate(IterationSummaries.iterations(entry))
+    ]
     return _prune(FrozenMapping(pairs), drop, prefix, slots=False).items_list()
 
 
