@@ -18,7 +18,7 @@ nothing.
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Literal, TypeAlias
+from typing import Literal, TypeAlias
 
 import equinox as eqx
 import jax
@@ -34,12 +34,14 @@ from ._context import (
 from ._errors import OutputConflictError
 from ._leaves import validate_leaf_name
 from ._summary import Summary, accumulate_leaf, is_array_leaf
-from ._typing import TreeDef
+from ._typing import ArrayTree, DType, Names, TreeDef
 
 
 GradKind: TypeAlias = Literal["summaries", "module_outputs"]
 #: A probe's address: (context path, kind, name).
-SinkKey: TypeAlias = tuple[Any, ...]
+SinkKey: TypeAlias = tuple[Names, str, str]
+#: The stacked sinks of the probes, by address: PyTrees of float arrays.
+Sinks: TypeAlias = dict[SinkKey, ArrayTree]
 _ADDERS = {
     "summaries": "Context.add_gradient_summary",
     "module_outputs": "Context.add_gradient_output",
@@ -50,7 +52,7 @@ _ADDERS = {
 class Level:
     """One scan or vmap around a probe (static): its iterations' path and layout."""
 
-    path: tuple[Any, ...]
+    path: Names
     length: int
     merged: bool
     reverse: bool
@@ -61,9 +63,9 @@ class Probe:
     """What the shape pass learns about one probe (static)."""
 
     kind: str
-    levels: tuple[Any, ...]  # `Level`s, outermost first
+    levels: tuple[Level, ...]  # outermost first
     treedef: TreeDef  # of `fn`'s output
-    leaves: tuple[Any, ...]  # `jax.ShapeDtypeStruct` of each output leaf
+    leaves: tuple[jax.ShapeDtypeStruct, ...]  # of each output leaf
 
     def sink(self) -> PyTree[Array]:
         """Zeros shaped `[*lengths, *leaf]` per output leaf, in a floating dtype."""
@@ -73,7 +75,7 @@ class Probe:
         )
 
 
-def _sink_dtype(dtype: Any) -> Any:
+def _sink_dtype(dtype: DType) -> DType:
     """Integer and bool outputs travel as float32 (exact below 2**24)."""
     if jnp.issubdtype(dtype, jnp.floating):
         return dtype
@@ -89,10 +91,10 @@ class GradientState:
 
     __slots__ = ("levels", "mode", "sinks")
     mode: str
-    levels: tuple[Any, ...]
-    sinks: dict[Any, Any]
+    levels: tuple[Level, ...]
+    sinks: Sinks
 
-    def __init__(self, mode: str, levels: tuple[Any, ...], sinks: dict[Any, Any]):
+    def __init__(self, mode: str, levels: tuple[Level, ...], sinks: Sinks):
         self.mode = mode
         self.levels = levels
         self.sinks = sinks
@@ -114,11 +116,11 @@ class PendingGradient(Summary):
         probe: the probe's description, static.
     """
 
-    inner: Any
-    key: Any = eqx.field(static=True)
-    probe: Any = eqx.field(static=True)
+    inner: ArrayTree
+    key: SinkKey = eqx.field(static=True)
+    probe: Probe = eqx.field(static=True)
 
-    def value(self) -> Any:
+    def value(self) -> ArrayTree:
         """Raise: the value exists only after the backward pass."""
         raise TypeError(
             f"The gradient summary at {'/'.join((*self.key[0], self.key[2]))!r} is "
@@ -154,7 +156,7 @@ def _identity(cotangent: Array) -> Array:
     return cotangent
 
 
-def _check_probe_input(x: Any, where: str, path: str) -> None:
+def _check_probe_input(x: object, where: str, path: str) -> None:
     dtype = getattr(x, "dtype", None)
     if not isinstance(x, (jax.Array, np.ndarray)) or dtype is None:
         raise TypeError(
@@ -170,11 +172,11 @@ def _check_probe_input(x: Any, where: str, path: str) -> None:
 
 
 def _output_spec(
-    fn: Callable[[Array], Any], x: Array, where: str, path: str
-) -> tuple[TreeDef, tuple[Any, ...]]:
+    fn: Callable[[Array], ArrayTree], x: Array, where: str, path: str
+) -> tuple[TreeDef, tuple[jax.ShapeDtypeStruct, ...]]:
     """Return the treedef and leaf specs of `fn(cotangent)` (checked, abstractly)."""
 
-    def checked(ct: Array) -> Any:
+    def checked(ct: Array) -> ArrayTree:
         out = fn(ct)
         if isinstance(out, Summary):
             return out
@@ -200,10 +202,10 @@ def add_probe(
     ctx: Context,
     kind: GradKind,
     name: str,
-    x: Any,
-    fn: Any,  # checked here, with a message naming the path
-    level: Any = 0,  # checked by `drops`, with a message
-) -> tuple[Any, Context]:
+    x: ArrayTree,  # checked here, with a message naming the path
+    fn: object,  # checked here, with a message naming the path
+    level: object = 0,  # checked by `drops`, with a message
+) -> tuple[ArrayTree, Context]:
     """`ctx.add_gradient_summary` / `add_gradient_output` (see their docstrings)."""
     where = _ADDERS[kind]
     validate_leaf_name(name, where=where)
@@ -240,7 +242,7 @@ def add_probe(
     return x, ctx
 
 
-def _probe(x: Array, sink: PyTree[Array], fn: Callable[[Array], Any]) -> Array:
+def _probe(x: Array, sink: PyTree[Array], fn: Callable[[Array], ArrayTree]) -> Array:
     """`x`, whose backward pass emits `fn(cotangent)` as `sink`'s cotangent."""
     sink_leaves, treedef = jax.tree_util.tree_flatten(sink)
 
@@ -282,7 +284,7 @@ class Iterations:
             k: v for k, v in parent.sinks.items() if tuple(k[0][:n]) == level.path
         }
 
-    def state(self, sinks: dict[Any, Any]) -> GradientState:
+    def state(self, sinks: Sinks) -> GradientState:
         """Return the gradient state of one iteration, given its slice of `sinks`."""
         return GradientState(
             self.parent.mode, (*self.parent.levels, self.level), dict(sinks)

@@ -2,7 +2,7 @@
 
 import queue
 import threading
-from typing import Any
+from typing import Any, TypeAlias
 
 import jax
 
@@ -21,6 +21,11 @@ _FLUSH = "flush"
 _STOP = "stop"
 _WRITE = "write"
 _FETCH = "fetch"
+
+#: `(kind, item)` on the queue: a `HostSummaries` to write, `(step, summary trees)`
+#: to fetch, or None. The item is untyped: its type follows the kind, which pyright
+#: does not narrow through the unpacked tuple.
+_Job: TypeAlias = tuple[str, Any]
 
 
 class AsyncWriter(AbstractWriter):
@@ -101,7 +106,7 @@ class AsyncWriter(AbstractWriter):
         self.max_pending = max_pending
         self.defer_fetch = defer_fetch
         self.background_fetch = background_fetch
-        self._queue: queue.Queue[tuple[str, Any]] = queue.Queue(max_pending)
+        self._queue: queue.Queue[_Job] = queue.Queue(max_pending)
         self._deferred: tuple[int, Summaries] | None = None
         self._error: BaseException | None = None
         self._error_step: int | None = None

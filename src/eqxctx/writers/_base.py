@@ -4,9 +4,9 @@ import abc
 import dataclasses
 import functools
 import operator
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import TracebackType
-from typing import Any, SupportsIndex, TypeAlias, TypeVar
+from typing import SupportsIndex, TypeAlias, TypeVar
 
 import jax
 import numpy as np
@@ -26,6 +26,7 @@ from eqxctx._summary import (
     WeightedSummary,
 )
 from eqxctx._transfer import to_host
+from eqxctx._typing import ArrayTree, Leaf, SummaryTree
 
 from ._fetch import device_get
 from ._host import HostValue, HostValues, Part, Rows
@@ -33,7 +34,7 @@ from ._host import HostValue, HostValues, Part, Rows
 
 #: What `write` accepts: an `OutputCollection` (its summaries are written) or a
 #: nested mapping of summaries, e.g. `collection.summaries` or `{"train": ...}`.
-Summaries: TypeAlias = OutputCollection | Mapping[str, Any]
+Summaries: TypeAlias = OutputCollection | SummaryTree
 
 #: A step number: a Python or NumPy integer (anything with `__index__`).
 Step: TypeAlias = SupportsIndex
@@ -47,7 +48,7 @@ def _collision(path: str, *, where: str) -> ValueError:
     )
 
 
-def flatten_summaries(summaries: object, *, where: str) -> dict[str, Any]:
+def flatten_summaries(summaries: object, *, where: str) -> dict[str, Leaf]:
     """Return `{path: leaf}` with "/"-joined paths; per-iteration children expanded.
 
     Each stacked array is fetched to the host once and indexed there.
@@ -62,9 +63,9 @@ def flatten_summaries(summaries: object, *, where: str) -> dict[str, Any]:
             names the path. No value is ever dropped silently.
     """
     tree = summary_tree(summaries, where=where)
-    out: dict[str, Any] = {}
+    out: dict[str, Leaf] = {}
 
-    def put(path: str, leaf: Any) -> None:
+    def put(path: str, leaf: Leaf) -> None:
         if path in out:
             raise _collision(path, where=where)
         out[path] = leaf
@@ -105,7 +106,9 @@ def check_step(step: object, *, where: str) -> int:
     return value
 
 
-def _expand(path: str, value: Any, *, where: str) -> Iterator[tuple[str, Any]]:
+def _expand(
+    path: str, value: ArrayTree, *, where: str
+) -> Iterator[tuple[str, ArrayTree]]:
     """Yield `(path, value)`; a mapping (a `CallbackSummary` result) is expanded."""
     if isinstance(value, Mapping):
         for key, sub in value.items():
@@ -115,7 +118,8 @@ def _expand(path: str, value: Any, *, where: str) -> Iterator[tuple[str, Any]]:
         yield path, value
 
 
-def _numeric(path: str, value: Any, *, where: str) -> np.ndarray:
+# `value: ArrayTree`: any value, checked here with a message naming the path.
+def _numeric(path: str, value: ArrayTree, *, where: str) -> np.ndarray:
     arr = value if type(value) is np.ndarray else np.asarray(value)
     problem = _dtype_problem(arr.dtype)
     if problem is not None:
@@ -124,7 +128,7 @@ def _numeric(path: str, value: Any, *, where: str) -> np.ndarray:
 
 
 @functools.cache
-def _dtype_problem(dtype: np.dtype[Any]) -> str | None:
+def _dtype_problem(dtype: np.dtype[np.generic]) -> str | None:
     """Why writers refuse values of `dtype`, or None (cached: one check per dtype)."""
     if not (dtype == np.bool_ or jax.numpy.issubdtype(dtype, np.number)):
         return f"has dtype {dtype}; writers accept bool, integer and floating values."
@@ -186,9 +190,11 @@ def host_values(summaries: object, *, where: str) -> HostValues:
     parts: list[Part] = []
     out: dict[str, HostValue] = {}  # the part being filled
     seen: set[str] = set()  # every path so far
-    checked: set[Any] = set()  # dtypes already accepted (one check per dtype)
+    checked: set[np.dtype[np.generic]] = (
+        set()
+    )  # dtypes already accepted (one check per dtype)
 
-    def put(path: str, leaf: Any) -> None:
+    def put(path: str, leaf: Leaf) -> None:
         if path in seen:
             raise _collision(path, where=where)
         cls = type(leaf)
@@ -202,7 +208,7 @@ def host_values(summaries: object, *, where: str) -> HostValues:
             return
         read = _READERS.get(cls)
         if read is not None:  # a built-in kind: its fields read directly
-            items: Any = read(leaf.__dict__, path, where)
+            items: Iterable[tuple[str, ArrayTree]] = read(leaf.__dict__, path, where)
         else:
             if isinstance(leaf, Summary):
                 try:
@@ -227,7 +233,7 @@ def host_values(summaries: object, *, where: str) -> HostValues:
             seen.add(sub)
             out[sub] = value
 
-    def put_rows(paths: tuple[str, ...], columns: list[Any]) -> None:
+    def put_rows(paths: tuple[str, ...], columns: list[np.ndarray]) -> None:
         nonlocal out
         for column in columns:
             if column.dtype not in checked:
@@ -247,7 +253,13 @@ def host_values(summaries: object, *, where: str) -> HostValues:
     return HostValues(parts)
 
 
-def _read_weighted(fields: dict[str, Any], path: str, where: str) -> list[Any]:
+#: A summary's fields (`leaf.__dict__`: NumPy values after the fetch).
+_Fields: TypeAlias = dict[str, ArrayTree]
+#: `(path, value)` entries read from one summary's fields.
+_Entries: TypeAlias = list[tuple[str, ArrayTree]]
+
+
+def _read_weighted(fields: _Fields, path: str, where: str) -> _Entries:
     mean, weight = fields["mean"], fields["weight"]
     if np.shape(weight) not in ((), np.shape(mean)):
         # `validate`'s message, without building the summary again.
@@ -266,11 +278,11 @@ def _read_weighted(fields: dict[str, Any], path: str, where: str) -> list[Any]:
     return [(path, mean)]
 
 
-def _read_value(fields: dict[str, Any], path: str, where: str) -> list[Any]:
+def _read_value(fields: _Fields, path: str, where: str) -> _Entries:
     return [(path, fields["value_"])]
 
 
-def _read_moments(fields: dict[str, Any], path: str, where: str) -> list[Any]:
+def _read_moments(fields: _Fields, path: str, where: str) -> _Entries:
     count = np.asarray(fields["count"])
     m2 = np.asarray(fields["m2"])
     return [
@@ -286,7 +298,7 @@ def _read_moments(fields: dict[str, Any], path: str, where: str) -> list[Any]:
 #: The built-in kinds whose values are read from their fields (`leaf.__dict__`:
 #: Equinox's `Module.__getattribute__` costs ~1 µs per field read), by exact type
 #: (the kinds are final). The same values as `_host_value`, and `validate`'s check.
-_READERS: dict[type, Any] = {
+_READERS: dict[type, Callable[[_Fields, str, str], _Entries]] = {
     WeightedSummary: _read_weighted,
     MinSummary: _read_value,
     MaxSummary: _read_value,
@@ -295,7 +307,7 @@ _READERS: dict[type, Any] = {
 }
 
 
-def _device_get(tree: Any) -> Any:
+def _device_get(tree: ArrayTree) -> ArrayTree:
     """`jax.device_get(tree)` (one process), at a fraction of its cost per array.
 
     `eqxctx.writers._fetch.device_get`: one transfer per dtype for the small arrays
@@ -320,7 +332,7 @@ def summary_trees(summaries: object) -> object:
     return summaries
 
 
-def _in_order(host: Any, like: Any) -> Any:
+def _in_order(host: ArrayTree, like: ArrayTree) -> ArrayTree:
     """`host` with its mappings in the key order of `like` (`to_host` sorts keys).
 
     A `FrozenMapping` (a collection's level, checked when it was made) stays one.
@@ -331,7 +343,7 @@ def _in_order(host: Any, like: Any) -> Any:
     return host
 
 
-def _callback_value(path: str, leaf: Any, where: str) -> Any:
+def _callback_value(path: str, leaf: Leaf, where: str) -> ArrayTree:
     """`_host_value(leaf)`; an error raised by a `CallbackSummary`'s fn names `path`."""
     if not isinstance(leaf, CallbackSummary):
         return _host_value(leaf)
@@ -344,7 +356,7 @@ def _callback_value(path: str, leaf: Any, where: str) -> Any:
         ) from e
 
 
-def _host_value(leaf: Any) -> Any:
+def _host_value(leaf: Leaf) -> ArrayTree:
     """What a writer writes for a fetched leaf (NumPy fields): its `value()`.
 
     The built-in kinds are read on the host (NumPy), without a device round trip; a

@@ -12,11 +12,13 @@ array by one per dtype. The values are the same bits (a concatenation copies the
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple, TypeAlias
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from eqxctx._typing import ArrayTree, DType
 
 
 #: Arrays larger than this (elements) are fetched alone: batching them would copy
@@ -44,12 +46,15 @@ class _Plan(NamedTuple):
     alone: tuple[int, ...]
 
 
+#: The shape, dtype and sharding of each array of a write.
+_Signature: TypeAlias = tuple[tuple[tuple[int, ...], DType, jax.sharding.Sharding], ...]
+
 #: signature -> the plan, or None once seen (a plan is made at the second sighting,
 #: so a signature written once compiles nothing).
-_plans: dict[tuple[Any, ...], _Plan | None] = {}
+_plans: dict[_Signature, _Plan | None] = {}
 
 
-def _batchable(x: jax.Array, sharding: Any) -> bool:
+def _batchable(x: jax.Array, sharding: jax.sharding.Sharding) -> bool:
     dtype = x.dtype
     return (
         x.size <= MAX_BATCHED_SIZE
@@ -66,7 +71,7 @@ def _make_plan(arrays: list[jax.Array]) -> _Plan | None:
     # array): the batched output is read from one device, as each array would be.
     if not first.is_fully_replicated:
         return None
-    groups: dict[Any, list[int]] = {}
+    groups: dict[DType, list[int]] = {}
     for i, x in enumerate(arrays):
         if _batchable(x, first):
             groups.setdefault(x.dtype, []).append(i)
@@ -105,7 +110,7 @@ def _plan(arrays: list[jax.Array]) -> _Plan | None:
     return None
 
 
-def device_get(tree: Any) -> Any:
+def device_get(tree: ArrayTree) -> ArrayTree:
     """`jax.device_get(tree)` for one process: NumPy arrays, other leaves as they are.
 
     Small arrays with one replicated sharding are fetched in one transfer per dtype
@@ -129,7 +134,7 @@ def device_get(tree: Any) -> Any:
             outs = plan.fn([arrays[k] for k in plan.batched])
             for k in plan.alone:
                 arrays[k].copy_to_host_async()
-            host: list[Any] = [None] * len(arrays)
+            host: list[np.ndarray | None] = [None] * len(arrays)
             for out, items in zip(outs, plan.splits, strict=True):
                 flat = np.asarray(out)
                 for k, start, stop, shape in items:

@@ -1,7 +1,7 @@
 """HostValues: one step's `{path: value}` on the host, per-iteration rows kept whole."""
 
 from collections.abc import Iterator, Mapping
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
 import numpy as np
 
@@ -23,7 +23,7 @@ class Rows:
 
     __slots__ = ("columns", "paths")
 
-    def __init__(self, paths: tuple[str, ...], columns: list[Any]):
+    def __init__(self, paths: tuple[str, ...], columns: list[np.ndarray]):
         self.paths = paths
         self.columns = columns
 
@@ -50,9 +50,10 @@ class HostValues(Mapping[str, HostValue]):
 
     __slots__ = ("_dict", "_keys", "_parts")
 
-    # `Any`: beartype samples a list's items with `random` (see `_iterations`).
-    def __init__(self, parts: Any):
-        self._parts: list[Part] = parts
+    # `list[Part]`: beartype samples a list's items with `random`, which hypothesis
+    # forbids inside strategies; host values are made by writers, never in one.
+    def __init__(self, parts: list[Part]):
+        self._parts = parts
         self._dict: dict[str, HostValue] | None = None
         self._keys: frozenset[str] | None = None
 

@@ -4,7 +4,7 @@ import json
 import operator
 import os
 from collections.abc import Iterable
-from typing import IO, Any, Literal
+from typing import IO, Literal, TypeAlias
 
 import numpy as np
 import orjson
@@ -17,6 +17,12 @@ from ._host import HostValue, HostValues, Rows
 
 
 _POW10 = 10.0 ** np.arange(23)
+
+
+#: What `json.dumps` writes for one value: a number, nested lists of numbers or
+#: (a histogram) a dict of them. `object`: NumPy's `tolist` builds it, untyped, and
+#: it is only passed to `json.dumps`.
+JsonValue: TypeAlias = object
 
 
 def shortest_float32(values: np.ndarray) -> list[float]:
@@ -75,7 +81,7 @@ def shortest_float32(values: np.ndarray) -> list[float]:
     return out.tolist()
 
 
-def json_value(arr: np.ndarray) -> Any:
+def json_value(arr: np.ndarray) -> JsonValue:
     """Return `arr` as a Python number (rank 0) or nested lists of numbers.
 
     Booleans become 0/1. Floating values of at most 32 bits are written with the
@@ -103,7 +109,7 @@ def nonempty_span(counts: np.ndarray) -> tuple[int, int]:
     return int(nonzero[0]), int(nonzero[-1]) + 1
 
 
-def histogram_json(h: HistogramSummary) -> dict[str, Any]:
+def histogram_json(h: HistogramSummary) -> dict[str, JsonValue]:
     """Return `{"edges": [...], "counts": [...]}` of the non-empty bucket span.
 
     The buckets from the first to the last non-empty one, with their `k + 1` edges
@@ -121,7 +127,7 @@ def histogram_json(h: HistogramSummary) -> dict[str, Any]:
     }
 
 
-def record_value(value: HostValue) -> Any:
+def record_value(value: HostValue) -> JsonValue:
     """Return what `JsonlWriter` writes for one fetched value."""
     if type(value) is np.ndarray:
         return json_value(value)
@@ -132,18 +138,18 @@ def record_value(value: HostValue) -> Any:
     return json_value(value)
 
 
-def json_record(host: HostSummaries) -> dict[str, Any]:
+def json_record(host: HostSummaries) -> dict[str, JsonValue]:
     """Return the object `JsonlWriter` writes for one step: `{"step": ..., path: ...}`.
 
     Scalar floats (per-iteration summaries give thousands) are converted together
     by `shortest_float32`.
     """
-    record: dict[str, Any] = {"step": host.step}
+    record: dict[str, JsonValue] = {"step": host.step}
     _fill(record, host.values.items())
     return record
 
 
-def _fill(record: dict[str, Any], items: Iterable[tuple[str, HostValue]]) -> None:
+def _fill(record: dict[str, JsonValue], items: Iterable[tuple[str, HostValue]]) -> None:
     scalars: list[str] = []
     values: list[np.ndarray] = []
     for path, value in items:
@@ -176,7 +182,7 @@ def json_line(host: HostSummaries) -> str:
         if isinstance(part, Rows):
             text = _rows_json(part)
         else:
-            record: dict[str, Any] = {}
+            record: dict[str, JsonValue] = {}
             _fill(record, part.items())
             text = json.dumps(record)[1:-1]
         if text:
@@ -192,7 +198,7 @@ def _rows_json(rows: Rows) -> str:
     """The `"path": value` pairs of `rows`, joined with `", "` (as `json.dumps`)."""
     columns = rows.columns
     if not columns or any(c.ndim != 1 for c in columns):
-        record: dict[str, Any] = {}
+        record: dict[str, JsonValue] = {}
         _fill(record, rows.items())
         return json.dumps(record)[1:-1]
     keys = _KEYS.get(rows.paths)
@@ -209,7 +215,7 @@ def _rows_json(rows: Rows) -> str:
     return ", ".join(map(operator.add, keys, texts))
 
 
-def _is_float32(dtype: np.dtype[Any]) -> bool:
+def _is_float32(dtype: np.dtype[np.generic]) -> bool:
     """Whether `json_value` writes values of `dtype` as float32 shortest decimals."""
     return dtype.kind == "f" and dtype.itemsize <= 4
 

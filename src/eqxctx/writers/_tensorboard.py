@@ -10,7 +10,9 @@ import struct
 import time
 import wave
 import zlib
-from typing import IO, Any
+from collections.abc import Callable
+from types import ModuleType
+from typing import IO, Any, TypeAlias
 
 import numpy as np
 
@@ -18,7 +20,7 @@ from eqxctx._errors import OutputConflictError
 from eqxctx._statistics import HistogramSummary, tensorflow_edges
 from eqxctx._summary import AudioSummary, ImageSummary
 
-from ._base import AbstractWriter, HostSummaries, is_writing_process
+from ._base import AbstractWriter, HostSummaries, HostValue, is_writing_process
 from ._jsonl import nonempty_span
 
 
@@ -33,6 +35,11 @@ _MISSING = (
 _INVALID_TAG_CHARACTERS = re.compile(r"[^-/\w.]")
 _DT_STRING = 7  # tensorflow/core/framework/types.proto
 _DBL_MAX = float(np.finfo(np.float64).max)
+
+#: A tensorboardX protobuf message (`Event`, `Summary.Value`, `HistogramProto`).
+#: `Any`: tensorboardX is optional and imported by the writer, so its classes (typed
+#: in `typings/tensorboardX`) cannot be named in annotations read at run time.
+Proto: TypeAlias = Any
 
 
 @functools.lru_cache(maxsize=65536)  # the same paths every step
@@ -98,7 +105,7 @@ def wav_bytes(audio: np.ndarray, sample_rate: int) -> bytes:
 class _EventFile:
     """One TFRecord event file of its own, never an existing one (opened "xb")."""
 
-    def __init__(self, logdir: str, event_pb2: Any, crc: Any):
+    def __init__(self, logdir: str, event_pb2: ModuleType, crc: Callable[[bytes], int]):
         os.makedirs(logdir, exist_ok=True)
         self._event_pb2 = event_pb2
         self._crc = crc
@@ -117,7 +124,7 @@ class _EventFile:
             self._event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2")
         )
 
-    def write(self, event: Any) -> None:
+    def write(self, event: Proto) -> None:
         data = event.SerializeToString()
         header = struct.pack("<Q", len(data))
         self.file.write(header + struct.pack("<I", self._crc(header)))
@@ -237,7 +244,7 @@ class TensorBoardWriter(AbstractWriter):
             return
         summary = self._summary_pb2.Summary
         scalar = summary.Value
-        values: list[Any] = []
+        values: list[Proto] = []
         for path, value in host.values.items():
             if type(value) is np.ndarray and not value.ndim:
                 # Most values: a scalar, without `_value`'s media checks (each an
@@ -256,7 +263,7 @@ class TensorBoardWriter(AbstractWriter):
         if self._pending >= self._max_queue or elapsed >= self._flush_secs:
             self.flush()
 
-    def _value(self, tag: str, value: Any) -> Any:
+    def _value(self, tag: str, value: HostValue) -> Proto | None:
         summary = self._summary_pb2.Summary
         if isinstance(value, ImageSummary):
             return self._images(tag, np.asarray(value.value_))
@@ -281,7 +288,7 @@ class TensorBoardWriter(AbstractWriter):
             return summary.Value(tag=tag, simple_value=float(value))
         return None if histo is None else summary.Value(tag=tag, histo=histo)
 
-    def _images(self, tag: str, images: np.ndarray) -> Any:
+    def _images(self, tag: str, images: np.ndarray) -> Proto:
         """TensorBoard's image format: a string tensor `[width, height, *pngs]`."""
         nhwc = images_nhwc(images)
         _, height, width, _ = nhwc.shape
@@ -300,7 +307,7 @@ class TensorBoardWriter(AbstractWriter):
 
     def _histogram(
         self, counts: np.ndarray, edges: tuple[float, ...], values: np.ndarray | None
-    ) -> Any:
+    ) -> Proto | None:
         """A `HistogramProto` of the non-empty bucket span (None if no count).
 
         TensorBoard's format: `bucket_limit[i]` is bucket i's right edge; `min`

@@ -4,7 +4,7 @@ import math
 import os
 import shutil
 import tempfile
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 
@@ -14,6 +14,11 @@ from eqxctx._summary import AudioSummary, ImageSummary
 from ._base import AbstractWriter, HostSummaries, HostValue, is_writing_process
 from ._jsonl import nonempty_span
 from ._tensorboard import images_nhwc, wav_bytes
+
+
+#: A W&B run: `wandb.init()`'s result, or any object with its `log` and `finish`
+#: (duck-typed; `Any`: wandb is optional, imported by the writer).
+Run: TypeAlias = Any
 
 
 _MISSING = (
@@ -104,7 +109,8 @@ class WandbWriter(AbstractWriter):
         ValueError: if both `run` and `init_kwargs` are given.
     """
 
-    def __init__(self, run: Any = None, **init_kwargs: Any):
+    # `init_kwargs: Any`: `wandb.init`'s own arguments, typed and checked by wandb.
+    def __init__(self, run: Run = None, **init_kwargs: Any):
         try:
             import wandb
         except ImportError as e:
@@ -119,7 +125,7 @@ class WandbWriter(AbstractWriter):
         self._closed = False
         self._last_step: int | None = None
         self._media_dir: str | None = None
-        self.run: Any = None
+        self.run: Run = None
         if is_writing_process():
             self.run = wandb.init(**init_kwargs) if run is None else run
 
@@ -151,14 +157,14 @@ class WandbWriter(AbstractWriter):
         """Log one step: `run.log({path: value, ...}, step=step)`."""
         if self.run is None:
             return
-        record: dict[str, Any] = {}
+        record: dict[str, object] = {}
         for path, value in host.values.items():
             converted = self._value(path, host.step, value)
             if converted is not None:
                 record[path] = converted
         self.run.log(record, step=host.step)
 
-    def _value(self, path: str, step: int, value: HostValue) -> Any:
+    def _value(self, path: str, step: int, value: HostValue) -> object:
         wandb = self._wandb
         if isinstance(value, ImageSummary):
             nhwc = images_nhwc(np.asarray(value.value_))
