@@ -710,3 +710,37 @@ def test_jit_outputs_cost_one_call_per_level(k: int) -> None:
     assert count_own_calls(lambda: jax.tree_util.tree_leaves(out[0])) == 7
     assert count_own_calls(lambda: jax.tree_util.tree_flatten_with_path(out[0])) == 7
     assert jax.tree_util.tree_leaves(out[0]) == leaves
+
+
+def test_summary_names_are_checked_once_per_structure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Accumulators and writers see one structure every step: its names are checked
+    # the first time only; a new structure (or a bad name) is checked again.
+    calls: list[str] = []
+    check = collection_module.check_summary_name
+
+    def counted(key: object, prefix: str, *, where: str) -> str:
+        calls.append(f"{prefix}{key}")
+        return check(key, prefix, where=where)
+
+    monkeypatch.setattr(collection_module, "check_summary_name", counted)
+    collection_module._NAMES_CHECKED.clear()  # pyright: ignore[reportPrivateUsage]
+
+    def step(i: int) -> dict[str, Any]:
+        return {
+            "loss": WeightedSummary(jnp.float32(i), 1.0),
+            "z": {"acc": jnp.float32(i)},
+        }
+
+    acc = SummaryAccumulator().update(step(0))
+    assert sorted(calls) == ["loss", "z", "z/acc"]
+    calls.clear()
+    for i in range(1, 4):
+        acc = acc.update(step(i))
+    assert calls == []
+    np.testing.assert_allclose(acc.summaries()["loss"].value(), 1.5)
+    with pytest.raises(ValueError, match=r"invalid summary name 'a/b'"):
+        acc.update({**step(4), "a/b": jnp.float32(0)})
+    with pytest.raises(ValueError, match=r"invalid summary name 'a/b'"):
+        acc.update({**step(4), "a/b": jnp.float32(0)})

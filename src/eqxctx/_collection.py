@@ -33,7 +33,7 @@ from ._leaves import (
     validate_leaf_name,
 )
 from ._mapping import EMPTY, FrozenMapping, Levels, child_in_any, key_in_any
-from ._typing import Children, Leaf, PathPredicate, SummaryTree, Tree
+from ._typing import Children, Leaf, PathPredicate, SummaryTree, Tree, TreeDef
 
 
 __all__ = [
@@ -560,8 +560,22 @@ def summary_tree(summaries: object, *, where: str) -> FrozenMapping:
             f"`{where}`: summaries must be an `OutputCollection` or a nested mapping "
             f"of summaries, got {type(summaries).__name__}."
         )
-    check_summary_names(tree, "", where=where)
+    # The names depend only on the structure: checked once per treedef (writers and
+    # accumulators see the same structure every step).
+    treedef = jax.tree_util.tree_structure(tree)
+    try:
+        known = treedef in _NAMES_CHECKED
+    except TypeError:  # a node with unhashable aux data: check every time
+        known = False
+        treedef = None
+    if not known:
+        check_summary_names(tree, "", where=where)
+        if treedef is not None and len(_NAMES_CHECKED) < 1024:
+            _NAMES_CHECKED.add(treedef)
     return tree
+
+
+_NAMES_CHECKED: set[TreeDef] = set()
 
 
 def _summaries_of(tree: Tree) -> Tree:
