@@ -1,6 +1,7 @@
 """Shared test helpers."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -17,6 +18,22 @@ import pytest
 def tree_allclose(a: Any, b: Any, *, rtol: float = 1e-6, atol: float = 1e-6) -> bool:
     """Return whether two PyTrees have equal structure and allclose leaves."""
     return bool(eqx.tree_equal(a, b, typematch=False, rtol=rtol, atol=atol))
+
+
+def optimized_hlo(fn: Any, *args: Any) -> str:
+    """The optimized HLO of `jax.jit(fn)` on `args`, without names and source lines.
+
+    The module's name holds the function's name, and metadata and the tables of
+    source locations hold source lines; the program is the rest, so two functions
+    that compile to one program give equal text.
+    """
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    assert text is not None
+    text = re.sub(r"^HloModule \S+", "HloModule m", text)
+    text = re.sub(r",? metadata=\{[^}]*\}", "", text)
+    tables = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+    blocks = [b for b in text.split("\n\n") if not b.startswith(tables)]
+    return "\n\n".join(blocks)
 
 
 def to_numpy_dict(flat: dict[str, Any]) -> dict[str, np.ndarray]:

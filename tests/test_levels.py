@@ -26,6 +26,7 @@ from eqxctx import (
     vmap_in_context,
     while_in_context,
 )
+from helpers import optimized_hlo
 
 
 def _add(x: Any, ctx: Context) -> Context:
@@ -266,23 +267,11 @@ def _expensive_step(summary: bool, level: int | None) -> Any:
     return step
 
 
-def _optimized_hlo(fn: Any, *args: Any) -> str:
-    text = jax.jit(fn).lower(*args).compile().as_text()
-    assert text is not None
-    # The module's name holds the function's name, and metadata and the tables of
-    # source locations the source lines; the program is the rest.
-    text = re.sub(r"^HloModule \S+", "HloModule m", text)
-    text = re.sub(r",? metadata=\{[^}]*\}", "", text)
-    tables = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
-    blocks = [b for b in text.split("\n\n") if not b.startswith(tables)]
-    return "\n\n".join(blocks)
-
-
 def test_hlo_of_a_dropped_expensive_summary_equals_the_step_without_it() -> None:
     x = jnp.ones((16, 16), jnp.float32)
-    dropped = _optimized_hlo(_expensive_step(summary=True, level=0), x)
-    without = _optimized_hlo(_expensive_step(summary=False, level=None), x)
-    kept = _optimized_hlo(_expensive_step(summary=True, level=None), x)
+    dropped = optimized_hlo(_expensive_step(summary=True, level=0), x)
+    without = optimized_hlo(_expensive_step(summary=False, level=None), x)
+    kept = optimized_hlo(_expensive_step(summary=True, level=None), x)
     assert dropped == without
     assert kept != without  # the summary is expensive when kept
     (_, coll) = jax.jit(_expensive_step(summary=True, level=0))(x)

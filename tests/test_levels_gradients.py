@@ -1,6 +1,5 @@
 """Levels of gradient probes: `add_gradient_summary(..., level=)` and `_output`."""
 
-import re
 from typing import Any
 
 import jax
@@ -10,6 +9,7 @@ import pytest
 
 import eqxctx
 from eqxctx import Context, scan_in_context
+from helpers import optimized_hlo
 
 
 def _loss(w: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
@@ -69,16 +69,6 @@ def test_scan_iterations_drop_probes_above_the_level() -> None:
         assert got == {f"iter{i}/{name}" for i in range(3) for name in want}
 
 
-def _optimized_hlo(fn: Any, *args: Any) -> str:
-    text = jax.jit(fn).lower(*args).compile().as_text()
-    assert text is not None
-    text = re.sub(r"^HloModule \S+", "HloModule m", text)
-    text = re.sub(r",? metadata=\{[^}]*\}", "", text)
-    tables = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
-    blocks = [b for b in text.split("\n\n") if not b.startswith(tables)]
-    return "\n\n".join(blocks)
-
-
 def _step(*, probe: bool, summary_level: int | None) -> Any:
     def spectrum(ct: jax.Array) -> Any:
         s = jnp.linalg.svd(ct, compute_uv=False)
@@ -97,9 +87,9 @@ def _step(*, probe: bool, summary_level: int | None) -> Any:
 def test_hlo_of_a_dropped_expensive_probe_equals_the_step_without_it() -> None:
     w = jnp.ones((16, 16), jnp.float32)
     x = jnp.ones((16, 16), jnp.float32)
-    dropped = _optimized_hlo(_step(probe=True, summary_level=0), w, x)
-    without = _optimized_hlo(_step(probe=False, summary_level=None), w, x)
-    kept = _optimized_hlo(_step(probe=True, summary_level=None), w, x)
+    dropped = optimized_hlo(_step(probe=True, summary_level=0), w, x)
+    without = optimized_hlo(_step(probe=False, summary_level=None), w, x)
+    kept = optimized_hlo(_step(probe=True, summary_level=None), w, x)
     assert dropped == without
     assert kept != without  # the probe is expensive when kept
     (_, coll), _ = jax.jit(_step(probe=True, summary_level=0))(w, x)
