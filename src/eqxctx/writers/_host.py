@@ -86,10 +86,15 @@ class HostValues(Mapping[str, HostValue]):
     def __contains__(self, key: object) -> bool:
         if self._dict is not None:
             return key in self._dict
-        return any(
-            key in (part.paths if isinstance(part, Rows) else part)
-            for part in self._parts
-        )
+        for part in self._parts:
+            if isinstance(part, Rows):
+                # Row paths are `{prefix}{i}/...`: a name without "/" (a writer's
+                # `"step" in values`) is never one, and is not searched for.
+                if isinstance(key, str) and "/" in key and key in part.paths:
+                    return True
+            elif key in part:
+                return True
+        return False
 
     def __repr__(self) -> str:
         return f"HostValues({self._full()!r})"

@@ -190,8 +190,10 @@ def json_line(host: HostSummaries) -> str:
     return "{" + ", ".join(pieces) + "}"
 
 
-# `'"path": '` of each path of a layout's rows, by the (cached) paths tuple.
-_KEYS: dict[tuple[str, ...], list[str]] = {}
+# `'"path": '` of each path of a layout's rows, by the identity of the paths tuple
+# (one cached object per layout; hashing its thousands of items took ~45 µs a write).
+# Each entry holds its tuple, so the id stays its own.
+_KEYS: dict[int, tuple[tuple[str, ...], list[str]]] = {}
 
 
 def _rows_json(rows: Rows) -> str:
@@ -201,11 +203,14 @@ def _rows_json(rows: Rows) -> str:
         record: dict[str, JsonValue] = {}
         _fill(record, rows.items())
         return json.dumps(record)[1:-1]
-    keys = _KEYS.get(rows.paths)
-    if keys is None:
-        keys = [json.dumps(path) + ": " for path in rows.paths]
+    paths = rows.paths
+    entry = _KEYS.get(id(paths))
+    if entry is not None and entry[0] is paths:
+        keys = entry[1]
+    else:
+        keys = [json.dumps(path) + ": " for path in paths]
         if len(_KEYS) < 256:
-            _KEYS[rows.paths] = keys
+            _KEYS[id(paths)] = (paths, keys)
     if all(_is_float32(c.dtype) for c in columns):
         # One matrix [iterations, columns] in row order: the paths' order.
         texts = float32_texts(np.stack(columns, axis=1).reshape(-1))
