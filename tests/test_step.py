@@ -477,6 +477,44 @@ def test_output_is_a_frozen_pytree_dataclass_and_settings_hold_no_caches() -> No
         hash(getattr(settings, f.name))
 
 
+def test_runner_is_a_frozen_pytree_dataclass_rebuilt_by_its_constructor() -> None:
+    runner = MethodRunner.create(
+        affine(), "apply", mesh=mesh_1d(AxisType.Auto), prng_key=jax.random.PRNGKey(0)
+    )
+    assert [f.name for f in dataclasses.fields(runner)] == [
+        "param_leaves",
+        "prng_key",
+        "step",
+    ]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        runner.prng_key = jax.random.PRNGKey(1)  # pyright: ignore[reportAttributeAccessIssue]
+    # Children: the parameter leaves and the key; the step is static.
+    leaves, treedef = jax.tree.flatten(runner)
+    assert len(leaves) == len(runner.param_leaves) + 1
+    assert leaves[-1] is runner.prng_key
+    rebuilt = jax.tree.unflatten(treedef, leaves)
+    assert isinstance(rebuilt, MethodRunner)
+    assert rebuilt.step is runner.step
+    batch = {"x": np.ones((8, 4), np.float32), "id": np.arange(8, dtype=np.int32)}
+    nxt, _ = runner(batch)
+    assert type(nxt) is MethodRunner
+    assert nxt.step is runner.step
+    assert nxt.param_leaves is runner.param_leaves  # the same placed parameters
+    expected_key = jax.random.split(runner.prng_key)[0]
+    np.testing.assert_array_equal(np.asarray(nxt.prng_key), np.asarray(expected_key))
+    # Another key by `dataclasses.replace` gives the same result as a new runner.
+    other = dataclasses.replace(runner, prng_key=nxt.prng_key)
+    again = MethodRunner.create(
+        affine(), "apply", mesh=mesh_1d(AxisType.Auto), prng_key=nxt.prng_key
+    )
+    for got, want in zip(
+        jax.tree.leaves(other(batch)[1]), jax.tree.leaves(again(batch)[1]), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert "MethodRunner(" in repr(runner)
+    assert "param_leaves" in repr(runner)
+
+
 def test_runner_internals_use_public_apis_only() -> None:
     """No `object.__new__`, `__dict__` writes or `__getattribute__` overrides (#11)."""
     src = Path(eqxctx.__file__).parent

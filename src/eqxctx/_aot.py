@@ -6,6 +6,7 @@ lowering and compilation" in the JAX docs), applied to the runner's jitted step
 `compile()` returns a `CompiledRunner` called like the runner.
 """
 
+import dataclasses
 from typing import TYPE_CHECKING, Any, cast
 
 import jax
@@ -233,4 +234,4 @@ class CompiledRunner(_Staged):
         else:
             result = self._program(params, key, batch, mask)
         new_key, output = step.finish(result, batch, padding)
-        return step.next_runner(runner, params, new_key), output
+        return dataclasses.replace(runner, prng_key=new_key), output

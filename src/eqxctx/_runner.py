@@ -12,8 +12,8 @@ static parts share a compilation) but partitions the model once, in `create`, in
 tuple of parameter leaves (flattened by JAX in C++) and a hashable `Settings`, and
 calls a `jax.jit` of the step that closes over the settings' `Step`. A warm call is
 `Step.call` (the batch checked against the last one in C, JAX's dispatch, the
-`Output` dataclass) and the next runner rebuilt with `tree_unflatten` from a cached
-treedef, never blocking. See `docs/architecture.md`.
+`Output` dataclass) and the next runner built by its dataclass constructor, never
+blocking. See `docs/architecture.md`.
 """
 
 import dataclasses
@@ -52,12 +52,6 @@ from ._typing import (
 )
 
 
-# Reads a field of the runner without `eqx.Module.__getattribute__` (Python code that
-# wraps methods; ~0.5 µs per read on the hot path). Fields are plain dataclass
-# attributes; nothing is written this way.
-_field = object.__getattribute__
-
-
 def _available_methods(model: Model) -> list[str]:
     names = {
         n
@@ -86,12 +80,20 @@ def _check_method(model: Model, method: object) -> None:
         )
 
 
-class MethodRunner(eqx.Module):
+# Not an `eqx.Module`: a module's field reads and rebuilds run Python code that
+# would be a few percent of every call.
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, slots=True, repr=False)
+class MethodRunner:
     """Runs a model method on (sharded) batches, compiled once per batch signature.
 
     AXLearn's `MethodRunner`, as an immutable PyTree: calling it returns a new runner
     holding the next PRNG key, so the same runner called twice on the same batch gives
     the same result. Build one with `MethodRunner.create`.
+
+    A frozen dataclass registered as a PyTree: `param_leaves` and `prng_key` are its
+    children, `step` its static part; `dataclasses.replace(runner, prng_key=...)`
+    gives a runner with another key.
 
     The method runs under `jax.jit` with `eqx.filter_jit`'s semantics: array leaves
     (of the model, the batch and keyword arguments) are traced, every other leaf is
@@ -115,7 +117,7 @@ class MethodRunner(eqx.Module):
 
     param_leaves: tuple[jax.Array, ...]
     prng_key: PRNGKeyArray
-    step: Step = eqx.field(static=True)
+    step: Step = dataclasses.field(metadata={"static": True})
 
     @jax.tree_util.register_dataclass
     @dataclasses.dataclass(frozen=True, slots=True)
@@ -396,15 +398,13 @@ class MethodRunner(eqx.Module):
                 leaf is not an array (a `jax.ShapeDtypeStruct`: use `lower`; an
                 object that is not a registered PyTree), naming the leaf.
         """
-        step: Step = _field(self, "step")
-        params = _field(self, "param_leaves")
-        new_key, output = step.call(
-            params, _field(self, "prng_key"), input_batch, kwargs
-        )
-        rebuild = step.rebuild
-        if rebuild is None:
-            return step.next_runner(self, params, new_key), output
-        return rebuild((params, new_key)), output
+        step = self.step
+        params = self.param_leaves
+        new_key, output = step.call(params, self.prng_key, input_batch, kwargs)
+        return MethodRunner(params, new_key, step), output
+
+    def __repr__(self) -> str:
+        return eqx.tree_pformat(self)
 
     def lower(self, batch_spec: Batch, **kwargs: PyTree) -> LoweredRunner:
         """Lower the step for batches like `batch_spec`, ahead of time.

@@ -17,7 +17,6 @@ import collections
 import dataclasses
 import functools
 import threading
-from collections.abc import Callable
 from typing import Any, TypeAlias
 
 import equinox as eqx
@@ -131,7 +130,6 @@ class Step:
         "output_partition",
         "param_shardings",
         "plans",
-        "rebuild",
         "settings",
         "static_model",
         "traces",
@@ -153,11 +151,6 @@ class Step:
         self.plans: dict[TreeDef, BatchPlan] = {}
         self.last: BatchPlan | None = None
         self.masks: dict[tuple[int, NamedSharding], jax.Array] = {}
-        # `unflatten` of the one-level structure of this step's runners: the next
-        # runner is rebuilt from `(param_leaves, prng_key)` through the public PyTree
-        # API (~1 µs; `eqx.Module.__init__` walks every leaf, ~10 µs). Set by the
-        # first `next_runner`.
-        self.rebuild: Callable[[Any], Any] | None = None
         self.output_cls = output_cls  # `MethodRunner.Output`
         self.donate = donate = settings.donate_batch
         # ~1 µs per call saved over `jax.jit(..., static_argnums=...)` on the
@@ -466,16 +459,6 @@ class Step:
             EMPTY if summaries is None else summaries,
             EMPTY if module_outputs is None else module_outputs,
         )
-
-    def next_runner(
-        self, runner: Any, param_leaves: tuple[jax.Array, ...], new_key: PRNGKeyArray
-    ) -> Any:
-        """Return `runner` with `new_key`, rebuilt through the public PyTree API."""
-        rebuild = self.rebuild
-        if rebuild is None:
-            treedef = jax.tree.structure(runner, is_leaf=lambda x: x is not runner)
-            rebuild = self.rebuild = treedef.unflatten
-        return rebuild((param_leaves, new_key))
 
 
 #: Steps per settings (LRU): runners re-created from equal settings share one.
