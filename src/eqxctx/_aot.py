@@ -6,7 +6,6 @@ lowering and compilation" in the JAX docs), applied to the runner's jitted step
 `compile()` returns a `CompiledRunner` called like the runner.
 """
 
-import dataclasses
 from typing import TYPE_CHECKING, Any, cast
 
 import jax
@@ -234,4 +233,4 @@ class CompiledRunner(_Staged):
         else:
             result = self._program(params, key, batch, mask)
         new_key, output = step.finish(result, batch, padding)
-        return dataclasses.replace(runner, prng_key=new_key), output
+        return type(runner)(params, new_key, step), output
