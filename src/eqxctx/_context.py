@@ -210,6 +210,8 @@ class Context:
         key = _derive_key(self)
         if not isinstance(key, Tracer):  # concrete: remember it (a tracer would leak)
             _set_base_key(self, key)
+            if self._path is not None:  # both known: the parent is not needed
+                _set_up(self, None)
         return key
 
     @classmethod
@@ -270,7 +272,8 @@ class Context:
         The child's key is `jax.random.fold_in(self.prng_key, seed(name))` with
         AXLearn's seed (`int(md5(name).hexdigest(), 16) % (2**31 - 1)`), so keys match
         AXLearn's bit for bit. Typed keys give the same key data as raw keys. It is
-        derived when read, not here.
+        derived when read, not here, and so is the child's `path`: until both have
+        been read (outside a trace), the child refers to `self`, keeping it alive.
 
         Args:
             name: the child's name, matching `^[a-z][a-z0-9_]*$`.
@@ -598,6 +601,8 @@ def _derive_path(ctx: Context) -> tuple[str, ...]:
     names.reverse()
     path = (*path, *names)
     _set_path(ctx, path)
+    if ctx._base_key is not _DERIVED:  # pyright: ignore[reportPrivateUsage]
+        _set_up(ctx, None)  # both known: the parent is not needed
     return path
 
 
