@@ -46,10 +46,12 @@ change by a few instructions with the trip count); a summary table closes
 the run. Usage:
 
     .venv/bin/python benchmarks/bench_trace.py [--quick] [--max-k K] [--row-budget S]
+        [--shapes flat deep] [--trace-only]
 
 `--max-k` caps part 1's K (default 2000); `--row-budget` (seconds, default 60) stops
 adding rounds to a part-1 row once it has run that long (every row runs at least one
-round), so the slow rows of old internals finish in a few minutes.
+round), so the slow rows of old internals finish in a few minutes. `--shapes` picks
+part 1's shapes and `--trace-only` skips parts 2-5 and the summary.
 """
 
 import argparse
@@ -249,11 +251,14 @@ def _check_same_values(shape: str, s: int, args: tuple[Any, ...]) -> None:
 
 
 def bench_trace(
-    ks: tuple[int, ...], rounds: int, budget: float
+    ks: tuple[int, ...],
+    rounds: int,
+    budget: float,
+    shapes: tuple[str, ...] = tuple(SHAPES),
 ) -> list[dict[str, Any]]:
     key = jax.random.PRNGKey(0)
     args = (jnp.linspace(-1.0, 1.0, WIDTH, dtype=jnp.float32), key)
-    for shape in SHAPES:
+    for shape in shapes:
         for s in (1, 4):
             _check_same_values(shape, s, args)
     print(
@@ -268,7 +273,8 @@ def bench_trace(
         "|---|--:|-----:|------:|------:|------:|------:|------:|------:|:--:|--:|:--:|"
     )
     rows: list[dict[str, Any]] = []
-    for shape, (make_ours, make_hand) in SHAPES.items():
+    for shape in shapes:
+        make_ours, make_hand = SHAPES[shape]
         for s in (1, 4):
             prev: dict[str, Any] | None = None
             first: dict[str, Any] | None = None
@@ -729,6 +735,16 @@ def main() -> None:
         default=60.0,
         help="seconds after which a part-1 row stops adding rounds",
     )
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        choices=tuple(SHAPES),
+        default=tuple(SHAPES),
+        help="part 1's shapes (default: all)",
+    )
+    parser.add_argument(
+        "--trace-only", action="store_true", help="run part 1 only (no summary)"
+    )
     opts = parser.parse_args()
     ks = tuple(k for k in (10, 100, 1000, 2000) if k <= opts.max_k)
     if opts.quick:
@@ -739,7 +755,9 @@ def main() -> None:
         f"jax {jax.__version__}, {jax.devices()[0].platform}, "
         f"{'quick' if opts.quick else 'full'} run"
     )
-    trace_rows = bench_trace(ks, rounds, opts.row_budget)
+    trace_rows = bench_trace(ks, rounds, opts.row_budget, tuple(opts.shapes))
+    if opts.trace_only:
+        return
     adds = bench_add_after_merge(20 if opts.quick else 100)
     views = bench_host_views(2 if opts.quick else 5)
     counts = bench_nested_merge(1 if opts.quick else 3)

@@ -5,6 +5,7 @@ import gc
 import pickle
 import re
 import sys
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -744,3 +745,74 @@ def test_summary_names_are_checked_once_per_structure(
         acc.update({**step(4), "a/b": jnp.float32(0)})
     with pytest.raises(ValueError, match=r"invalid summary name 'a/b'"):
         acc.update({**step(4), "a/b": jnp.float32(0)})
+
+
+# -- deep chains ---------------------------------------------------------------------
+
+
+def _chain_bottom(k: int, measure: Callable[[], Any]) -> Any:
+    """Run a chain of `k` children, each calling the next; `measure()` at the bottom."""
+    seen: list[Any] = []
+
+    def node(x: float, ctx: Context, *, i: int) -> tuple[float, Context]:
+        ctx = ctx.add_summary("s", x).add_module_output("h", x)
+        if i + 1 < k:
+            return ctx.call(f"c{i + 1}", node, x, i=i + 1)
+        seen.append(measure())
+        return x, ctx
+
+    out, ctx = Context.root(prng_key=jax.random.PRNGKey(0)).call("c0", node, 1.0, i=0)
+    bottom = "/".join(f"c{i}" for i in range(k)) + "/s"
+    assert ctx.collection.flatten("summaries")[bottom] == 1.0
+    assert ctx.collection.child("c0").child("c1").flatten("module_outputs")["h"] == out
+    return seen[0]
+
+
+def test_a_deep_chain_costs_the_same_per_level_at_every_depth() -> None:
+    """Each level of a chain keeps the same objects and bytes alive, however deep.
+
+    A child used to copy its parent's path (and its key's names) into a new tuple, so
+    a chain K deep held O(K^2) of them (and Python's garbage collector walked them).
+    """
+    ours = ("Context", "OutputCollection", "FrozenMapping", "_Log")
+
+    def objects() -> dict[str, int]:
+        gc.collect()
+        counts: dict[str, int] = dict.fromkeys(ours, 0)
+        for obj in gc.get_objects():
+            name = type(obj).__name__
+            if name in counts and type(obj).__module__.startswith("eqxctx"):
+                counts[name] += 1
+        return counts
+
+    def eqxctx_bytes() -> int:
+        gc.collect()
+        snapshot = tracemalloc.take_snapshot().filter_traces(
+            [tracemalloc.Filter(True, f"{_SRC}/*")]
+        )
+        return sum(stat.size for stat in snapshot.statistics("filename"))
+
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 4000))
+    try:
+        _chain_bottom(300, lambda: None)  # child names validated and cached once
+        at = {k: _chain_bottom(k, objects) for k in (100, 200)}
+        # Per level: the child handed to `fn`, the context `fn` returns, its
+        # collection, and a mapping (with its log) per kind that received an entry.
+        assert {n: (at[200][n] - at[100][n]) / 100 for n in ours} == {
+            "Context": 2,
+            "OutputCollection": 1,
+            "FrozenMapping": 2,
+            "_Log": 2,
+        }
+        tracemalloc.start()
+        try:
+            size = {k: _chain_bottom(k, eqxctx_bytes) for k in (100, 200, 300)}
+        finally:
+            tracemalloc.stop()
+    finally:
+        sys.setrecursionlimit(limit)
+    # Bytes per level, levels 100-199 vs 200-299: equal (a path tuple per level
+    # made the deeper levels ~1.6 kB larger each).
+    first, second = size[200] - size[100], size[300] - size[200]
+    assert abs(second - first) <= 0.02 * first, (first, second)

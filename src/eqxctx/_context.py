@@ -97,13 +97,6 @@ def check_prng_key(key: object, where: str) -> MaybeKey:
     )
 
 
-def _derive(base: MaybeKey, names: Names) -> MaybeKey:
-    key = base
-    for name in names:
-        key = fold_in_name(key, name)
-    return key
-
-
 class Context:
     """An invocation context: a path, a PRNG key, a training flag and outputs.
 
@@ -148,14 +141,14 @@ class Context:
     __slots__ = (
         "_base_key",
         "_gradients",
-        "_key_names",
+        "_name",
+        "_path",
         "_shape_only",
+        "_up",
         "collection",
         "is_training",
-        "path",
         "summary_level",
     )
-    path: tuple[str, ...]
     is_training: bool
     collection: OutputCollection
     summary_level: int | None
@@ -169,9 +162,7 @@ class Context:
         summary_level: int | None = None,
     ):
         level = check_summary_level(summary_level, "Context")
-        _init(
-            self, tuple(path), prng_key, (), bool(is_training), collection, False, level
-        )
+        _init(self, tuple(path), prng_key, bool(is_training), collection, False, level)
 
     def __setattr__(self, name: str, value: object) -> NoReturn:
         raise dataclasses.FrozenInstanceError(f"cannot assign to field '{name}'")
@@ -203,15 +194,24 @@ class Context:
         )
 
     @property
+    def path(self) -> tuple[str, ...]:
+        """The names from the root to this context (built when first read)."""
+        path = self._path
+        if path is None:
+            path = _derive_path(self)
+        return path
+
+    @property
     def prng_key(self) -> MaybeKey:
         """The context's key (derived from its ancestors' names when first needed)."""
-        names = self._key_names
-        if not names:
-            return self._base_key
-        key = _derive(self._base_key, names)
+        key = self._base_key
+        if key is not _DERIVED:
+            return key
+        key = _derive_key(self)
         if not isinstance(key, Tracer):  # concrete: remember it (a tracer would leak)
-            _SET["_base_key"](self, key)
-            _SET["_key_names"](self, ())
+            _set_base_key(self, key)
+            if self._path is not None:  # both known: the parent is not needed
+                _set_up(self, None)
         return key
 
     @classmethod
@@ -244,7 +244,7 @@ class Context:
         key = check_prng_key(prng_key, "Context.root")
         training = check_is_training(is_training, "Context.root")
         level = check_summary_level(summary_level, "Context.root")
-        return _make((name,), key, (), training, OutputCollection.empty(), False, level)
+        return _make((name,), key, training, OutputCollection.empty(), False, level)
 
     @property
     def name(self) -> str:
@@ -272,7 +272,8 @@ class Context:
         The child's key is `jax.random.fold_in(self.prng_key, seed(name))` with
         AXLearn's seed (`int(md5(name).hexdigest(), 16) % (2**31 - 1)`), so keys match
         AXLearn's bit for bit. Typed keys give the same key data as raw keys. It is
-        derived when read, not here.
+        derived when read, not here, and so is the child's `path`: until both have
+        been read (outside a trace), the child refers to `self`, keeping it alive.
 
         Args:
             name: the child's name, matching `^[a-z][a-z0-9_]*$`.
@@ -296,7 +297,6 @@ class Context:
         return _make(
             (*self.path, name),
             prng_key,
-            (),
             training,
             _EMPTY,
             self._shape_only,
@@ -486,7 +486,7 @@ class Context:
         ):
             check_returns_context(result, f"`Context.call({name!r}, fn)`: fn")
         out, child_out = result
-        if child_out.path is not child.path:
+        if not _same_place(child_out, child):
             check_path(child_out, child, f"`Context.call({name!r}, fn)`: fn")
         return out, _with(self, with_child(coll, name, child_out.collection))
 
@@ -505,16 +505,16 @@ def _init(
     ctx: Context,
     path: Names,
     base_key: MaybeKey,  # also batched: a context unflattened by `jax.vmap`
-    key_names: Names,
     is_training: bool,
     collection: OutputCollection,
     shape_only: bool,
     level: int | None,
     gradients: GradientSinks = None,
 ) -> None:
-    _SET["path"](ctx, path)
+    _SET["_path"](ctx, path)
+    _SET["_up"](ctx, None)
+    _SET["_name"](ctx, None)
     _SET["_base_key"](ctx, base_key)
-    _SET["_key_names"](ctx, key_names)
     _SET["is_training"](ctx, is_training)
     _SET["collection"](ctx, collection)
     # True inside eqxctx's own shape-only passes (`jax.eval_shape` of a scan body):
@@ -526,24 +526,28 @@ def _init(
 
 
 def _make(
-    path: Names,
+    path: Names | None,
     base_key: MaybeKey,  # also batched: a context unflattened by `jax.vmap`
-    key_names: Names,
     is_training: bool,
     collection: OutputCollection,
     shape_only: bool,
     level: int | None,
     gradients: GradientSinks = None,
+    up: Context | None = None,
+    name: str | None = None,
 ) -> Context:
     """Build a context from checked parts (no walk, no checks).
 
     `level` is the summary level (required, so that no place that rebuilds a
-    context forgets to carry it); `gradients` the `value_and_grad` state.
+    context forgets to carry it); `gradients` the `value_and_grad` state. A child
+    made by `_child` has no path yet (`path` None): it is `(*up.path, name)`, built
+    when read; its key may be `_DERIVED` (`fold_in(up.prng_key, name)`).
     """
     out = _new(Context)
     _set_path(out, path)
+    _set_up(out, up)
+    _set_name(out, name)
     _set_base_key(out, base_key)
-    _set_key_names(out, key_names)
     _set_is_training(out, is_training)
     _set_collection(out, collection)
     _set_shape_only(out, shape_only)
@@ -553,9 +557,10 @@ def _make(
 
 
 _new = object.__new__
-_set_path = _SET["path"]
+_set_path = _SET["_path"]
+_set_up = _SET["_up"]
+_set_name = _SET["_name"]
 _set_base_key = _SET["_base_key"]
-_set_key_names = _SET["_key_names"]
 _set_is_training = _SET["is_training"]
 _set_collection = _SET["collection"]
 _set_shape_only = _SET["_shape_only"]
@@ -563,18 +568,62 @@ _set_summary_level = _SET["summary_level"]
 _set_gradients = _SET["_gradients"]
 
 
+#: The `_base_key` of a child whose key is `fold_in(parent's key, seed(name))`, not
+#: derived yet.
+_DERIVED: Any = _Unset()
+
+
 def _child(parent: Context, name: str, is_training: bool) -> Context:
-    base = parent._base_key  # pyright: ignore[reportPrivateUsage]
-    names = (*parent._key_names, name) if base is not None else ()  # pyright: ignore[reportPrivateUsage]
+    # O(1) whatever the depth: the child points at its parent for its path and key
+    # (a path tuple built per level would make a chain K deep cost O(K^2)). The
+    # parent stays alive while the child does, as it does on the stack anyway.
+    key = _DERIVED if parent._base_key is not None else None  # pyright: ignore[reportPrivateUsage]
     return _make(
-        (*parent.path, name),
-        base,
-        names,
+        None,
+        key,
         is_training,
         _EMPTY,
         parent._shape_only,  # pyright: ignore[reportPrivateUsage]
         parent.summary_level,
         parent._gradients,  # pyright: ignore[reportPrivateUsage]
+        parent,
+        name,
+    )
+
+
+def _derive_path(ctx: Context) -> tuple[str, ...]:
+    """Build (and remember) the path of a child made by `_child` (a loop)."""
+    names: list[str] = []
+    node = ctx
+    while (path := node._path) is None:  # pyright: ignore[reportPrivateUsage]
+        names.append(node._name)  # pyright: ignore[reportPrivateUsage]
+        node = node._up  # pyright: ignore[reportPrivateUsage]
+    names.reverse()
+    path = (*path, *names)
+    _set_path(ctx, path)
+    if ctx._base_key is not _DERIVED:  # pyright: ignore[reportPrivateUsage]
+        _set_up(ctx, None)  # both known: the parent is not needed
+    return path
+
+
+def _derive_key(ctx: Context) -> MaybeKey:
+    """Fold in the names from the nearest ancestor whose key is known."""
+    names: list[str] = []
+    node = ctx
+    while (key := node._base_key) is _DERIVED:  # pyright: ignore[reportPrivateUsage]
+        names.append(node._name)  # pyright: ignore[reportPrivateUsage]
+        node = node._up  # pyright: ignore[reportPrivateUsage]
+    for name in reversed(names):
+        key = fold_in_name(key, name)
+    return key
+
+
+def _same_place(a: Context, b: Context) -> bool:
+    """Whether `a` was made from `b` by adds (so has its path), without building it."""
+    return (
+        a._path is b._path  # pyright: ignore[reportPrivateUsage]
+        and a._up is b._up  # pyright: ignore[reportPrivateUsage]
+        and a._name is b._name  # pyright: ignore[reportPrivateUsage]
     )
 
 
@@ -593,7 +642,6 @@ def iteration_context(
     return _make(
         (*parent.path, name),
         prng_key,
-        (),
         parent.is_training,
         _EMPTY,
         shape_only or parent._shape_only,  # pyright: ignore[reportPrivateUsage]
@@ -619,7 +667,6 @@ def gradient_root(
     return _make(
         ("root",),
         prng_key,
-        (),
         is_training,
         _EMPTY,
         shape_only,
@@ -635,14 +682,15 @@ def is_shape_only(ctx: Context) -> bool:
 
 def _with(ctx: Context, collection: OutputCollection) -> Context:
     return _make(
-        ctx.path,
+        ctx._path,  # pyright: ignore[reportPrivateUsage]
         ctx._base_key,  # pyright: ignore[reportPrivateUsage]
-        ctx._key_names,  # pyright: ignore[reportPrivateUsage]
         ctx.is_training,
         collection,
         ctx._shape_only,  # pyright: ignore[reportPrivateUsage]
         ctx.summary_level,
         ctx._gradients,  # pyright: ignore[reportPrivateUsage]
+        ctx._up,  # pyright: ignore[reportPrivateUsage]
+        ctx._name,  # pyright: ignore[reportPrivateUsage]
     )
 
 
@@ -678,7 +726,7 @@ def _flatten(ctx: Context) -> tuple[tuple[object, ...], _Aux]:
 def _unflatten(aux: _Aux, children: Children) -> Context:
     path, is_training, level = aux
     grads = children[2] if len(children) == 3 else None
-    return _make(path, children[0], (), is_training, children[1], False, level, grads)
+    return _make(path, children[0], is_training, children[1], False, level, grads)
 
 
 jax.tree_util.register_pytree_with_keys(

@@ -56,8 +56,10 @@ def _numbered_splits(key: str) -> Iterator[tuple[str, int]]:
 class _Log:
     """The entries of every version of one mapping, in insertion order.
 
-    A log is *open* (made by insertion: `keys` and `values` are lists, `index` is
-    built) or *frozen* (made by unflattening: `keys` is the treedef's sorted tuple,
+    A log is *open* (made by insertion: `values` is a list and `keys` is `index`
+    itself, the key-to-position dict, whose order is the insertion order: one
+    container fewer per log) or *frozen* (made by unflattening: `keys` is the
+    treedef's sorted tuple,
     and `index` and `spans` are derived the first time a read needs them, `traced`
     the first time a traced value is inserted, so a collection that JAX unflattens and
     nobody reads costs two objects per level). Inserting into a frozen log opens it
@@ -75,7 +77,7 @@ class _Log:
         "values",
     )
 
-    keys: list[str] | tuple[str, ...]
+    keys: dict[str, int] | tuple[str, ...]  # `index` itself when open
     values: list[Entry] | tuple[Entry, ...]
     # None until a read needs it (frozen logs only).
     index: dict[str, int] | None
@@ -117,9 +119,8 @@ class _Log:
         self.checked = checked
 
     def append(self, key: str, value: Entry, span: int) -> None:
-        """Append to an open log."""
-        pos = len(self.keys)
-        self.keys.append(key)  # pyright: ignore[reportAttributeAccessIssue]
+        """Append to an open log (`keys` is `index`)."""
+        pos = len(self.values)
         self.values.append(value)  # pyright: ignore[reportAttributeAccessIssue]
         self.index[key] = pos  # pyright: ignore[reportOptionalSubscript]
         if span:
@@ -140,15 +141,16 @@ class _Log:
         thread has set `index` meanwhile, so an index that already holds appended
         entries is never replaced by one that lacks them.
         """
-        keys, values = self.keys, self.values
+        # A copy: a thread opening the log meanwhile makes `keys` the index.
+        keys = list(self.keys)
         index = {k: i for i, k in enumerate(keys)}
         spans: dict[str, tuple[int, int]] | None = None
-        for i, value in enumerate(values):
+        for i, (key, value) in enumerate(zip(keys, self.values)):  # noqa: B905
             cls = type(value)
             if cls not in _no_span and (span := _span_of(value)):
                 if spans is None:
                     spans = {}
-                spans[keys[i]] = (i, span)
+                spans[key] = (i, span)
         with _INDEX_LOCK:
             if self.index is None:
                 self.spans = spans
@@ -167,8 +169,7 @@ class _Log:
     def open(self) -> dict[str, int]:
         """Make a frozen log appendable; return its index."""
         index = self.index if self.index is not None else self.build_index()
-        if type(self.keys) is not list:
-            self.keys = list(self.keys)
+        self.keys = index
         if type(self.values) is not list:
             self.values = list(self.values)
         return index
@@ -179,8 +180,10 @@ class _Log:
         numbered = self.numbered
         if numbered is None:
             numbered = self.numbered = {}
-        for pos in range(self.numbered_upto, len(keys)):
-            key = keys[pos]
+        start = self.numbered_upto
+        for pos, key in enumerate(
+            list(itertools.islice(keys, start, None)), start
+        ):  # (a copy: `keys` may be a dict, extended meanwhile)
             if key[-1:].isdigit():
                 for prefix, i in _numbered_splits(key):
                     numbered.setdefault(prefix, []).append((pos, i))
@@ -288,7 +291,7 @@ class FrozenMapping(Mapping[str, Entry]):
 
     def __init__(self, items: Mapping[str, Entry] | Pairs = ()):
         index: dict[str, int] = {}
-        log = _Log([], [], index)
+        log = _Log(index, [], index)
         pairs = items.items() if isinstance(items, Mapping) else items
         for key, value in pairs:
             if key in index:
@@ -327,23 +330,28 @@ class FrozenMapping(Mapping[str, Entry]):
         return pos is not None and pos < self._n
 
     def __iter__(self) -> Iterator[str]:
-        # `islice`: entries appended to the shared log later never show up, also
-        # while iterating.
-        return itertools.islice(self._log.keys, self._n)
+        # Entries appended to the shared log later never show up, also while
+        # iterating: a copy of this version's keys (an open log's keys are a dict,
+        # which may be extended meanwhile).
+        keys = self._log.keys
+        if type(keys) is tuple:
+            return itertools.islice(keys, self._n)
+        return iter(list(itertools.islice(keys, self._n)))
 
     def __len__(self) -> int:
         return self._n
 
     def items_list(self) -> list[Any]:  # of `(key, entry)` pairs (see `Pairs`)
         """Return `list(self.items())`, faster."""
-        log = self._log
-        return list(zip(log.keys[: self._n], log.values[: self._n], strict=True))
+        log, n = self._log, self._n
+        keys = list(itertools.islice(log.keys, n))
+        return list(zip(keys, log.values[:n], strict=True))
 
     def sorted_keys(self) -> Keys:
         """Return the keys in sorted order (the PyTree order), cached."""
         keys = self._sorted
         if keys is None:
-            keys = tuple(sorted(self._log.keys[: self._n]))
+            keys = tuple(sorted(itertools.islice(self._log.keys, self._n)))
             self._sorted = keys
         return keys
 
@@ -435,25 +443,25 @@ class FrozenMapping(Mapping[str, Entry]):
                 # Adding to an empty version that is not a log's tip (the shared
                 # `EMPTY`): start a log.
                 span = 0 if type(value) in _no_span else _span_of(value)
+                index = {key: 0}
                 out._log = _Log(
-                    [key],
+                    index,
                     [value],
-                    {key: 0},
+                    index,
                     {key: (0, span)} if span else None,
                     _holds_tracer(value),
                 )
                 out._n = 1
                 return out
-            if log.index is None or type(keys) is not list:
+            if type(keys) is not dict:
                 log.open()
                 keys = log.keys
             # (`_holds_tracer(value)` first: the log's own flag may need a walk of
             # its levels, which only a traced value needs.)
             if len(keys) == n and (not _holds_tracer(value) or log.holds_tracer()):
-                # The newest version: append in place.
-                keys.append(key)  # pyright: ignore[reportAttributeAccessIssue]
+                # The newest version: append in place (`keys` is the index).
                 log.values.append(value)  # pyright: ignore[reportAttributeAccessIssue]
-                log.index[key] = n  # pyright: ignore[reportOptionalSubscript]
+                keys[key] = n  # pyright: ignore[reportIndexIssue]
                 if type(value) not in _no_span and (span := _span_of(value)):
                     log._add_span(key, n, span)
                 # (`log.traced` needs no update: a traced value is appended in place
@@ -484,20 +492,14 @@ def _copy(log: _Log, n: int, *, seal: bool) -> _Log:
 
     `log` is open (the caller opened it).
     """
-    keys = list(log.keys[:n])
+    index = {k: i for i, k in enumerate(list(itertools.islice(log.keys, n)))}
     spans = log.spans
     if spans:
         spans = {k: v for k, v in spans.items() if v[0] < n} or None
-    new = _Log(
-        keys,
-        list(log.values[:n]),
-        {k: i for i, k in enumerate(keys)},
-        spans,
-        log.traced,
-        log.checked,
-    )
+    new = _Log(index, list(log.values[:n]), index, spans, log.traced, log.checked)
     if seal:  # one entry past every version: insertion always takes the branch path
-        new.keys.append("")  # pyright: ignore[reportAttributeAccessIssue]
+        # ("" is no valid name, and position n is past every version's end.)
+        index[""] = n
         new.values.append(None)  # pyright: ignore[reportAttributeAccessIssue]
     return new
 
@@ -515,7 +517,8 @@ def _sealed_empty() -> FrozenMapping:
     # The shared empty mapping must never be extended in place (its log would keep
     # the first value ever added to it alive): a log one entry longer than the
     # version makes every insertion take the branch path, which starts a new log.
-    return _version(_Log([""], [None], {"": 0}), 0)
+    index = {"": 0}
+    return _version(_Log(index, [None], index), 0)
 
 
 #: The empty mapping, shared (adding to it starts a new log every time).
