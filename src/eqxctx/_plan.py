@@ -21,7 +21,7 @@ from jaxtyping import PyTree
 
 from ._partition import batch_shards, is_explicit, named_sharding, path_str
 from ._transfer import REPLICATED, constrain, replicated
-from ._typing import ArrayLeaf, KeyPath, TreeDef
+from ._typing import ArrayLeaf, Batch, KeyPath, TreeDef
 
 
 # What `MethodRunner.__call__` compares of each batch leaf with the last batch's: the
@@ -51,6 +51,8 @@ class BatchPlan:
         shardings: each leaf's sharding (the input partition, the rank rule).
         dict_keys: for a plain dict whose values are all leaves, its keys in leaf
             order (such a batch is checked without flattening it); else None.
+        dict_values: with `dict_keys`, `operator.itemgetter(*dict_keys)`: the
+            values of such a dict in leaf order (a tuple, or the one value).
         signature: what `Step.call` compares of each leaf (`_SIGNATURE...`).
         multiple: the padded batch size is a multiple of this (the number of shards
             of the batch axis).
@@ -62,6 +64,7 @@ class BatchPlan:
 
     __slots__ = (
         "dict_keys",
+        "dict_values",
         "expected",
         "lowered_rows",
         "mask",
@@ -87,6 +90,9 @@ class BatchPlan:
         self.ranks = ranks
         self.shardings = shardings
         self.dict_keys = dict_keys
+        self.dict_values: Callable[[Batch], object] | None = (
+            None if dict_keys is None else operator.itemgetter(*dict_keys)
+        )
         self.signature = signature
         self.multiple = multiple
         self.mask_sharding = mask_sharding

@@ -376,7 +376,8 @@ class Step:
         Fast path: the batch has the structure, leaf types and shardings (and, with
         padding or a mask, shapes) of the last one (`BatchPlan`), read and compared
         in C (`map`, list equality, which tries identity first); a plain dict with
-        the last batch's keys is not even flattened. Anything else, and any leaf
+        the last batch's keys is not even flattened (its values are read with one
+        `operator.itemgetter`). Anything else, and any leaf
         without `.sharding` (NumPy, a Python scalar: AttributeError), goes through
         `place_batch`. The containers are new: `Output.input_batch` never aliases
         the caller's. A result that needs no unpadding, no donation and no static
@@ -388,11 +389,17 @@ class Step:
         flat = None
         if last is not None:
             try:
-                keys = last.dict_keys
-                if keys is not None and type(input_batch) is dict:
+                keys, getter = last.dict_keys, last.dict_values
+                if (
+                    keys is not None
+                    and getter is not None
+                    and type(input_batch) is dict
+                ):
+                    got = getter(input_batch)  # KeyError for a missing key
+                    # For one key, `itemgetter` gives the value itself.
+                    values = got if len(keys) > 1 else (got,)
                     if len(input_batch) == len(keys) and (
-                        list(map(last.signature, map(input_batch.__getitem__, keys)))
-                        == last.expected
+                        list(map(last.signature, values)) == last.expected  # pyright: ignore[reportArgumentType]
                     ):
                         batch = input_batch.copy()
                 else:
