@@ -18,15 +18,14 @@
    unpadded NumPy result, with `pad_batches=True` and with `batch_sizes=(64,)`.
 
 Variants of one row run interleaved, round after round; each figure is the median of
-the rounds (the machine is shared and noisy), and ratios are taken in the same run.
+the rounds (the machine is shared and noisy), and ratios are taken in the same run;
+the per-call table also gives the ratio of the minima over the rounds.
 Usage:
 
     .venv/bin/python benchmarks/bench_runner.py [--quick] [--rounds N]
         [--only per_call|run_batches|padding] [--devices 1 8] [--leaves 10 100 1000]
 
 (`--devices 1 --leaves 10 --only per_call`: the one-device, 10-leaf per-call rows.)
-
-(`BENCH_MIN=1` reports the minimum of the rounds instead of the median.)
 
 The 8-device figures come from a subprocess started with
 `XLA_FLAGS=--xla_force_host_platform_device_count=8`.
@@ -57,7 +56,11 @@ WINDOW = 16
 def _interleaved(
     variants: dict[str, Callable[[], Any]], rounds: int, per_round: int
 ) -> dict[str, float]:
-    """Median µs per unit of work of each variant over interleaved rounds."""
+    """µs per unit of work of each variant over interleaved rounds.
+
+    `name`: the median over rounds; `name + " min"`: the minimum (the round least
+    disturbed by other jobs on a shared machine).
+    """
     times: dict[str, list[float]] = {k: [] for k in variants}
     for fn in variants.values():
         fn()  # warm up (compile)
@@ -70,8 +73,8 @@ def _interleaved(
                 times[name].append((time.perf_counter() - t0) / per_round * 1e6)
     finally:
         gc.enable()
-    pick = min if os.environ.get("BENCH_MIN") else statistics.median
-    return {k: pick(v) for k, v in times.items()}
+    out = {k: statistics.median(v) for k, v in times.items()}
+    return out | {f"{k} min": min(v) for k, v in times.items()}
 
 
 def _setup(devices: int, leaves: int) -> dict[str, Any]:
@@ -319,15 +322,16 @@ def _measure(devices: int, quick: bool) -> list[dict[str, Any]]:
 def _table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| devices | leaves | batch | mode | runner µs | jax.jit µs "
-        "| runner / jax.jit |",
-        "|---|---|---|---|---|---|---|",
+        "| runner / jax.jit (medians) | (minima) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r["table"] == "per_call":
             lines.append(
                 f"| {r['devices']} | {r['leaves']} | {r['batch']} | {r['mode']} "
                 f"| {r['runner']:.1f} | {r['jax.jit']:.1f} "
-                f"| {r['runner'] / r['jax.jit']:.2f} |"
+                f"| {r['runner'] / r['jax.jit']:.2f} "
+                f"| {r['runner min'] / r['jax.jit min']:.2f} |"
             )
     lines += [
         "",
