@@ -515,6 +515,56 @@ def test_runner_is_a_frozen_pytree_dataclass_rebuilt_by_its_constructor() -> Non
     assert "param_leaves" in repr(runner)
 
 
+class _Constant(eqx.Module):
+    w: jax.Array
+
+    def apply(
+        self, batch: dict[str, jax.Array], ctx: Context
+    ) -> tuple[dict[str, jax.Array], Context]:
+        del batch
+        return {"z": self.w * 2}, ctx
+
+
+def _constant_runner(cls: type[MethodRunner] = MethodRunner) -> MethodRunner:
+    return cls.create(
+        _Constant(jnp.arange(3.0)),
+        "apply",
+        mesh=mesh_1d(AxisType.Auto),
+        prng_key=jax.random.PRNGKey(0),
+        output_partition=DataPartition.REPLICATED,
+    )
+
+
+def test_runner_runs_an_empty_dict_batch_warm_and_cold() -> None:
+    runner = _constant_runner()
+    for _ in range(3):  # cold, then twice through the fast path's checks
+        runner, out = runner({})
+        np.testing.assert_array_equal(np.asarray(out.output_batch["z"]), [0, 2, 4])
+        assert out.input_batch == {}
+    outs = list(eqxctx.run_batches(_constant_runner(), [{}, {}]))
+    assert len(outs) == 2
+    np.testing.assert_array_equal(np.asarray(outs[1].output_batch["z"]), [0, 2, 4])
+
+
+def test_runners_compare_like_modules_and_subclasses_stay_pytrees() -> None:
+    a, b = _constant_runner(), _constant_runner()
+    assert a == b  # `eqx.tree_equal`, as for an `eqx.Module`
+    nxt, _ = a({})
+    assert nxt != a  # another key
+    with pytest.raises(TypeError):
+        hash(a)
+
+    class Sub(MethodRunner):
+        pass
+
+    sub = _constant_runner(Sub)
+    assert len(jax.tree.leaves(sub)) == 2  # the parameter and the key
+    assert type(sub({})[0]) is Sub
+    assert type(sub.lower({}).compile()({})[0]) is Sub
+    key = jax.jit(lambda r: r.prng_key)(sub)
+    np.testing.assert_array_equal(np.asarray(key), np.asarray(sub.prng_key))
+
+
 def test_runner_internals_use_public_apis_only() -> None:
     """No `object.__new__`, `__dict__` writes or `__getattribute__` overrides (#11)."""
     src = Path(eqxctx.__file__).parent

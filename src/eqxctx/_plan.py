@@ -51,8 +51,8 @@ class BatchPlan:
         shardings: each leaf's sharding (the input partition, the rank rule).
         dict_keys: for a plain dict whose values are all leaves, its keys in leaf
             order (such a batch is checked without flattening it); else None.
-        dict_values: with `dict_keys`, `operator.itemgetter(*dict_keys)`: the
-            values of such a dict in leaf order (a tuple, or the one value).
+        dict_values: with non-empty `dict_keys`, `operator.itemgetter(*dict_keys)`:
+            the values of such a dict in leaf order (a tuple, or the one value).
         signature: what `Step.call` compares of each leaf (`_SIGNATURE...`).
         multiple: the padded batch size is a multiple of this (the number of shards
             of the batch axis).
@@ -90,8 +90,9 @@ class BatchPlan:
         self.ranks = ranks
         self.shardings = shardings
         self.dict_keys = dict_keys
+        # None for an empty dict too (`itemgetter()` needs a key): it is flattened.
         self.dict_values: Callable[[Batch], object] | None = (
-            None if dict_keys is None else operator.itemgetter(*dict_keys)
+            operator.itemgetter(*dict_keys) if dict_keys else None
         )
         self.signature = signature
         self.multiple = multiple

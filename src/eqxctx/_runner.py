@@ -83,7 +83,7 @@ def _check_method(model: Model, method: object) -> None:
 # Not an `eqx.Module`: a module's field reads and rebuilds run Python code that
 # would be a few percent of every call.
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True, slots=True, repr=False)
+@dataclasses.dataclass(frozen=True, slots=True, repr=False, eq=False)
 class MethodRunner:
     """Runs a model method on (sharded) batches, compiled once per batch signature.
 
@@ -93,7 +93,9 @@ class MethodRunner:
 
     A frozen dataclass registered as a PyTree: `param_leaves` and `prng_key` are its
     children, `step` its static part; `dataclasses.replace(runner, prng_key=...)`
-    gives a runner with another key.
+    gives a runner with another key. Runners compare like `eqx.Module`s
+    (`eqx.tree_equal`). A subclass is registered as a PyTree too, and may add
+    methods but not fields.
 
     The method runs under `jax.jit` with `eqx.filter_jit`'s semantics: array leaves
     (of the model, the batch and keyword arguments) are traced, every other leaf is
@@ -401,10 +403,22 @@ class MethodRunner:
         step = self.step
         params = self.param_leaves
         new_key, output = step.call(params, self.prng_key, input_batch, kwargs)
-        return MethodRunner(params, new_key, step), output
+        return type(self)(params, new_key, step), output
 
     def __repr__(self) -> str:
         return eqx.tree_pformat(self)
+
+    def __eq__(self, other: object) -> bool | np.bool_ | jax.Array:  # pyright: ignore[reportIncompatibleMethodOverride]
+        # As `eqx.Module.__eq__`: a bool, or a bool array (traced in a transform).
+        return eqx.tree_equal(self, other)
+
+    __hash__ = None  # pyright: ignore[reportAssignmentType]  # arrays: unhashable
+
+    def __init_subclass__(cls) -> None:
+        # No zero-argument `super()` in a slots dataclass (the class is rebuilt).
+        jax.tree_util.register_dataclass(
+            cls, data_fields=["param_leaves", "prng_key"], meta_fields=["step"]
+        )
 
     def lower(self, batch_spec: Batch, **kwargs: PyTree) -> LoweredRunner:
         """Lower the step for batches like `batch_spec`, ahead of time.
