@@ -563,6 +563,11 @@ def test_runners_compare_like_modules_and_subclasses_stay_pytrees() -> None:
     assert type(sub.lower({}).compile()({})[0]) is Sub
     key = jax.jit(lambda r: r.prng_key)(sub)
     np.testing.assert_array_equal(np.asarray(key), np.asarray(sub.prng_key))
+    assert (a == 1) is False  # another type: not equal, no error
+    with pytest.raises(TypeError, match="may add methods, not fields"):
+
+        class WithField(MethodRunner):  # pyright: ignore[reportUnusedClass]
+            extra: int = 0
 
 
 def test_runner_internals_use_public_apis_only() -> None:

@@ -17,6 +17,7 @@ blocking. See `docs/architecture.md`.
 """
 
 import dataclasses
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -408,14 +409,21 @@ class MethodRunner:
     def __repr__(self) -> str:
         return eqx.tree_pformat(self)
 
-    def __eq__(self, other: object) -> bool | np.bool_ | jax.Array:  # pyright: ignore[reportIncompatibleMethodOverride]
-        # As `eqx.Module.__eq__`: a bool, or a bool array (traced in a transform).
+    def __eq__(self, other: object) -> Any:  # `bool | Array` (`eqx.tree_equal`)
+        if not isinstance(other, MethodRunner):
+            return NotImplemented
         return eqx.tree_equal(self, other)
 
-    __hash__ = None  # pyright: ignore[reportAssignmentType]  # arrays: unhashable
+    __hash__ = None  # pyright: ignore[reportAssignmentType]
 
     def __init_subclass__(cls) -> None:
         # No zero-argument `super()` in a slots dataclass (the class is rebuilt).
+        if inspect.get_annotations(cls):
+            raise TypeError(
+                f"`{cls.__name__}(MethodRunner)`: a subclass of `MethodRunner` may add "
+                "methods, not fields (its runners are rebuilt from `param_leaves`, "
+                "`prng_key` and `step` on every call)."
+            )
         jax.tree_util.register_dataclass(
             cls, data_fields=["param_leaves", "prng_key"], meta_fields=["step"]
         )
