@@ -7,11 +7,13 @@ same values, measured in one run with the variants interleaved; times are the mi
 1. Trace: `jax.jit(f).trace(x, key)` of a freshly built function (no cache hit) that
    runs `eqxctx.functional` over K `ctx.call` children, each adding S summaries
    (`mean(tanh(x)) * j`) and one module output (`tanh(x)`, width 8), vs a hand-written
-   function returning the same values in the same nested dict. Two shapes: *flat*
+   function returning the same values in the same nested dict, and vs that function
+   with a `jax.named_scope` per child, as `ctx.call` runs its child (*scoped*: the
+   same program, op names included). Two shapes: *flat*
    (the root calls K siblings in turn) and *deep* (each child calls the next).
-   K in {10, 100, 1000, 2000}, S in {1, 4}; the table gives ours/hand and the log-log
-   slope of the excess time (ours - hand) against K, between consecutive K and from
-   the smallest to the largest K. A deep chain of 2000 children nests several
+   K in {10, 100, 1000, 2000}, S in {1, 4}; the table gives ours/hand, ours/scoped
+   and the log-log slopes of the excess times (ours - hand, ours - scoped) against
+   K, between consecutive K and from the smallest to the largest K. A deep chain of 2000 children nests several
    Python frames per child (beyond Python's default limit of 1000), so the script
    raises `sys.setrecursionlimit` and runs in a thread with a 512 MiB stack.
 2. Adds after a long scan: `ctx.add_summary` and `ctx.call` of a trivial child on a
@@ -146,7 +148,7 @@ def make_flat_ours(k: int, s: int) -> Fn:
     return run
 
 
-def make_flat_hand(k: int, s: int) -> Fn:
+def make_flat_hand(k: int, s: int, scoped: bool = False) -> Fn:
     """Build a fresh hand-written function returning the same nested dict."""
 
     def run(x: jax.Array, key: jax.Array) -> Any:
@@ -154,7 +156,11 @@ def make_flat_hand(k: int, s: int) -> Fn:
         summaries: dict[str, Any] = {}
         outputs: dict[str, Any] = {}
         for i in range(k):
-            x, sums = _child_values(x, s)
+            if scoped:  # as `ctx.call`: the child runs in `jax.named_scope(name)`
+                with jax.named_scope(f"c{i}"):
+                    x, sums = _child_values(x, s)
+            else:
+                x, sums = _child_values(x, s)
             summaries[f"c{i}"] = {f"s{j}": v for j, v in enumerate(sums)}
             outputs[f"c{i}"] = {"h": x}
         coll = {"summaries": summaries, "state_updates": {}, "module_outputs": outputs}
@@ -188,7 +194,7 @@ def make_deep_ours(k: int, s: int) -> Fn:
     return run
 
 
-def make_deep_hand(k: int, s: int) -> Fn:
+def make_deep_hand(k: int, s: int, scoped: bool = False) -> Fn:
     """Build a fresh hand-written chain returning the same nested dict."""
 
     def node(x: jax.Array, i: int) -> tuple[jax.Array, dict[str, Any], dict[str, Any]]:
@@ -196,14 +202,22 @@ def make_deep_hand(k: int, s: int) -> Fn:
         summaries: dict[str, Any] = {f"s{j}": v for j, v in enumerate(sums)}
         outputs: dict[str, Any] = {"h": h}
         if i + 1 < k:
-            h, sub_s, sub_o = node(h, i + 1)
+            if scoped:
+                with jax.named_scope(f"c{i + 1}"):
+                    h, sub_s, sub_o = node(h, i + 1)
+            else:
+                h, sub_s, sub_o = node(h, i + 1)
             summaries[f"c{i + 1}"] = sub_s
             outputs[f"c{i + 1}"] = sub_o
         return h, summaries, outputs
 
     def run(x: jax.Array, key: jax.Array) -> Any:
         del key
-        h, summaries, outputs = node(x, 0)
+        if scoped:
+            with jax.named_scope("c0"):
+                h, summaries, outputs = node(x, 0)
+        else:
+            h, summaries, outputs = node(x, 0)
         coll = {
             "summaries": {"c0": summaries},
             "state_updates": {},
@@ -217,6 +231,12 @@ def make_deep_hand(k: int, s: int) -> Fn:
 SHAPES: dict[str, tuple[Callable[[int, int], Fn], Callable[[int, int], Fn]]] = {
     "flat": (make_flat_ours, make_flat_hand),
     "deep": (make_deep_ours, make_deep_hand),
+}
+#: The hand-written functions with a `jax.named_scope` per child, as `ctx.call` runs
+#: its child: the same program, op names included.
+SCOPED: dict[str, Callable[[int, int], Fn]] = {
+    "flat": lambda k, s: make_flat_hand(k, s, scoped=True),
+    "deep": lambda k, s: make_deep_hand(k, s, scoped=True),
 }
 
 
@@ -266,41 +286,55 @@ def bench_trace(
         f"{rounds} rounds, at most ~{budget:.0f} s of rounds per row)\n"
     )
     print(
-        "| shape | S |    K | ours s | hand s | ours/hand (min) | ours/hand (median) "
-        "| excess slope | hand slope | leaves (ours/hand) | rounds | met |"
+        "hand: the hand-written function; scoped: the same with `jax.named_scope` "
+        "per child, as `ctx.call` (the same program, op names included). Excess "
+        "slopes: of ours - hand and of ours - scoped.\n"
     )
     print(
-        "|---|--:|-----:|------:|------:|------:|------:|------:|------:|:--:|--:|:--:|"
+        "| shape | S |    K | ours s | hand s | scoped s | ours/hand | ours/scoped "
+        "| ours/hand (median) | excess slope | excess slope (scoped) | hand slope "
+        "| leaves (ours/hand) | rounds | met | met (scoped) |"
+    )
+    print(
+        "|---|--:|-----:|------:|------:|------:|------:|------:|------:|------:"
+        "|------:|------:|:--:|--:|:--:|:--:|"
     )
     rows: list[dict[str, Any]] = []
     for shape in shapes:
         make_ours, make_hand = SHAPES[shape]
+        variants = (("ours", make_ours), ("hand", make_hand), ("scoped", SCOPED[shape]))
         for s in (1, 4):
             prev: dict[str, Any] | None = None
             first: dict[str, Any] | None = None
             for k in ks:
-                times: dict[str, list[float]] = {"ours": [], "hand": []}
+                times: dict[str, list[float]] = {name: [] for name, _ in variants}
                 leaves: dict[str, int] = {}
                 start = time.perf_counter()
                 for _ in range(rounds):  # interleaved
-                    for name, make in (("ours", make_ours), ("hand", make_hand)):
+                    for name, make in variants:
                         t, leaves[name] = _trace_time(make(k, s), args)
                         times[name].append(t)
                     if time.perf_counter() - start > budget:
                         break
                 o_min, o_med = _stats(times["ours"])
                 h_min, h_med = _stats(times["hand"])
+                c_min, _ = _stats(times["scoped"])
                 row: dict[str, Any] = {
                     "shape": shape,
                     "s": s,
                     "k": k,
                     "ours": o_min,
                     "hand": h_min,
+                    "scoped": c_min,
                     "ratio": o_min / h_min,
+                    "ratio_scoped": o_min / c_min,
                     "ratio_med": o_med / h_med,
                     "excess": o_min - h_min,
+                    "excess_scoped": o_min - c_min,
                     "slope": math.nan,
+                    "slope_scoped": math.nan,
                     "overall": math.nan,
+                    "overall_scoped": math.nan,
                     # The hand-written function's own growth: a deep chain is
                     # superlinear in JAX itself (result paths K keys long).
                     "hand_slope": math.nan,
@@ -308,33 +342,48 @@ def bench_trace(
                     "leaves": (leaves["ours"], leaves["hand"]),
                     "rounds": len(times["ours"]),
                 }
+                for ref in ("hand", "scoped"):
+                    assert leaves[ref] == leaves["ours"], (shape, s, k, ref)
                 if prev is not None:
                     row["slope"] = _slope(prev["k"], prev["excess"], k, row["excess"])
+                    row["slope_scoped"] = _slope(
+                        prev["k"], prev["excess_scoped"], k, row["excess_scoped"]
+                    )
                     row["hand_slope"] = _slope(prev["k"], prev["hand"], k, h_min)
                 first = first or row
                 if first is not row:
                     row["overall"] = _slope(
                         first["k"], first["excess"], k, row["excess"]
                     )
+                    row["overall_scoped"] = _slope(
+                        first["k"], first["excess_scoped"], k, row["excess_scoped"]
+                    )
                     row["hand_overall"] = _slope(first["k"], first["hand"], k, h_min)
-                slope_ok = math.isnan(row["slope"]) or row["slope"] <= 1.1
-                row["met"] = row["ratio"] <= 1.3 and slope_ok
+                for suffix, ratio in (("", "ratio"), ("_scoped", "ratio_scoped")):
+                    slope = row["slope" + suffix]
+                    slope_ok = math.isnan(slope) or slope <= 1.1
+                    row["met" + suffix] = row[ratio] <= 1.3 and slope_ok
                 print(
                     f"| {shape} | {s} | {k:4d} | {o_min:.3f} | {h_min:.3f} "
-                    f"| {row['ratio']:.2f}x | {row['ratio_med']:.2f}x "
-                    f"| {_fmt_slope(row['slope'])} | {_fmt_slope(row['hand_slope'])} "
+                    f"| {c_min:.3f} | {row['ratio']:.2f}x | {row['ratio_scoped']:.2f}x "
+                    f"| {row['ratio_med']:.2f}x "
+                    f"| {_fmt_slope(row['slope'])} "
+                    f"| {_fmt_slope(row['slope_scoped'])} "
+                    f"| {_fmt_slope(row['hand_slope'])} "
                     f"| {leaves['ours']}/{leaves['hand']} | {row['rounds']} "
-                    f"| {_met(row['met'])} |",
+                    f"| {_met(row['met'])} | {_met(row['met_scoped'])} |",
                     flush=True,
                 )
                 rows.append(row)
                 prev = row
             if first is not None and prev is not None and prev is not first:
                 print(
-                    f"| {shape} | {s} | {first['k']}-{prev['k']} | | | | "
+                    f"| {shape} | {s} | {first['k']}-{prev['k']} | | | | | | "
                     f"| {_fmt_slope(prev['overall'])} (overall) "
+                    f"| {_fmt_slope(prev['overall_scoped'])} (overall) "
                     f"| {_fmt_slope(prev['hand_overall'])} (overall) | | | "
-                    f"{_met(prev['overall'] <= 1.1)} |",
+                    f"{_met(prev['overall'] <= 1.1)} "
+                    f"| {_met(prev['overall_scoped'] <= 1.1)} |",
                     flush=True,
                 )
     return rows
@@ -771,6 +820,11 @@ def main() -> None:
     overall = [r["overall"] for r in trace_rows if not math.isnan(r["overall"])]
     worst_slope = max(slopes, default=math.nan)
     worst_overall = max(overall, default=math.nan)
+    worst_scoped = max(trace_rows, key=lambda r: r["ratio_scoped"])
+    overall_scoped = [
+        r["overall_scoped"] for r in trace_rows if not math.isnan(r["overall_scoped"])
+    ]
+    worst_overall_scoped = max(overall_scoped, default=math.nan)
     summary = (
         (
             "trace ours/hand <= 1.3x (worst row)",
@@ -786,6 +840,17 @@ def main() -> None:
             "excess slope <= 1.1 (worst, consecutive K)",
             _fmt_slope(worst_slope),
             not math.isnan(worst_slope) and worst_slope <= 1.1,
+        ),
+        (
+            "trace ours/scoped <= 1.3x (worst row)",
+            f"{worst_scoped['ratio_scoped']:.2f}x ({worst_scoped['shape']}, "
+            f"S={worst_scoped['s']}, K={worst_scoped['k']})",
+            worst_scoped["ratio_scoped"] <= 1.3,
+        ),
+        (
+            "excess slope vs scoped <= 1.1 (worst, smallest to largest K)",
+            _fmt_slope(worst_overall_scoped),
+            not math.isnan(worst_overall_scoped) and worst_overall_scoped <= 1.1,
         ),
         ("add_summary after 65,536 <= 1.2x", f"{adds['add']:.2f}x", adds["add"] <= 1.2),
         ("ctx.call after 65,536 <= 1.2x", f"{adds['call']:.2f}x", adds["call"] <= 1.2),
