@@ -13,9 +13,10 @@ same values, measured in one run with the variants interleaved; times are the mi
    (the root calls K siblings in turn) and *deep* (each child calls the next).
    K in {10, 100, 1000, 2000}, S in {1, 4}; the table gives ours/hand, ours/scoped
    and the log-log slopes of the excess times (ours - hand, ours - scoped) against
-   K, between consecutive K and from the smallest to the largest K. A deep chain of 2000 children nests several
-   Python frames per child (beyond Python's default limit of 1000), so the script
-   raises `sys.setrecursionlimit` and runs in a thread with a 512 MiB stack.
+   K, between consecutive K and from the smallest to the largest K. A deep chain of
+   2000 children nests several Python frames per child (beyond Python's default
+   limit of 1000), so the script raises `sys.setrecursionlimit` and runs in a thread
+   with a 512 MiB stack.
 2. Adds after a long scan: `ctx.add_summary` and `ctx.call` of a trivial child on a
    context that merged the collection of a `scan_in_context` of length 65,536 vs one
    of length 16 (the body adds one summary, so per-iteration summaries exist). Timed

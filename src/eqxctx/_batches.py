@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
-from ._checks import check_positive_int_or_none
+from ._checks import check_positive_int_or_none, is_jax_array_type
 from ._collection import OutputCollection, summary_tree
 from ._iterations import flatten_into, freeze, materialize_tree
 from ._mapping import EMPTY, FrozenMapping
@@ -176,21 +176,6 @@ def _out_treedef(treedef: TreeDef, num_leaves: int) -> TreeDef:
     return treedef
 
 
-_ARRAY_TYPES: set[type] = set()  # the types seen to be `jax.Array`s
-
-
-def _is_jax_array(x: object) -> bool:
-    # One hashed lookup per leaf after the first (`isinstance(x, jax.Array)` is an
-    # ABC check).
-    cls = type(x)
-    if cls in _ARRAY_TYPES:
-        return True
-    if isinstance(x, jax.Array):
-        _ARRAY_TYPES.add(cls)
-        return True
-    return False
-
-
 def _accumulate_same_layout(a: SummaryTree, b: SummaryTree) -> FrozenMapping | None:
     """Accumulate in one jitted step if both have one layout, else return None."""
     leaves_a, treedef = jax.tree_util.tree_flatten(a)
@@ -200,7 +185,10 @@ def _accumulate_same_layout(a: SummaryTree, b: SummaryTree) -> FrozenMapping | N
     # Only JAX arrays: NumPy and Python values are added as they are, on the host
     # (a jitted step would turn int64 into int32 and `True + True` into `True`).
     for x, y in zip(leaves_a, leaves_b, strict=True):
-        if not (_is_jax_array(x) and _is_jax_array(y)) or x.shape != y.shape:
+        if (
+            not (is_jax_array_type(type(x)) and is_jax_array_type(type(y)))
+            or x.shape != y.shape
+        ):
             return None
     out = _step(treedef)(leaves_a, leaves_b)
     return _out_treedef(treedef, len(out)).unflatten(out)

@@ -6,6 +6,7 @@ Checks of names, leaves, keys and training flags live where those enter
 (`_leaves.py`, `_context.py`).
 """
 
+import functools
 from typing import Any
 
 import jax
@@ -111,3 +112,13 @@ def note_missing_key(error: TypeError, ctx: Any, where: str) -> None:
     ):
         error.add_note(f"{where}: the context at {'/'.join(ctx.path)!r}: {_KEY_HINT}")
         error._eqxctx_noted = True  # pyright: ignore[reportAttributeAccessIssue]
+
+
+@functools.cache
+def is_jax_array_type(cls: type) -> bool:
+    """Whether values of `cls` are `jax.Array`s, tracers included (once per type).
+
+    `isinstance(x, jax.Array)` is an ABC check; callers on hot paths ask this with
+    `type(x)` instead.
+    """
+    return issubclass(cls, jax.Array)

@@ -39,9 +39,9 @@ from ._typing import ArrayTree, DType, Names, TreeDef
 
 GradKind: TypeAlias = Literal["summaries", "module_outputs"]
 #: A probe's address: (context path, kind, name).
-SinkKey: TypeAlias = tuple[Names, str, str]
+ProbeKey: TypeAlias = tuple[Names, str, str]
 #: The stacked sinks of the probes, by address: PyTrees of float arrays.
-Sinks: TypeAlias = dict[SinkKey, ArrayTree]
+Sinks: TypeAlias = dict[ProbeKey, ArrayTree]
 _ADDERS = {
     "summaries": "Context.add_gradient_summary",
     "module_outputs": "Context.add_gradient_output",
@@ -117,7 +117,7 @@ class PendingGradient(Summary):
     """
 
     inner: ArrayTree
-    key: SinkKey = eqx.field(static=True)
+    key: ProbeKey = eqx.field(static=True)
     probe: Probe = eqx.field(static=True)
 
     def value(self) -> ArrayTree:

@@ -5,7 +5,6 @@ See `_gradients.py` for the probes themselves and the mechanism.
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import TypeAlias
 
 import equinox as eqx
 import jax
@@ -23,13 +22,16 @@ from ._context import (
     check_summary_level,
     gradient_root,
 )
-from ._gradients import GradientState, Level, PendingGradient, Probe, is_pending
+from ._gradients import (
+    GradientState,
+    Level,
+    PendingGradient,
+    Probe,
+    ProbeKey,
+    is_pending,
+)
 from ._repeat import fold_stacked
-from ._typing import ArrayTree, Leaf, Names, PRNGKey
-
-
-#: A gradient probe's address `(path, kind, name)` (`PendingGradient.key`).
-ProbeKey: TypeAlias = tuple[Names, str, str]
+from ._typing import ArrayTree, Leaf, PRNGKey
 
 
 def _lay_out(grad: PyTree[Array], probe: Probe, pending: PendingGradient) -> ArrayTree:

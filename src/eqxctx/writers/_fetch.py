@@ -10,7 +10,6 @@ vs 37 µs). On an accelerator it also replaces one small device-to-host copy per
 array by one per dtype. The values are the same bits (a concatenation copies them).
 """
 
-import functools
 from collections.abc import Callable
 from typing import NamedTuple, TypeAlias
 
@@ -18,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eqxctx._checks import is_jax_array_type
 from eqxctx._typing import ArrayTree, DType
 
 
@@ -120,7 +120,7 @@ def device_get(tree: ArrayTree) -> ArrayTree:
     left to `jax.device_get` (and its errors, e.g. for a deleted array).
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    where = [i for i, x in enumerate(leaves) if _is_jax_array(type(x))]
+    where = [i for i, x in enumerate(leaves) if is_jax_array_type(type(x))]
     if not where:
         return treedef.unflatten(leaves)
     arrays: list[jax.Array] = [leaves[i] for i in where]
@@ -146,9 +146,3 @@ def device_get(tree: ArrayTree) -> ArrayTree:
     for i, value in zip(where, host, strict=True):
         leaves[i] = value
     return treedef.unflatten(leaves)
-
-
-@functools.cache
-def _is_jax_array(cls: type) -> bool:
-    """Whether values of `cls` are `jax.Array`s (an ABC check, once per type)."""
-    return issubclass(cls, jax.Array)
