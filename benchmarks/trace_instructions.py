@@ -3,10 +3,11 @@
 The part-1 rows of `bench_trace.py` time traces of 2 ms to several seconds on a shared
 machine, where single rows move by tens of percent between runs; instruction counts
 do not. One run counts one `jax.jit(fn).trace(x, key)` of a freshly built function
-(`bench_trace`'s `make_{flat,deep}_{ours,hand}`), with Python's garbage collector on
-as in the benchmark (its collections are part of the count), after a warm-up trace
-of the same shape at K = 10 and `gc.collect()`. The trace runs inside `divmod`, and
-callgrind collects only there. Usage (one variant per run):
+(`bench_trace`'s `make_{flat,deep}_{ours,hand}`; variant `scoped`: the hand-written
+function with a `jax.named_scope` per child, `bench_trace.SCOPED`), with Python's
+garbage collector on as in the benchmark (its collections are part of the count),
+after a warm-up trace of the same shape at K = 10 and `gc.collect()`. The trace runs
+inside `divmod`, and callgrind collects only there. Usage (one variant per run):
 
     PYTHONPATH=src valgrind --tool=callgrind --collect-atstart=no \\
         --toggle-collect=builtin_divmod --callgrind-out-file=/tmp/cg.trace \\
