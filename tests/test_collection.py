@@ -119,35 +119,6 @@ def test_empty_child_is_recorded() -> None:
         coll.add_child("a", OutputCollection.empty())
 
 
-def test_a_child_is_nested_only_in_the_kinds_where_it_has_entries() -> None:
-    # No empty level per child and kind (each would be flattened and rebuilt at
-    # every transformation boundary); reads, conflicts and `child` are unchanged.
-    enc = OutputCollection.empty().add_summary("acc", 0.5)
-    dec = OutputCollection.empty().add_state_update("count", 1)
-    coll = (
-        OutputCollection.empty()
-        .add_child("enc", enc)
-        .add_child("dec", dec)
-        .add_child("empty", OutputCollection.empty())
-    )
-    assert dict(coll.summaries) == {"enc": {"acc": 0.5}, "empty": {}}
-    assert dict(coll.state_updates) == {"dec": {"count": 1}}
-    assert dict(coll.module_outputs) == {}
-    assert coll.child_names() == {"enc", "dec", "empty"}
-    assert coll.child("dec").flatten("state_updates") == {"count": 1}
-    assert coll.child("dec").flatten("summaries") == {}
-    for name in ("enc", "dec", "empty"):
-        with pytest.raises(OutputConflictError, match=repr(name)):
-            coll.add_child(name, OutputCollection.empty())
-        with pytest.raises(OutputConflictError):
-            coll.add_module_output(name, 1.0)
-    # The collection, its three levels, one mapping per child and the two leaves
-    # (with every child in every kind: 15 nodes).
-    leaves, treedef = jax.tree_util.tree_flatten(coll)
-    assert treedef.num_nodes == 1 + 3 + 3 + 2
-    assert leaves == [0.5, 1]
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_duplicate_leaf_raises_naming_path(kind: str) -> None:
     adder = {

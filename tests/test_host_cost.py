@@ -705,12 +705,11 @@ def test_jit_outputs_cost_one_call_per_level(k: int) -> None:
     coll = OutputCollection.empty().add_child("cond", child)
     leaves, treedef = jax.tree_util.tree_flatten(coll)
     out: list[Any] = []
-    # The collection and its 4 mappings, whatever they hold: the three levels and
-    # the child's summaries (a child is nested only in the kinds where it has
-    # entries; the summaries are Equinox's, not counted).
-    assert count_own_calls(lambda: out.append(treedef.unflatten(leaves))) == 5
-    assert count_own_calls(lambda: jax.tree_util.tree_leaves(out[0])) == 5
-    assert count_own_calls(lambda: jax.tree_util.tree_flatten_with_path(out[0])) == 5
+    # The collection and its 6 mappings, whatever they hold (the summaries are
+    # Equinox's, not counted).
+    assert count_own_calls(lambda: out.append(treedef.unflatten(leaves))) == 7
+    assert count_own_calls(lambda: jax.tree_util.tree_leaves(out[0])) == 7
+    assert count_own_calls(lambda: jax.tree_util.tree_flatten_with_path(out[0])) == 7
     assert jax.tree_util.tree_leaves(out[0]) == leaves
 
 

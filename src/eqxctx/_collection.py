@@ -59,11 +59,10 @@ def _is_child(value: object) -> bool:
 class OutputCollection:
     """Summaries, state updates and module outputs, as three nested mappings.
 
-    A child (from `add_child`, `Context.call` or a scan) is a nested mapping in each
-    kind where it has entries (a child with none: in `summaries`); leaves are arrays,
-    Python numbers or `Summary` objects. Every method returns a new collection and
-    leaves `self` and its arguments unchanged; the mappings are read-only
-    (`coll.summaries["x"] = 1` raises `TypeError`).
+    A child (from `add_child`, `Context.call` or a scan) is a nested mapping present
+    in all three kinds; leaves are arrays, Python numbers or `Summary` objects. Every
+    method returns a new collection and leaves `self` and its arguments unchanged; the
+    mappings are read-only (`coll.summaries["x"] = 1` raises `TypeError`).
 
     A PyTree whose children are the three mappings (`.summaries`, `.state_updates`,
     `.module_outputs`), each a PyTree node like `dict` (sorted keys), so it passes
@@ -178,10 +177,9 @@ class OutputCollection:
         return add_leaf(self, "module_outputs", name, value)
 
     def add_child(self, name: str, child: "OutputCollection") -> "OutputCollection":
-        """Return a new collection with `child` nested under `name`.
+        """Return a new collection with `child` nested under `name` in all three kinds.
 
-        Each kind holds the child's mapping of that kind where it has entries; a child
-        with none is recorded under `summaries`, so adding it twice always raises.
+        The child is recorded even when it is empty, so adding it twice always raises.
 
         Raises:
             ValueError: if `name` does not match `^[a-z][a-z0-9_]*$`.
@@ -425,36 +423,11 @@ def name_in_use(coll: OutputCollection, name: str) -> bool:
 def with_child(
     coll: OutputCollection, name: str, child: OutputCollection
 ) -> OutputCollection:
-    """Return `coll` with `child` under `name` (the caller checked `name`).
-
-    The child is recorded in each kind where it has entries, and in `summaries` when
-    it has none (so that the name stays taken): no empty level per child and kind,
-    which every transformation boundary would flatten and rebuild.
-    """
-    summaries, state_updates, module_outputs = (
-        child.summaries,
-        child.state_updates,
-        child.module_outputs,
-    )
+    """Return `coll` with `child` under `name` (the caller checked `name`)."""
     out = _new(OutputCollection)
-    _set_summaries(
-        out,
-        coll.summaries.inserted(name, summaries)
-        if len(summaries) or not (len(state_updates) or len(module_outputs))
-        else coll.summaries,
-    )
-    _set_state_updates(
-        out,
-        coll.state_updates.inserted(name, state_updates)
-        if len(state_updates)
-        else coll.state_updates,
-    )
-    _set_module_outputs(
-        out,
-        coll.module_outputs.inserted(name, module_outputs)
-        if len(module_outputs)
-        else coll.module_outputs,
-    )
+    _set_summaries(out, coll.summaries.inserted(name, child.summaries))
+    _set_state_updates(out, coll.state_updates.inserted(name, child.state_updates))
+    _set_module_outputs(out, coll.module_outputs.inserted(name, child.module_outputs))
     return out
 
 
