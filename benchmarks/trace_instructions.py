@@ -20,23 +20,11 @@ generation during the trace (to stderr).
 import gc
 import sys
 import threading
-from collections.abc import Callable
 
 import bench_trace
 import jax
 import jax.numpy as jnp
-
-
-class _Counted:
-    """`divmod(_Counted(fn), 1)` runs `fn()` where callgrind collects."""
-
-    def __init__(self, fn: Callable[[], object]):
-        self.fn = fn
-
-    def __divmod__(self, other: int) -> tuple[int, int]:
-        del other
-        self.fn()
-        return 0, 0
+from runner_instructions import _Counted as Counted  # pyright: ignore[reportPrivateUsage]
 
 
 def main() -> None:
@@ -62,7 +50,13 @@ def main() -> None:
 
     gc.collect()
     gc.callbacks.append(count)
-    divmod(_Counted(lambda: jax.jit(fn).trace(*args)), 1)
+
+    def trace(n: int) -> None:
+        del n  # one trace
+        jax.jit(fn).trace(*args)
+
+    # `runner_instructions`' wrapper: runs `trace` where callgrind collects.
+    divmod(Counted(trace, 1), 1)
     gc.callbacks.remove(count)
     print(
         f"{shape} {variant} S={s} K={k}: gc collections {collections}", file=sys.stderr
