@@ -798,7 +798,8 @@ def test_a_deep_chain_costs_the_same_per_level_at_every_depth() -> None:
         _chain_bottom(300, lambda: None)  # child names validated and cached once
         at = {k: _chain_bottom(k, objects) for k in (100, 200)}
         # Per level: the child handed to `fn`, the context `fn` returns, its
-        # collection, and a mapping (with its log) per kind that received an entry.
+        # collection, and a mapping with its log (the list of its values) per kind
+        # that received an entry.
         assert {n: (at[200][n] - at[100][n]) / 100 for n in ours} == {
             "Context": 2,
             "OutputCollection": 1,

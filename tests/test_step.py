@@ -458,6 +458,8 @@ def test_output_is_a_frozen_pytree_dataclass_and_settings_hold_no_caches() -> No
     ]
     with pytest.raises(dataclasses.FrozenInstanceError):
         out.output_batch = None  # pyright: ignore[reportAttributeAccessIssue]
+    with pytest.raises(dataclasses.FrozenInstanceError, match="'extra'"):
+        out.extra = None  # pyright: ignore[reportAttributeAccessIssue]
     doubled = jax.tree.map(lambda x: x * 2, out)
     assert isinstance(doubled, MethodRunner.Output)
     np.testing.assert_array_equal(
@@ -488,6 +490,11 @@ def test_runner_is_a_frozen_pytree_dataclass_rebuilt_by_its_constructor() -> Non
     ]
     with pytest.raises(dataclasses.FrozenInstanceError):
         runner.prng_key = jax.random.PRNGKey(1)  # pyright: ignore[reportAttributeAccessIssue]
+    # Not a field either (Python 3.11's generated method raised a `super()` TypeError).
+    with pytest.raises(dataclasses.FrozenInstanceError, match="'extra'"):
+        runner.extra = 1  # pyright: ignore[reportAttributeAccessIssue]
+    with pytest.raises(dataclasses.FrozenInstanceError, match="delete"):
+        del runner.prng_key  # pyright: ignore[reportAttributeAccessIssue]
     # Children: the parameter leaves and the key; the step is static.
     leaves, treedef = jax.tree.flatten(runner)
     assert len(leaves) == len(runner.param_leaves) + 1

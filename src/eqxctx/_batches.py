@@ -10,13 +10,13 @@ import functools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NoReturn, TypeAlias
 
-import equinox as eqx
 import jax
 import numpy as np
 from jaxtyping import PyTree
 
 from ._checks import check_positive_int_or_none, is_jax_array_type
 from ._collection import OutputCollection, summary_tree
+from ._frozen import TreeEquality
 from ._iterations import flatten_into, freeze, materialize_tree
 from ._mapping import EMPTY, FrozenMapping
 from ._repeat import accumulate_trees
@@ -194,7 +194,7 @@ def _accumulate_same_layout(a: SummaryTree, b: SummaryTree) -> FrozenMapping | N
     return _out_treedef(treedef, len(out)).unflatten(out)
 
 
-class SummaryAccumulator:
+class SummaryAccumulator(TreeEquality):
     """Accumulates summaries across batches (AXLearn's `MetricAccumulator`).
 
     Pure: `update` returns a new accumulator and leaves `self` unchanged. Leaves with
@@ -232,13 +232,6 @@ class SummaryAccumulator:
 
     def __repr__(self) -> str:
         return f"SummaryAccumulator(accumulated={self.accumulated!r})"
-
-    def __eq__(self, other: object) -> Any:  # `bool | Array` (`eqx.tree_equal`)
-        if not isinstance(other, SummaryAccumulator):
-            return NotImplemented
-        return eqx.tree_equal(self, other)
-
-    __hash__ = None  # pyright: ignore[reportAssignmentType]
 
     def __reduce__(self) -> tuple[object, ...]:
         return (SummaryAccumulator, (self.accumulated,))

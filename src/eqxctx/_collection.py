@@ -11,10 +11,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
-import equinox as eqx
 import jax
 
 from ._errors import PREFIX_HINT, OutputConflictError
+from ._frozen import TreeEquality
 from ._iterations import (
     IterationSummaries,
     flatten_into,
@@ -56,7 +56,7 @@ def _is_child(value: object) -> bool:
     return type(value) in _CHILD_TYPES
 
 
-class OutputCollection:
+class OutputCollection(TreeEquality):
     """Summaries, state updates and module outputs, as three nested mappings.
 
     A child (from `add_child`, `Context.call` or a scan) is a nested mapping present
@@ -115,13 +115,6 @@ class OutputCollection:
             f"state_updates={dict(self.state_updates.items_list())!r}, "
             f"module_outputs={dict(self.module_outputs.items_list())!r})"
         )
-
-    def __eq__(self, other: object) -> Any:  # `bool | Array` (`eqx.tree_equal`)
-        if not isinstance(other, OutputCollection):
-            return NotImplemented
-        return eqx.tree_equal(self, other)
-
-    __hash__ = None  # pyright: ignore[reportAssignmentType]
 
     def __reduce__(self) -> tuple[object, ...]:
         return (

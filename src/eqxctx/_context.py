@@ -10,7 +10,6 @@ import hashlib
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeAlias
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,6 +26,7 @@ from ._collection import (
     with_child,
 )
 from ._errors import CALL_TWICE_HINT, PREFIX_HINT, OutputConflictError
+from ._frozen import TreeEquality
 from ._leaves import validate_leaf_name
 from ._typing import ArrayTree, Children, Leaf, MaybeKey, Names, PRNGKey, R
 
@@ -97,7 +97,7 @@ def check_prng_key(key: object, where: str) -> MaybeKey:
     )
 
 
-class Context:
+class Context(TreeEquality):
     """An invocation context: a path, a PRNG key, a training flag and outputs.
 
     Model methods take the context as their last positional argument and return it
@@ -173,13 +173,6 @@ class Context:
             f"is_training={self.is_training!r}, collection={self.collection!r}, "
             f"summary_level={self.summary_level!r})"
         )
-
-    def __eq__(self, other: object) -> Any:  # `bool | Array` (`eqx.tree_equal`)
-        if not isinstance(other, Context):
-            return NotImplemented
-        return eqx.tree_equal(self, other)
-
-    __hash__ = None  # pyright: ignore[reportAssignmentType]
 
     def __reduce__(self) -> tuple[object, ...]:
         return (

@@ -5,10 +5,15 @@ leaves' types compared too.
 """
 
 import dataclasses
+from typing import Any, NoReturn, TypeVar
 
+import equinox as eqx
 import jax
 
 from ._typing import ArrayTree
+
+
+T = TypeVar("T")
 
 
 class Frozen:
@@ -69,3 +74,45 @@ def _value_types(x: object) -> object:
     if isinstance(x, dict):
         return (dict, tuple((k, _value_types(v)) for k, v in x.items()))
     return type(x)
+
+
+def refuse_assignment(cls: type[T]) -> type[T]:
+    """Make every assignment and deletion of an attribute raise `FrozenInstanceError`.
+
+    For frozen dataclasses with `slots=True`: on Python 3.11 their generated
+    `__setattr__` refers to the class before `slots=True` rebuilt it, so assigning an
+    attribute that is not a field raised `TypeError: super(type, obj): ...` instead
+    (a CPython 3.11 bug). The dataclass's own `__init__` and `dataclasses.replace`
+    set fields with `object.__setattr__`, so they are unaffected.
+    """
+
+    def refuse(self: object, name: str, value: object = None) -> NoReturn:
+        del self, value
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def refuse_delete(self: object, name: str) -> NoReturn:
+        del self
+        raise dataclasses.FrozenInstanceError(f"cannot delete field {name!r}")
+
+    type.__setattr__(cls, "__setattr__", refuse)
+    type.__setattr__(cls, "__delattr__", refuse_delete)
+    return cls
+
+
+class TreeEquality:
+    """Equality as `eqx.Module`'s: `eqx.tree_equal` of two instances; unhashable.
+
+    The base of eqxctx's PyTree classes that are not `eqx.Module`s (`Context`,
+    `OutputCollection`, `SummaryAccumulator`, `MethodRunner`): `a == b` is
+    `eqx.tree_equal(a, b)` (a `bool`, or a traced boolean array inside a trace), and
+    `hash()` raises `TypeError`, as for a Module with array fields.
+    """
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> Any:  # `bool | Array` (`eqx.tree_equal`)
+        if not isinstance(other, TreeEquality):
+            return NotImplemented
+        return eqx.tree_equal(self, other)
+
+    __hash__ = None  # pyright: ignore[reportAssignmentType]

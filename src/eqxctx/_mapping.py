@@ -53,36 +53,35 @@ def _numbered_splits(key: str) -> Iterator[tuple[str, int]]:
             yield key[:k], int(key[k:])
 
 
-class _Log:
+class _Log(list[Any]):
     """The entries of every version of one mapping, in insertion order.
 
-    A log is *open* (made by insertion: `values` is a list and `keys` is `index`
-    itself, the key-to-position dict, whose order is the insertion order: one
-    container fewer per log) or *frozen* (made by unflattening: `keys` is the
-    treedef's sorted tuple,
-    and `index` and `spans` are derived the first time a read needs them, `traced`
-    the first time a traced value is inserted, so a collection that JAX unflattens and
-    nobody reads costs two objects per level). Inserting into a frozen log opens it
-    first.
+    The log is the list of the entries' values itself (one object per level fewer
+    than a log holding a list). A log is *open* (made by insertion: `keys` is
+    `positions` itself, the key-to-position dict, whose order is the insertion
+    order: one container fewer per log) or *frozen* (made by unflattening: `keys` is
+    the treedef's sorted tuple, and `positions` and `spans` are derived the first time a
+    read needs them, `traced` the first time a traced value is inserted, so a
+    collection that JAX unflattens and nobody reads costs two objects per level).
+    Inserting into a frozen log opens it first.
     """
 
     __slots__ = (
         "checked",
-        "index",
         "keys",
         "numbered",
         "numbered_upto",
+        "positions",
         "spans",
         "traced",
-        "values",
     )
 
-    keys: dict[str, int] | tuple[str, ...]  # `index` itself when open
-    values: list[Entry] | tuple[Entry, ...]
-    # None until a read needs it (frozen logs only).
-    index: dict[str, int] | None
+    keys: dict[str, int] | tuple[str, ...]  # `positions` itself when open
+    # The key-to-position index (not `index`: that is `list.index`); None until a
+    # read needs it (frozen logs only).
+    positions: dict[str, int] | None
     # key -> (position, span) for the entries that reserve numbered names; None
-    # while there are none (or, in a frozen log, before `index` is built).
+    # while there are none (or, in a frozen log, before `positions` is built).
     spans: dict[str, tuple[int, int]] | None
     # prefix -> [(pos, i)] for the keys `prefix{i}`; built lazily (only merging a
     # scan's entry asks), up to `numbered_upto` keys.
@@ -109,20 +108,20 @@ class _Log:
         traced: bool | None = False,
         checked: bool = True,
     ) -> None:
+        super().__init__(values)
         self.keys = keys
-        self.values = values
-        self.index = index
+        self.positions = index
         self.spans = spans
         self.numbered = None
         self.numbered_upto = 0
         self.traced = traced
         self.checked = checked
 
-    def append(self, key: str, value: Entry, span: int) -> None:
-        """Append to an open log (`keys` is `index`)."""
-        pos = len(self.values)
-        self.values.append(value)  # pyright: ignore[reportAttributeAccessIssue]
-        self.index[key] = pos  # pyright: ignore[reportOptionalSubscript]
+    def add(self, key: str, value: Entry, span: int) -> None:
+        """Append `key: value` to an open log (`keys` is `positions`)."""
+        pos = len(self)
+        self.append(value)
+        self.positions[key] = pos  # pyright: ignore[reportOptionalSubscript]
         if span:
             self._add_span(key, pos, span)
         if not self.traced and _holds_tracer(value):
@@ -134,31 +133,31 @@ class _Log:
         self.spans[key] = (pos, span)
 
     def build_index(self) -> dict[str, int]:
-        """Derive `index` and `spans` of a frozen log (once).
+        """Derive `positions` and `spans` of a frozen log (once).
 
         Readers call this without `_LOCK` (while another thread may open and extend
         the log under it): the result is built aside and kept only if no other
-        thread has set `index` meanwhile, so an index that already holds appended
+        thread has set `positions` meanwhile, so an index that already holds appended
         entries is never replaced by one that lacks them.
         """
         # A copy: a thread opening the log meanwhile makes `keys` the index.
         keys = list(self.keys)
         index = {k: i for i, k in enumerate(keys)}
         spans: dict[str, tuple[int, int]] | None = None
-        for i, (key, value) in enumerate(zip(keys, self.values)):  # noqa: B905
+        for i, (key, value) in enumerate(zip(keys, self)):  # noqa: B905
             cls = type(value)
             if cls not in _no_span and (span := _span_of(value)):
                 if spans is None:
                     spans = {}
                 spans[key] = (i, span)
         with _INDEX_LOCK:
-            if self.index is None:
+            if self.positions is None:
                 self.spans = spans
-                self.index = index
-            return self.index
+                self.positions = index
+            return self.positions
 
     def holds_tracer(self) -> bool:
-        """Return `traced`, deriving it first if not known (once, as `index`).
+        """Return `traced`, deriving it first if not known (once, as `positions`).
 
         Separate from `build_index`: it looks into every child level, which only
         an insertion needs (a read of a level reads no other level).
@@ -168,10 +167,8 @@ class _Log:
 
     def open(self) -> dict[str, int]:
         """Make a frozen log appendable; return its index."""
-        index = self.index if self.index is not None else self.build_index()
+        index = self.positions if self.positions is not None else self.build_index()
         self.keys = index
-        if type(self.values) is not list:
-            self.values = list(self.values)
         return index
 
     def numbers(self) -> dict[str, list[tuple[int, int]]]:
@@ -234,7 +231,7 @@ def _resolve_traced(root: _Log) -> bool:
     each such level once: a level whose flag is known is not entered. Called under
     `_LOCK` by insertion (an open log's values are appended under it).
     """
-    stack: list[tuple[_Log, Iterator[Entry]]] = [(root, iter(root.values))]
+    stack: list[tuple[_Log, Iterator[Entry]]] = [(root, iter(root))]
     while stack:
         log, values = stack[-1]
         below: _Log | None = None
@@ -252,7 +249,7 @@ def _resolve_traced(root: _Log) -> bool:
                 traced = True
                 break
         if below is not None:
-            stack.append((below, iter(below.values)))
+            stack.append((below, iter(below)))
             continue
         stack.pop()
         # A traced level makes every level above it traced.
@@ -296,7 +293,7 @@ class FrozenMapping(Mapping[str, Entry]):
         for key, value in pairs:
             if key in index:
                 raise ValueError(f"`FrozenMapping`: key {key!r} given twice.")
-            log.append(key, value, _span_of(value))
+            log.add(key, value, _span_of(value))
         self._log = log
         self._n = len(log.keys)
         self._sorted: Keys | None = None
@@ -306,24 +303,24 @@ class FrozenMapping(Mapping[str, Entry]):
     # The reads inline `_index` (they run several times per add).
     def __getitem__(self, key: str) -> Entry:
         log = self._log
-        index = log.index
+        index = log.positions
         pos = (index if index is not None else log.build_index()).get(key)
         if pos is None or pos >= self._n:
             raise KeyError(key)
-        return log.values[pos]
+        return log[pos]
 
     def get(self, key: str, default: Entry = None) -> Entry:
         """Return the value of `key`, or `default` if absent."""
         log = self._log
-        index = log.index
+        index = log.positions
         pos = (index if index is not None else log.build_index()).get(key)
         if pos is None or pos >= self._n:
             return default
-        return log.values[pos]
+        return log[pos]
 
     def __contains__(self, key: object) -> bool:
         log = self._log
-        index = log.index
+        index = log.positions
         if index is None:
             index = log.build_index()
         pos = index.get(key) if type(key) is str or isinstance(key, str) else None
@@ -345,7 +342,7 @@ class FrozenMapping(Mapping[str, Entry]):
         """Return `list(self.items())`, faster."""
         log, n = self._log, self._n
         keys = list(itertools.islice(log.keys, n))
-        return list(zip(keys, log.values[:n], strict=True))
+        return list(zip(keys, log[:n], strict=True))
 
     def sorted_keys(self) -> Keys:
         """Return the keys in sorted order (the PyTree order), cached."""
@@ -395,7 +392,7 @@ class FrozenMapping(Mapping[str, Entry]):
         if not name[-1:].isdigit():
             return None
         log = self._log
-        if log.index is None:
+        if log.positions is None:
             log.build_index()
         spans = log.spans
         if not spans:
@@ -421,7 +418,7 @@ class FrozenMapping(Mapping[str, Entry]):
     def spans(self) -> Iterator[tuple[str, int]]:
         """Yield `(key, span)` for every entry that reserves numbered names."""
         log = self._log
-        if log.index is None:
+        if log.positions is None:
             log.build_index()
         for key, (pos, span) in (log.spans or {}).items():
             if pos < self._n:
@@ -460,7 +457,7 @@ class FrozenMapping(Mapping[str, Entry]):
             # its levels, which only a traced value needs.)
             if len(keys) == n and (not _holds_tracer(value) or log.holds_tracer()):
                 # The newest version: append in place (`keys` is the index).
-                log.values.append(value)  # pyright: ignore[reportAttributeAccessIssue]
+                log.append(value)
                 keys[key] = n  # pyright: ignore[reportIndexIssue]
                 if type(value) not in _no_span and (span := _span_of(value)):
                     log._add_span(key, n, span)
@@ -476,7 +473,7 @@ class FrozenMapping(Mapping[str, Entry]):
                 self._log = _copy(log, n, seal=True)
             # Under the lock: another thread may be appending to `log` (its spans).
             new = _copy(log, n, seal=False)
-            new.append(key, value, _span_of(value))
+            new.add(key, value, _span_of(value))
         return _version(new, n + 1)
 
     def updated(self, pairs: Pairs) -> "FrozenMapping":
@@ -496,11 +493,11 @@ def _copy(log: _Log, n: int, *, seal: bool) -> _Log:
     spans = log.spans
     if spans:
         spans = {k: v for k, v in spans.items() if v[0] < n} or None
-    new = _Log(index, list(log.values[:n]), index, spans, log.traced, log.checked)
+    new = _Log(index, log[:n], index, spans, log.traced, log.checked)
     if seal:  # one entry past every version: insertion always takes the branch path
         # ("" is no valid name, and position n is past every version's end.)
         index[""] = n
-        new.values.append(None)  # pyright: ignore[reportAttributeAccessIssue]
+        new.append(None)
     return new
 
 
@@ -536,7 +533,7 @@ Levels: TypeAlias = tuple[FrozenMapping, FrozenMapping, FrozenMapping]
 def _reserved(name: str, levels: "Levels") -> str | None:
     for m in levels:
         log = m._log
-        if log.index is None:
+        if log.positions is None:
             log.build_index()
         if log.spans:
             owner = m.reserver(name)
@@ -549,7 +546,7 @@ def key_in_any(name: str, levels: "Levels") -> bool:
     """Whether `name` is a key of one of `levels`, or reserved by a span of one."""
     for m in levels:
         log = m._log
-        index = log.index
+        index = log.positions
         if index is None:
             index = log.build_index()
         pos = index.get(name)
@@ -562,11 +559,11 @@ def child_in_any(name: str, levels: "Levels", child_types: frozenset[type]) -> b
     """Whether `name` is a child (of `child_types`) or reserved in one of `levels`."""
     for m in levels:
         log = m._log
-        index = log.index
+        index = log.positions
         if index is None:
             index = log.build_index()
         pos = index.get(name)
-        if pos is not None and pos < m._n and type(log.values[pos]) in child_types:
+        if pos is not None and pos < m._n and type(log[pos]) in child_types:
             return True
     return name[-1:].isdigit() and _reserved(name, levels) is not None
 
@@ -580,15 +577,15 @@ def _flatten_with_keys(m: FrozenMapping) -> tuple[list[Any], Keys]:
     if keys is None:
         keys = m.sorted_keys()
     log = m._log
-    values, key_type = log.values, _DICT_KEY
+    key_type = _DICT_KEY
     if log.keys is keys:  # a frozen log made by unflattening: already sorted
-        return list(zip(map(key_type, keys), values)), keys  # noqa: B905
+        return list(zip(map(key_type, keys), log)), keys  # noqa: B905
     if not m._n:
         return [], ()
-    index = log.index
+    index = log.positions
     if index is None:
         index = log.build_index()
-    return [(key_type(k), values[index[k]]) for k in keys], keys
+    return [(key_type(k), log[index[k]]) for k in keys], keys
 
 
 def _flatten(m: FrozenMapping) -> tuple[Children, Keys]:
@@ -596,15 +593,14 @@ def _flatten(m: FrozenMapping) -> tuple[Children, Keys]:
     if keys is None:
         keys = m.sorted_keys()
     log = m._log
-    values = log.values
     if log.keys is keys:
-        return values, keys
+        return log, keys
     if not m._n:
         return (), ()
-    index = log.index
+    index = log.positions
     if index is None:
         index = log.build_index()
-    return [values[index[k]] for k in keys], keys
+    return [log[index[k]] for k in keys], keys
 
 
 def _unflatten(keys: Keys, children: Children) -> FrozenMapping:
@@ -619,11 +615,10 @@ def _unflatten(keys: Keys, children: Children) -> FrozenMapping:
         out._n = 0
         out._sorted = ()
         return out
-    values = children if type(children) is tuple else tuple(children)
-    log = object.__new__(_Log)
+    log = _new_log(_Log)
+    log.extend(children)
     log.keys = keys
-    log.values = values
-    log.index = None
+    log.positions = None
     log.spans = None
     log.numbered = None
     log.numbered_upto = 0
@@ -637,6 +632,7 @@ def _unflatten(keys: Keys, children: Children) -> FrozenMapping:
 
 
 _new = object.__new__
+_new_log = list.__new__
 
 jax.tree_util.register_pytree_with_keys(
     FrozenMapping, _flatten_with_keys, _unflatten, _flatten

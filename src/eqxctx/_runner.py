@@ -30,7 +30,7 @@ from jaxtyping import PyTree
 from ._aot import LoweredRunner, lower_runner
 from ._checks import check_callable
 from ._context import check_is_training, check_prng_key, check_summary_level
-from ._frozen import Frozen
+from ._frozen import Frozen, TreeEquality, refuse_assignment
 from ._partition import (
     DataPartition,
     leaf_shardings,
@@ -84,8 +84,9 @@ def _check_method(model: Model, method: object) -> None:
 # Not an `eqx.Module`: a module's field reads and rebuilds run Python code that
 # would be a few percent of every call.
 @jax.tree_util.register_dataclass
+@refuse_assignment
 @dataclasses.dataclass(frozen=True, slots=True, repr=False, eq=False)
-class MethodRunner:
+class MethodRunner(TreeEquality):
     """Runs a model method on (sharded) batches, compiled once per batch signature.
 
     AXLearn's `MethodRunner`, as an immutable PyTree: calling it returns a new runner
@@ -123,6 +124,7 @@ class MethodRunner:
     step: Step = dataclasses.field(metadata={"static": True})
 
     @jax.tree_util.register_dataclass
+    @refuse_assignment
     @dataclasses.dataclass(frozen=True, slots=True)
     class Output:
         """What one call of a `MethodRunner` returns (AXLearn's `MethodRunner.Output`).
@@ -408,13 +410,6 @@ class MethodRunner:
 
     def __repr__(self) -> str:
         return eqx.tree_pformat(self)
-
-    def __eq__(self, other: object) -> Any:  # `bool | Array` (`eqx.tree_equal`)
-        if not isinstance(other, MethodRunner):
-            return NotImplemented
-        return eqx.tree_equal(self, other)
-
-    __hash__ = None  # pyright: ignore[reportAssignmentType]
 
     def __init_subclass__(cls) -> None:
         # No zero-argument `super()` in a slots dataclass (the class is rebuilt).
