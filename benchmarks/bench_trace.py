@@ -40,7 +40,11 @@ same values, measured in one run with the variants interleaved; times are the mi
    level: optimized HLO instructions and output leaves of the jitted function, with
    hand-written nested `jax.lax.scan`s returning the stacked summaries for reference.
 
-Part 1's and part 3's measurements start after `gc.collect()`. Each table has a
+Part 1's and part 3's measurements start after `gc.collect()`; part 1 also times
+Python's garbage collector during each trace (`gc.callbacks`) and reports the ratios
+of the time outside it, with the collector's seconds and full collections per variant
+(a full collection walks the whole process heap, so how many fall inside a trace
+depends on the heap's size before it, not only on the trace). Each table has a
 "met" column for the issue's targets (part 1: ours/hand <= 1.3 and slope <= 1.1;
 part 2: <= 1.2; part 3: flatten and writer <= 2x, accumulator <= 3x; part 4: traces
 <= 2 x depth; part 5: equal output counts at 2 and 8, and equal HLO instruction
@@ -241,12 +245,33 @@ SCOPED: dict[str, Callable[[int, int], Fn]] = {
 }
 
 
-def _trace_time(fn: Fn, args: tuple[Any, ...]) -> tuple[float, int]:
+class _Collector:
+    """Time spent in Python's garbage collector, and its full collections."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.full = 0
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        self.seconds += time.perf_counter() - self._start
+        self.full += info["generation"] == 2
+
+
+def _trace_time(fn: Fn, args: tuple[Any, ...]) -> tuple[float, int, _Collector]:
     gc.collect()  # start each measurement without the last one's garbage
-    t0 = time.perf_counter()
-    traced = jax.jit(fn).trace(*args)
-    t = time.perf_counter() - t0
-    return t, len(jax.tree_util.tree_leaves(traced.out_info))
+    collector = _Collector()
+    gc.callbacks.append(collector)
+    try:
+        t0 = time.perf_counter()
+        traced = jax.jit(fn).trace(*args)
+        t = time.perf_counter() - t0
+    finally:
+        gc.callbacks.remove(collector)
+    return t, len(jax.tree_util.tree_leaves(traced.out_info)), collector
 
 
 def _check_same_values(shape: str, s: int, args: tuple[Any, ...]) -> None:
@@ -294,11 +319,13 @@ def bench_trace(
     print(
         "| shape | S |    K | ours s | hand s | scoped s | ours/hand | ours/scoped "
         "| ours/hand (median) | excess slope | excess slope (scoped) | hand slope "
-        "| leaves (ours/hand) | rounds | met | met (scoped) |"
+        "| leaves (ours/hand) | rounds | met | met (scoped) "
+        "| outside the collector: ours/hand / ours/scoped | its excess slope "
+        "(scoped) | collector s (ours / hand / scoped) | full collections |"
     )
     print(
         "|---|--:|-----:|------:|------:|------:|------:|------:|------:|------:"
-        "|------:|------:|:--:|--:|:--:|:--:|"
+        "|------:|------:|:--:|--:|:--:|:--:|--:|--:|--:|--:|"
     )
     rows: list[dict[str, Any]] = []
     for shape in shapes:
@@ -309,17 +336,26 @@ def bench_trace(
             first: dict[str, Any] | None = None
             for k in ks:
                 times: dict[str, list[float]] = {name: [] for name, _ in variants}
+                # Per round: (time, time outside the collector, collector, full).
+                runs: dict[str, list[tuple[float, float, float, int]]] = {
+                    name: [] for name, _ in variants
+                }
                 leaves: dict[str, int] = {}
                 start = time.perf_counter()
                 for _ in range(rounds):  # interleaved
                     for name, make in variants:
-                        t, leaves[name] = _trace_time(make(k, s), args)
+                        t, leaves[name], col = _trace_time(make(k, s), args)
                         times[name].append(t)
+                        runs[name].append((t, t - col.seconds, col.seconds, col.full))
                     if time.perf_counter() - start > budget:
                         break
                 o_min, o_med = _stats(times["ours"])
                 h_min, h_med = _stats(times["hand"])
                 c_min, _ = _stats(times["scoped"])
+                # The collector's share, from each variant's fastest round; and
+                # the minimum over rounds of the time outside the collector.
+                best = {name: min(r) for name, r in runs.items()}
+                outside = {name: min(x[1] for x in r) for name, r in runs.items()}
                 row: dict[str, Any] = {
                     "shape": shape,
                     "s": s,
@@ -342,6 +378,12 @@ def bench_trace(
                     "hand_overall": math.nan,
                     "leaves": (leaves["ours"], leaves["hand"]),
                     "rounds": len(times["ours"]),
+                    "ratio_outside": outside["ours"] / outside["hand"],
+                    "ratio_outside_scoped": outside["ours"] / outside["scoped"],
+                    "excess_outside": outside["ours"] - outside["scoped"],
+                    "slope_outside": math.nan,
+                    "collector": tuple(best[n][2] for n in ("ours", "hand", "scoped")),
+                    "full": tuple(best[n][3] for n in ("ours", "hand", "scoped")),
                 }
                 for ref in ("hand", "scoped"):
                     assert leaves[ref] == leaves["ours"], (shape, s, k, ref)
@@ -351,6 +393,9 @@ def bench_trace(
                         prev["k"], prev["excess_scoped"], k, row["excess_scoped"]
                     )
                     row["hand_slope"] = _slope(prev["k"], prev["hand"], k, h_min)
+                    row["slope_outside"] = _slope(
+                        prev["k"], prev["excess_outside"], k, row["excess_outside"]
+                    )
                 first = first or row
                 if first is not row:
                     row["overall"] = _slope(
@@ -372,7 +417,12 @@ def bench_trace(
                     f"| {_fmt_slope(row['slope_scoped'])} "
                     f"| {_fmt_slope(row['hand_slope'])} "
                     f"| {leaves['ours']}/{leaves['hand']} | {row['rounds']} "
-                    f"| {_met(row['met'])} | {_met(row['met_scoped'])} |",
+                    f"| {_met(row['met'])} | {_met(row['met_scoped'])} "
+                    f"| {row['ratio_outside']:.2f}x "
+                    f"/ {row['ratio_outside_scoped']:.2f}x "
+                    f"| {_fmt_slope(row['slope_outside'])} "
+                    f"| {' / '.join(f'{c:.3f}' for c in row['collector'])} "
+                    f"| {' / '.join(map(str, row['full']))} |",
                     flush=True,
                 )
                 rows.append(row)
