@@ -194,6 +194,14 @@ def test_mappings_are_read_only() -> None:
     entry = IterationSummaries(2, {"x": jnp.zeros(2)})
     with pytest.raises(TypeError):
         entry.stacked["y"] = 1  # pyright: ignore[reportIndexIssue]
+    # Flattening one level hands out no container a level keeps (a level made by
+    # unflattening, here the output of `jax.jit`, and one made by adds).
+    for level in (jax.jit(lambda c: c)(coll).summaries, coll.summaries):
+        children, _ = jax.tree_util.flatten_one_level(level)
+        if isinstance(children, list):
+            children.clear()
+        assert level["loss"] == 1.0
+        assert len(level) == 2
 
 
 @given(output_collections(), output_collections())

@@ -593,8 +593,8 @@ def _flatten(m: FrozenMapping) -> tuple[Children, Keys]:
     if keys is None:
         keys = m.sorted_keys()
     log = m._log
-    if log.keys is keys:
-        return log, keys
+    if log.keys is keys:  # (a copy: `flatten_one_level` hands the children out)
+        return tuple(log), keys
     if not m._n:
         return (), ()
     index = log.positions
