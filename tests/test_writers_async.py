@@ -222,6 +222,10 @@ def test_async_writes_the_values_at_the_time_of_write(
     buf = np.zeros(2)
     field = np.zeros(())  # a NumPy field of a summary (built like a fetched one)
     host_sum = jax.tree_util.tree_map(lambda _: field, eqxctx.SumSummary(0.0))
+    rows = np.zeros(2)
+    scan = eqxctx.OutputCollection(
+        {"iter": eqxctx.IterationSummaries(2, {"v": rows})}, {}, {}
+    )
     for step in range(3):
         summaries["loss"] = float(step)
         summaries["x"] = jnp.float32(10 * step)
@@ -231,11 +235,15 @@ def test_async_writes_the_values_at_the_time_of_write(
         summaries["sum"] = host_sum
         nested["acc"] = -step
         summaries["eval"] = nested
+        summaries["cb"] = eqxctx.CallbackSummary(np.sum, buf)  # NumPy args
+        rows[:] = [step, -step]  # the stacked rows of a scan's iterations
+        summaries["scan"] = scan
         w.write(step, summaries)
     summaries.clear()
     nested["acc"] = 99
     buf[:] = -1
     field[...] = -1
+    rows[:] = -1
     gate.set()
     w.close()
     assert read_jsonl(tmp_path / "s.jsonl") == [
@@ -246,6 +254,9 @@ def test_async_writes_the_values_at_the_time_of_write(
             "buf": [float(s), float(s)],
             "sum": 100.0 * s,
             "eval/acc": -s,
+            "cb": 2.0 * s,
+            "scan/iter0/v": float(s),
+            "scan/iter1/v": -float(s),
         }
         for s in range(3)
     ]
