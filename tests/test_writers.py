@@ -509,6 +509,14 @@ def test_tensorboard_tag_collisions_raise(tmp_path: Path, a: str, b: str) -> Non
         (eqxctx.ImageSummary(np.zeros(4)), r"rank 1"),
         (eqxctx.AudioSummary(np.zeros((8, 0))), r"no channel"),
         (eqxctx.AudioSummary(np.zeros(8), sample_rate=0), r"sample_rate must be"),
+        (
+            eqxctx.AudioSummary(np.zeros(8), sample_rate=2**40),
+            r"too high for a WAV file.*sample_rate <= 2147483647",
+        ),
+        (
+            eqxctx.AudioSummary(np.zeros((8, 2)), sample_rate=2**30),
+            r"2 channel\(s\) is too high.*sample_rate <= 1073741823",
+        ),
     ],
 )
 def test_writers_validate_media_before_writing(
@@ -523,6 +531,56 @@ def test_writers_validate_media_before_writing(
     # From a collection: refused where it is added.
     with pytest.raises(ValueError, match=message):
         eqxctx.Context.root().add_summary("x", leaf)
+
+
+@pytest.mark.parametrize("channels", [1, 2])
+def test_audio_sample_rate_up_to_the_wav_header_limit(
+    tmp_path: Path, channels: int
+) -> None:
+    # The WAV header stores sample_rate * channels * 2 (bytes per second) as a
+    # uint32: the highest valid rate is written and read back exactly.
+    rate = (2**32 - 1) // (2 * channels)
+    audio = np.linspace(-1, 1, 10).reshape(5, 2)[:, :channels]
+    with TensorBoardWriter(tmp_path) as w:
+        w.write(0, {"au": eqxctx.AudioSummary(audio, sample_rate=rate)})
+        with pytest.raises(ValueError, match=r"'au': .*too high for a WAV file"):
+            w.write(1, {"au": eqxctx.AudioSummary(audio, sample_rate=rate + 1)})
+    [(step, value)] = summary_values(str(tmp_path))
+    # The proto's sample_rate is a float32 (TensorBoard's); the header is exact.
+    assert (step, value.audio.sample_rate, value.audio.num_channels) == (
+        0,
+        float(np.float32(rate)),
+        channels,
+    )
+    with wave.open(io.BytesIO(value.audio.encoded_audio_string)) as wav:
+        assert (wav.getframerate(), wav.getnchannels()) == (rate, channels)
+        frames = np.frombuffer(wav.readframes(5), dtype="<i2").reshape(5, channels)
+    expected = np.clip(np.round(audio * 32768), -32768, 32767)
+    np.testing.assert_array_equal(frames, expected)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"max_queue": 0}, ValueError, r"max_queue must be an int >= 1.*got 0"),
+        ({"max_queue": 1.5}, TypeError, r"max_queue must be an int >= 1.*float 1.5"),
+        ({"max_queue": True}, TypeError, r"max_queue must be an int >= 1.*bool"),
+        ({"flush_secs": -1}, ValueError, r"flush_secs must be a number .* got -1"),
+        ({"flush_secs": float("nan")}, ValueError, r"flush_secs must be .* got nan"),
+        ({"flush_secs": "10"}, TypeError, r"flush_secs must be a number.*str '10'"),
+    ],
+)
+def test_tensorboard_writer_checks_its_arguments(
+    tmp_path: Path, kwargs: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=r"^`TensorBoardWriter\(logdir, .*" + message):
+        TensorBoardWriter(tmp_path, **kwargs)
+    assert os.listdir(tmp_path) == []  # refused before the event file is made
+    # The limits themselves are accepted (flush_secs=0 flushes at every write).
+    with TensorBoardWriter(tmp_path, max_queue=1, flush_secs=0) as w:
+        w.write(0, {"x": 1.0})
+        w.write(1, {"x": 2.0})
+        assert scalars(str(tmp_path)) == {(0, "x"): 1.0, (1, "x"): 2.0}
 
 
 def test_writers_check_the_step_range(tmp_path: Path) -> None:

@@ -178,8 +178,137 @@ def test_async_errors_on_the_calling_thread() -> None:
     with pytest.raises(TypeError, match="'summaries/x'"):
         w.write(0, {"x": "text"})
     w.close()
-    with pytest.raises(ValueError, match="max_pending"):
-        AsyncWriter(Recorder(), max_pending=0)
+
+
+@pytest.mark.parametrize(
+    ("max_pending", "error", "message"),
+    [
+        (0, ValueError, r"got 0"),
+        (1.5, TypeError, r"got float 1\.5"),
+        ("8", TypeError, r"got str '8'"),
+        (True, TypeError, r"got bool True"),
+    ],
+)
+def test_async_max_pending_must_be_a_positive_int(
+    max_pending: Any, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(
+        error,
+        match=r"^`AsyncWriter\(writer, max_pending=\.\.\.\)`: max_pending must be "
+        r"an int >= 1 \(the most steps waiting for the background thread\), " + message,
+    ):
+        AsyncWriter(Recorder(), max_pending=max_pending)
+    with AsyncWriter(Recorder(), max_pending=np.int64(1)) as w:
+        assert w.max_pending == 1
+        assert type(w.max_pending) is int
+
+
+_MODES = pytest.mark.parametrize(
+    ("defer_fetch", "background_fetch"), [(False, True), (False, False), (True, False)]
+)
+
+
+@_MODES
+def test_async_writes_the_values_at_the_time_of_write(
+    tmp_path: Path, defer_fetch: bool, background_fetch: bool
+) -> None:
+    # The caller reuses its containers and NumPy buffers after each `write`; the
+    # background thread waits at a gate until all of that is done.
+    gate = threading.Event()
+    inner = MultiWriter(Recorder(gate=gate), JsonlWriter(tmp_path / "s.jsonl"))
+    w = AsyncWriter(inner, defer_fetch=defer_fetch, background_fetch=background_fetch)
+    summaries: dict[str, Any] = {}
+    nested: dict[str, Any] = {}
+    buf = np.zeros(2)
+    field = np.zeros(())  # a NumPy field of a summary (built like a fetched one)
+    host_sum = jax.tree_util.tree_map(lambda _: field, eqxctx.SumSummary(0.0))
+    rows = np.zeros(2)
+    scan = eqxctx.OutputCollection(
+        {"iter": eqxctx.IterationSummaries(2, {"v": rows})}, {}, {}
+    )
+    for step in range(3):
+        summaries["loss"] = float(step)
+        summaries["x"] = jnp.float32(10 * step)
+        buf[:] = step
+        summaries["buf"] = buf
+        field[...] = 100 * step
+        summaries["sum"] = host_sum
+        nested["acc"] = -step
+        summaries["eval"] = nested
+        summaries["cb"] = eqxctx.CallbackSummary(np.sum, buf)  # NumPy args
+        rows[:] = [step, -step]  # the stacked rows of a scan's iterations
+        summaries["scan"] = scan
+        w.write(step, summaries)
+    summaries.clear()
+    nested["acc"] = 99
+    buf[:] = -1
+    field[...] = -1
+    rows[:] = -1
+    gate.set()
+    w.close()
+    assert read_jsonl(tmp_path / "s.jsonl") == [
+        {
+            "step": s,
+            "loss": float(s),
+            "x": 10.0 * s,
+            "buf": [float(s), float(s)],
+            "sum": 100.0 * s,
+            "eval/acc": -s,
+            "cb": 2.0 * s,
+            "scan/iter0/v": float(s),
+            "scan/iter1/v": -float(s),
+        }
+        for s in range(3)
+    ]
+
+
+def test_async_keeps_jax_arrays_and_read_only_collections() -> None:
+    from eqxctx.writers._async import _snapshot  # pyright: ignore[reportPrivateUsage]
+
+    x = jnp.arange(3.0)
+    coll = eqxctx.OutputCollection({"x": x, "m": eqxctx.MomentsSummary(x)}, {}, {})
+    assert _snapshot(coll) is coll  # nothing the caller can change: no copy
+    nested = {"a": x, "b": {"c": 1.0}, "coll": coll}
+    snap: Any = _snapshot(nested)
+    assert list(snap) == ["a", "b", "coll"]
+    assert snap is not nested  # new mappings
+    assert snap["b"] is not nested["b"]
+    assert snap["b"] == {"c": 1.0}
+    assert snap["a"] is x  # the JAX array itself: no device copy
+    assert snap["coll"] is coll
+    # A NumPy array in a collection: a copy, the rest of it kept.
+    host = eqxctx.OutputCollection(
+        {"x": np.arange(3.0), "m": eqxctx.MomentsSummary(x)}, {}, {}
+    )
+    assert type(host.summaries["x"]) is np.ndarray
+    snap = _snapshot(host)
+    assert snap is not host.summaries
+    assert snap["x"] is not host.summaries["x"]
+    np.testing.assert_array_equal(snap["x"], [0.0, 1.0, 2.0])
+    assert snap["m"] is host.summaries["m"]
+    assert list(snap) == ["x", "m"]
+
+
+def test_async_defer_fetch_error_names_its_step_and_keeps_the_next(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "s.jsonl"
+    w = AsyncWriter(JsonlWriter(path), defer_fetch=True)
+    w.write(0, {"x": 0.0})
+    w.write(1, {"img": eqxctx.ImageSummary(jnp.zeros((0, 2, 2)))})  # invalid
+    with pytest.raises(ValueError, match=r"the summary at 'img'.*no image") as info:
+        w.write(2, {"x": 2.0})  # fetches step 1
+    assert info.value.__notes__ == [
+        "Raised by eqxctx's AsyncWriter(defer_fetch=True) fetching step 1, one "
+        "step late: step 1 is not written; the step passed to this call, if any, "
+        "is kept."
+    ]
+    w.write(3, {"x": 3.0})
+    w.write(4, {"x": "text"})  # invalid, fetched by close
+    with pytest.raises(TypeError, match="'summaries/x'") as info:
+        w.close()
+    assert "fetching step 4" in info.value.__notes__[0]
+    assert read_jsonl(path) == [{"step": s, "x": float(s)} for s in (0, 2, 3)]
 
 
 def test_async_background_fetch_runs_on_the_thread_and_keeps_values() -> None:

@@ -390,6 +390,10 @@ class ImageSummary(_KeepFirst):
             )
 
 
+#: The largest bytes per second of a WAV file (a uint32 in its header).
+_MAX_WAV_BYTE_RATE = 2**32 - 1
+
+
 class AudioSummary(_KeepFirst):
     """A waveform (AXLearn's `AudioSummary`).
 
@@ -401,7 +405,11 @@ class AudioSummary(_KeepFirst):
     Attributes:
         value_: shape `[time]` or `[time, channels]`, floating values in `[-1, 1]`
             (traced). Construct as `AudioSummary(value, sample_rate=16000)`.
-        sample_rate: samples per second (Hz), a positive int, static.
+        sample_rate: samples per second (Hz), a positive int, static. The writers
+            encode 16-bit WAV, whose header (as written by Python's `wave`, used by
+            tensorboardX's audio summary too) stores `sample_rate` and the bytes
+            per second `sample_rate * channels * 2` as uint32s: `validate` accepts
+            `sample_rate <= (2**32 - 1) // (2 * channels)`.
 
     Raises:
         TypeError: if `sample_rate` is not an int (on construction).
@@ -427,8 +435,9 @@ class AudioSummary(_KeepFirst):
         """Check the rank and the sample rate.
 
         Raises:
-            ValueError: for a rank other than 1 or 2, no channel (`[time, 0]`) or a
-                non-positive sample rate.
+            ValueError: for a rank other than 1 or 2, no channel (`[time, 0]`), a
+                non-positive sample rate, or one too high for a 16-bit WAV header
+                (`sample_rate * channels * 2 > 2**32 - 1`).
         """
         shape = self.value_.shape
         if len(shape) not in (1, 2):
@@ -441,9 +450,18 @@ class AudioSummary(_KeepFirst):
                 f"`AudioSummary`: got shape {shape}, with no channel; pass "
                 "[time] or [time, channels] with at least one channel."
             )
-        if self.sample_rate <= 0:
+        rate = self.sample_rate
+        if rate <= 0:
             raise ValueError(
-                f"`AudioSummary`: sample_rate must be positive, got {self.sample_rate}."
+                f"`AudioSummary`: sample_rate must be positive, got {rate}."
+            )
+        channels = shape[1] if len(shape) == 2 else 1
+        if rate * channels * 2 > _MAX_WAV_BYTE_RATE:
+            raise ValueError(
+                f"`AudioSummary`: sample_rate {rate} with {channels} channel(s) is too "
+                "high for a WAV file, whose header stores the bytes per second "
+                "(sample_rate * channels * 2 for 16-bit samples) as a uint32; pass "
+                f"sample_rate <= {_MAX_WAV_BYTE_RATE // (2 * channels)}."
             )
 
 

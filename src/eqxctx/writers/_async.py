@@ -1,19 +1,37 @@
 """AsyncWriter (file I/O on a background thread) and MultiWriter (fan-out)."""
 
+import dataclasses
+import functools
 import queue
 import threading
-from typing import Any, TypeAlias
+from collections.abc import Mapping
+from typing import Any, TypeAlias, cast
 
 import jax
+import numpy as np
+
+from eqxctx._collection import OutputCollection
+from eqxctx._iterations import IterationSummaries
+from eqxctx._mapping import FrozenMapping
+from eqxctx._statistics import HistogramSummary, MomentsSummary
+from eqxctx._summary import (
+    AudioSummary,
+    ImageSummary,
+    MaxSummary,
+    MinSummary,
+    Summary,
+    SumSummary,
+    WeightedSummary,
+)
 
 from ._base import (
     AbstractWriter,
     HostSummaries,
     Step,
     Summaries,
+    check_positive_int,
     check_step,
     is_writing_process,
-    summary_trees,
 )
 
 
@@ -26,6 +44,99 @@ _FETCH = "fetch"
 #: to fetch, or None. The item is untyped: its type follows the kind, which pyright
 #: does not narrow through the unpacked tuple.
 _Job: TypeAlias = tuple[str, Any]
+
+#: The built-in summary kinds: array fields (and static ones) only, no container.
+_ARRAY_FIELDS = frozenset(
+    {
+        WeightedSummary,
+        MinSummary,
+        MaxSummary,
+        SumSummary,
+        MomentsSummary,
+        HistogramSummary,
+        ImageSummary,
+        AudioSummary,
+    }
+)
+
+
+def _copy_numpy(x: object) -> object:
+    return x.copy() if isinstance(x, np.ndarray) else x
+
+
+_KEEP, _COPY, _FIELDS, _STACKED, _TREE, _COLLECTION, _FROZEN, _MAPPING = range(8)
+
+
+@functools.cache
+def _kind(cls: type) -> int:
+    """How `_owned` treats a value of type `cls` (one check per type)."""
+    if issubclass(cls, OutputCollection):
+        return _COLLECTION
+    if issubclass(cls, FrozenMapping):
+        return _FROZEN
+    if issubclass(cls, Mapping):
+        return _MAPPING
+    if issubclass(cls, np.ndarray):
+        return _COPY
+    if cls in _ARRAY_FIELDS:
+        return _FIELDS
+    if issubclass(cls, IterationSummaries):
+        return _STACKED
+    if issubclass(cls, Summary):  # a CallbackSummary or a user's kind
+        return _TREE
+    return _KEEP  # JAX arrays, Python and NumPy scalars: immutable
+
+
+def _owned(summaries: object) -> object:
+    """The summary trees of `summaries`, which the caller can no longer change.
+
+    `summaries` itself where nothing in it can change; otherwise, like
+    `summary_trees` (an `OutputCollection` becomes its summaries mapping), with
+    each caller-owned mutable part copied: mappings (a new `dict`, in the same key
+    order; a read-only `FrozenMapping` is rebuilt only where a leaf below it is
+    copied), NumPy arrays (`ndarray.copy()`), and the containers and NumPy arrays
+    of a summary (a `CallbackSummary`'s `args` and `kwargs`). JAX arrays are
+    immutable and kept as they are (no device copy, no transfer), as are Python and
+    NumPy scalars and the built-in summaries without a NumPy field.
+    """
+    kind = _kind(type(summaries))
+    if kind == _KEEP:
+        return summaries
+    if kind == _FIELDS:  # copied only where a field is a NumPy array
+        # `object.__getattribute__`: Equinox's own attribute lookup costs ~0.4 µs.
+        fields = object.__getattribute__(summaries, "__dict__").values()
+        if np.ndarray not in map(type, fields):
+            return summaries
+        return jax.tree_util.tree_map(_copy_numpy, summaries)
+    if kind == _MAPPING:
+        mapping = cast(Mapping[object, object], summaries)
+        return {k: _owned(v) for k, v in mapping.items()}
+    if kind == _FROZEN:
+        new: list[tuple[str, object]] = []
+        changed = False
+        for k, v in cast(FrozenMapping, summaries).items():
+            owned = v if _kind(type(v)) == _KEEP else _owned(v)
+            changed = changed or owned is not v
+            new.append((k, owned))
+        return FrozenMapping(new) if changed else summaries
+    if kind == _COLLECTION:  # read-only: kept if nothing is copied
+        levels = cast(OutputCollection, summaries).summaries
+        trees = _owned(levels)
+        return summaries if trees is levels else trees
+    if kind == _COPY:
+        return cast(np.ndarray, summaries).copy()
+    if kind == _STACKED:  # a read-only stacked mapping
+        entry = cast(IterationSummaries, summaries)
+        stacked = _owned(entry.stacked)
+        if stacked is entry.stacked:
+            return summaries
+        return dataclasses.replace(entry, stacked=stacked)
+    return jax.tree_util.tree_map(_copy_numpy, summaries)  # _TREE
+
+
+def _snapshot(summaries: Summaries) -> Summaries:
+    """`summaries`, with what the caller can change after `write` copied (`_owned`)."""
+    return cast(Summaries, _owned(summaries))
 
 
 class AsyncWriter(AbstractWriter):
@@ -42,16 +153,27 @@ class AsyncWriter(AbstractWriter):
       processes) that every process must run in program order. With
       `defer_fetch=True`, step n is fetched when step n + 1 is written (or at
       `flush`/`close`): a training loop that dispatches step n + 1 before writing
-      step n never waits for the device, as the fetched arrays are ready.
+      step n never waits for the device, as the fetched arrays are ready. An
+      invalid summary of step n is then raised by the call that fetches it (the
+      next `write`, `flush` or `close`), with a note naming step n; step n is not
+      written, and the step passed to that `write` is kept.
     - with `background_fetch=True`, in a one-process run, on the background thread
-      too: `write` checks the step and queues the summaries' device arrays
-      (a new mapping of them: the caller may change its own afterwards), so the
-      calling thread pays a queue `put` (~10 µs) instead of the fetch (~0.3 ms for
+      too: `write` checks the step and queues the summaries' device arrays, so
+      the calling thread pays a queue `put` (~10 µs) instead of the fetch (~0.3 ms for
       the demo's 35 values on CPU, more while a step runs beside it). An invalid
       summary (a `TypeError` or `ValueError` of `fetch`) is then raised by the next
       `write`, `flush` or `close`, like a background write error. A
       `CallbackSummary`'s function runs on the background thread. In a
       multi-process run the fetch stays on the calling thread.
+
+    What is written is what the summaries held when `write` was called, whatever
+    the caller does to its own mappings and NumPy arrays afterwards: `write` takes
+    new mappings (in the same order) and copies of the NumPy arrays in them (also
+    a summary's NumPy fields, and the `args` and `kwargs` containers of a
+    `CallbackSummary`). JAX arrays are immutable and kept as they are (no device
+    copy, no transfer), as are numbers and an `OutputCollection` (read-only)
+    without NumPy arrays. The training thread pays under 1 µs per leaf (~10 µs
+    for the demo's summaries on CPU). Other objects inside are not copied.
 
     Steps are written in order. The queue holds at most `max_pending` steps; a
     `write` that finds it full waits for the thread (memory stays bounded). With a
@@ -77,6 +199,7 @@ class AsyncWriter(AbstractWriter):
             (errors in the summaries then surface at the next call).
 
     Raises:
+        TypeError: if `max_pending` is not an int.
         ValueError: if `max_pending` is less than 1.
 
     Examples:
@@ -94,19 +217,20 @@ class AsyncWriter(AbstractWriter):
         self,
         writer: AbstractWriter,
         *,
-        max_pending: int = 8,
+        max_pending: object = 8,  # an int, checked here with a message naming it
         defer_fetch: bool = False,
         background_fetch: bool = False,
     ):
-        if isinstance(max_pending, bool) or max_pending < 1:
-            raise ValueError(
-                f"`AsyncWriter(max_pending={max_pending!r})`: pass a positive int."
-            )
+        self.max_pending = check_positive_int(
+            max_pending,
+            where="AsyncWriter(writer, max_pending=...)",
+            name="max_pending",
+            meaning="the most steps waiting for the background thread",
+        )
         self.writer = writer
-        self.max_pending = max_pending
         self.defer_fetch = defer_fetch
         self.background_fetch = background_fetch
-        self._queue: queue.Queue[_Job] = queue.Queue(max_pending)
+        self._queue: queue.Queue[_Job] = queue.Queue(self.max_pending)
         self._deferred: tuple[int, Summaries] | None = None
         self._error: BaseException | None = None
         self._error_step: int | None = None
@@ -162,10 +286,24 @@ class AsyncWriter(AbstractWriter):
             self._queue.put((_WRITE, host))  # waits while the queue is full
 
     def _fetch_deferred(self) -> None:
-        if self._deferred is not None:
-            step, summaries = self._deferred
-            self._deferred = None
-            self._submit(self.writer.fetch(step, summaries))
+        pending, self._deferred = self._deferred, None
+        self._fetch_pending(pending)
+
+    def _fetch_pending(self, pending: tuple[int, Summaries] | None) -> None:
+        """Fetch and queue a deferred step; an error raised names that step."""
+        if pending is None:
+            return
+        step, trees = pending
+        try:
+            host = self.writer.fetch(step, trees)
+        except Exception as e:
+            e.add_note(
+                f"Raised by eqxctx's AsyncWriter(defer_fetch=True) fetching step "
+                f"{step}, one step late: step {step} is not written; the step "
+                "passed to this call, if any, is kept."
+            )
+            raise
+        self._submit(host)
 
     def write(self, step: Step, summaries: Summaries) -> None:
         """Queue one step: its device arrays (background fetch) or its fetched values.
@@ -173,22 +311,26 @@ class AsyncWriter(AbstractWriter):
         Raises as `AbstractWriter.write` does, plus the error of a failed background
         write (see the class). With a background fetch or `defer_fetch`, the step is
         checked now and the summaries when they are fetched, so an invalid summary
-        raises at a later call.
+        raises at a later call (with `defer_fetch`, with a note naming its step).
+        The mappings and NumPy arrays of `summaries` are copied now (see the class).
         """
         where = "AsyncWriter.write"
         self._raise_if_failed(where)
         if self._closed:
             raise ValueError(f"`{where}`: the writer is closed.")
         checked = check_step(step, where=where)
+        # What the caller may change after this call (mappings, NumPy arrays) is
+        # copied now; JAX arrays are immutable and kept.
+        trees = _snapshot(summaries)
         if self.background_fetch and jax.process_count() == 1:
-            # The thread fetches (the queue holds the device arrays); a new
-            # mapping, so that the caller may change its own after this call.
-            self._queue.put((_FETCH, (checked, summary_trees(summaries))))
+            self._queue.put((_FETCH, (checked, trees)))  # the thread fetches
         elif self.defer_fetch:
-            self._fetch_deferred()
-            self._deferred = (checked, summaries)
+            # Stored before the previous step is fetched: an error in that one
+            # (raised here, naming its step) does not lose this one.
+            previous, self._deferred = self._deferred, (checked, trees)
+            self._fetch_pending(previous)
         else:
-            self._submit(self.writer.fetch(checked, summaries))
+            self._submit(self.writer.fetch(checked, trees))
 
     def fetch(self, step: Step, summaries: Summaries) -> HostSummaries:
         """Fetch with the wrapped writer (`AbstractWriter.fetch`)."""
@@ -202,7 +344,12 @@ class AsyncWriter(AbstractWriter):
         self.writer.check(host)
 
     def write_host(self, host: HostSummaries) -> None:
-        """Queue a fetched step for the background thread."""
+        """Queue a fetched step for the background thread.
+
+        `host` is written as it is when the thread reaches it: a `MultiWriter`
+        around this writer hands it the caller's NumPy arrays, uncopied (wrap the
+        `MultiWriter` in the `AsyncWriter` instead: `write` copies them).
+        """
         self._submit(host)
 
     def flush(self) -> None:

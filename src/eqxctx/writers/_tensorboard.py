@@ -20,7 +20,13 @@ from eqxctx._errors import OutputConflictError
 from eqxctx._statistics import HistogramSummary, tensorflow_edges
 from eqxctx._summary import AudioSummary, ImageSummary
 
-from ._base import AbstractWriter, HostSummaries, HostValue, is_writing_process
+from ._base import (
+    AbstractWriter,
+    HostSummaries,
+    HostValue,
+    check_positive_int,
+    is_writing_process,
+)
 from ._jsonl import nonempty_span
 
 
@@ -174,11 +180,13 @@ class TensorBoardWriter(AbstractWriter):
 
     Args:
         logdir: the folder for the event file (created if missing).
-        max_queue: events buffered before they are written to disk.
-        flush_secs: the longest time (seconds) between a write and the next flush,
-            checked at each write.
+        max_queue: events buffered before they are written to disk, an int >= 1.
+        flush_secs: the longest time (seconds, a number >= 0) between a write and
+            the next flush, checked at each write.
 
     Raises:
+        TypeError: if `max_queue` is not an int or `flush_secs` not a number.
+        ValueError: if `max_queue` is less than 1 or `flush_secs` negative (or NaN).
         ImportError: if tensorboardX is not installed (the message names the
             `tensorboard` extra).
         OSError: if the folder or the file cannot be created.
@@ -188,9 +196,28 @@ class TensorBoardWriter(AbstractWriter):
         self,
         logdir: str | os.PathLike[str],
         *,
-        max_queue: int = 10,
-        flush_secs: int = 120,
+        max_queue: object = 10,  # an int, checked here with a message naming it
+        flush_secs: object = 120,  # a number, checked here
     ):
+        where = "TensorBoardWriter(logdir, max_queue=..., flush_secs=...)"
+        queue_size = check_positive_int(
+            max_queue,
+            where=where,
+            name="max_queue",
+            meaning="the events buffered before they are written to disk",
+        )
+        if isinstance(flush_secs, bool) or not isinstance(
+            flush_secs, (int, float, np.integer, np.floating)
+        ):
+            raise TypeError(
+                f"`{where}`: flush_secs must be a number of seconds >= 0, got "
+                f"{type(flush_secs).__name__} {flush_secs!r}."
+            )
+        if not flush_secs >= 0:  # also NaN
+            raise ValueError(
+                f"`{where}`: flush_secs must be a number of seconds >= 0 (0 flushes "
+                f"at every write), got {flush_secs}."
+            )
         try:
             import tensorboardX  # pyright: ignore[reportUnusedImport]  # noqa: F401
             from tensorboardX.proto import event_pb2, summary_pb2, tensor_pb2
@@ -201,8 +228,8 @@ class TensorBoardWriter(AbstractWriter):
         self._event_pb2 = event_pb2
         self._summary_pb2 = summary_pb2
         self._tensor_pb2 = tensor_pb2
-        self._max_queue = max_queue
-        self._flush_secs = flush_secs
+        self._max_queue = queue_size
+        self._flush_secs = float(flush_secs)
         self._pending = 0
         self._last_flush = time.monotonic()
         self._closed = False
