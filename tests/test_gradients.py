@@ -644,6 +644,25 @@ def test_probe_in_one_branch_only_names_the_probe() -> None:
     ), message
     assert "PendingGradient" not in message
 
+    def shaped(x: Any, ctx: Context) -> tuple[Any, Context]:
+        y, coll = eqxctx.cond_in_context(
+            True,
+            lambda x, c: c.add_gradient_summary("g", x, lambda ct: ct),
+            lambda x, c: c.add_gradient_summary("g", x, lambda ct: ct[0]),
+            x,
+            context=ctx,
+        )
+        return jnp.sum(y), ctx.merge(coll)
+
+    with pytest.raises(ValueError, match="differs between branches") as info:
+        eqxctx.value_and_grad(shaped)(jnp.ones(2), prng_key=None, is_training=True)
+    message = str(info.value)
+    assert (
+        "false_fn: gradient probe(float32[]); true_fn: gradient probe(float32[2])"
+        in (message)
+    ), message
+    assert "PendingGradient" not in message
+
 
 def _fori_loss(bound: Any) -> Any:
     """`sum(h_n)` with `h_{k+1} = tanh(2 h_k)`, probing each `h_k`."""

@@ -52,7 +52,10 @@ def _dtype(x: object) -> DType:
 def _signature(leaf: Leaf) -> tuple[str, TreeDef, tuple[Any, ...]]:
     """Kind, structure, shapes and dtypes of a leaf (weak types ignored)."""
     leaves, treedef = jax.tree_util.tree_flatten(leaf)
-    kind = type(leaf).__name__ if isinstance(leaf, Summary) else "array"
+    if is_pending(leaf):
+        kind = "gradient probe"
+    else:
+        kind = type(leaf).__name__ if isinstance(leaf, Summary) else "array"
     return (
         kind,
         treedef,
