@@ -20,6 +20,7 @@ from eqxctx import (
     MaxSummary,
     MinSummary,
     OutputCollection,
+    OutputConflictError,
     Summary,
     SummaryAccumulator,
     SumSummary,
@@ -326,41 +327,93 @@ def _adds(**outputs: Any) -> Any:
         (
             _adds(r=("summary", 1.0)),
             _adds(),
-            r"summaries/cond/r is a raw-array.*false_fn",
+            r"a raw-array summary at 'root/model/cond/r' is added in true_fn but not "
+            r"in false_fn",
         ),
         (
             _adds(i=("summary", ImageSummary(jnp.zeros((1, 2, 2))))),
             _adds(),
-            r"summaries/cond/i is a ImageSummary",
+            r"an ImageSummary \(a kind without an identity\) at 'root/model/cond/i'",
         ),
-        (_adds(m=("module_output", 1.0)), _adds(), r"module_outputs/cond/m"),
-        (_adds(u=("state_update", 1.0)), _adds(), r"state_updates/cond/u"),
+        (
+            _adds(m=("module_output", 1.0)),
+            _adds(),
+            r"module output at 'root/model/cond/m'",
+        ),
+        (
+            _adds(u=("state_update", 1.0)),
+            _adds(),
+            r"state update at 'root/model/cond/u'",
+        ),
         (
             _adds(s=("summary", SumSummary(1.0))),
             _adds(s=("summary", MinSummary(1.0))),
-            r"summaries/cond/s differs between branches",
+            r"the summary at 'root/model/cond/s' differs between branches",
         ),
         (
             _adds(s=("summary", SumSummary(jnp.zeros(2)))),
             _adds(s=("summary", SumSummary(jnp.zeros(3)))),
-            r"summaries/cond/s differs.*false_fn: SumSummary\(float32\[3\]\); true_fn",
+            r"'root/model/cond/s' differs.*false_fn: SumSummary\(float32\[3\]\); "
+            r"true_fn",
         ),
         (
             _adds(s=("summary", SumSummary(jnp.zeros(2)))),
             _adds(s=("summary", SumSummary(jnp.zeros(2, jnp.int32)))),
-            r"summaries/cond/s differs.*int32",
+            r"'root/model/cond/s' differs.*int32",
         ),
     ],
     ids=["raw", "media", "module_output", "state_update", "kind", "shape", "dtype"],
 )
 def test_cond_errors_name_path_and_branches(one: Any, other: Any, match: str) -> None:
+    # The message names the full context path of the entry, not the path below the
+    # construct (a model has many conds).
+    def model(x: Any, ctx: Context) -> tuple[Any, Context]:
+        y, coll = cond_in_context(True, one, other, x, context=ctx)
+        return y, ctx.merge(coll)
+
     with pytest.raises(ValueError, match=match):
-        cond_in_context(True, one, other, 1.0, context=Context.root())
+        Context.root().call("model", model, 1.0)
+
+
+def test_branch_error_lists_every_kind_with_an_identity() -> None:
+    with pytest.raises(ValueError, match="can be missing from a branch") as info:
+        cond_in_context(
+            True, _adds(r=("summary", 1.0)), _adds(), 1.0, context=Context.root()
+        )
+    listed = re.search(r"has an identity \(([^)]*)\)", str(info.value))
+    assert listed is not None
+    # Every kind of eqxctx with an identity, HistogramSummary and MomentsSummary too.
+    want = [
+        "HistogramSummary",
+        "MaxSummary",
+        "MinSummary",
+        "MomentsSummary",
+        "SumSummary",
+        "WeightedSummary",
+    ]
+    assert listed.group(1).split(", ")[: len(want)] == want
+
+
+def test_two_branch_collections_conflict_suggests_child_name() -> None:
+    ctx = Context.root()
+    _, coll = cond_in_context(
+        True,
+        lambda c: (0, c.add_summary("n", SumSummary(1))),
+        lambda c: (0, c),
+        context=ctx,
+    )
+    ctx = ctx.merge(coll)
+    with pytest.raises(
+        OutputConflictError,
+        match=r"child 'cond'.*from `cond_in_context`.*pass another `child_name=`",
+    ):
+        ctx.merge(coll)
 
 
 def test_switch_errors() -> None:
     with pytest.raises(
-        ValueError, match=r"summaries/switch/r .*branches\[0\].*branches\[1\]"
+        ValueError,
+        match=r"'root/switch/r' is added in branches\[0\] but not in branches\[1\]",
     ):
         switch_in_context(
             0, [_adds(r=("summary", 1.0)), _adds()], 1.0, context=Context.root()
@@ -439,14 +492,14 @@ def _acc(a: Any, b: Any) -> Any:
 
 
 def test_while_body_module_outputs_raise() -> None:
-    with pytest.raises(ValueError, match=r"module_outputs/while/h"):
+    with pytest.raises(ValueError, match=r"adds the module output 'root/while/h'"):
         while_in_context(
             lambda x: x < 3,
             lambda x, ctx: (x + 1, ctx.add_module_output("h", x)),
             0,
             context=Context.root(),
         )
-    with pytest.raises(ValueError, match=r"state_updates/loop/s"):
+    with pytest.raises(ValueError, match=r"adds the state update 'root/loop/s'"):
         while_in_context(
             lambda x: x < 3,
             lambda x, ctx: (x + 1, ctx.add_state_update("s", x)),
@@ -461,6 +514,163 @@ def test_while_body_module_outputs_raise() -> None:
             0,
             context=Context.root(),
         )
+
+
+def _jax_raises(fn: Any, *args: Any) -> bool:
+    try:
+        fn(*args)
+    except TypeError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_while_carry_must_keep_its_type(jit: bool) -> None:
+    """The body returns the carry's structure, shapes, dtypes (`jax.lax.while_loop`)."""
+
+    def run(init: Any, body: Any) -> Any:
+        def loop(init: Any) -> Any:
+            return while_in_context(
+                lambda v: jnp.all(jax.tree_util.tree_leaves(v)[0] > 1),
+                lambda v, ctx: (body(v), ctx),
+                init,
+                context=Context.root().call("model", lambda c: (None, c))[1],
+            )
+
+        return (jax.jit(loop) if jit else loop)(init)
+
+    cases = [
+        # (initial carry, body, message)
+        (
+            jnp.int32(40),
+            # float32 from an int32 carry: no silent truncation
+            lambda x: x.astype(jnp.float32) * 0.75,
+            r"`while_in_context` at 'root/while': `init_val` went in as int32\[\] but "
+            r"body_fn returned float32\[\] for it.*astype",
+        ),
+        (
+            (jnp.int32(3), jnp.zeros(2)),
+            lambda v: (v[0] - 1, v[1].astype(jnp.int32)),
+            r"`init_val\[1\]` went in as float32\[2\] but body_fn returned int32\[2\]",
+        ),
+        (
+            {"n": jnp.int32(3), "h": jnp.zeros(2)},
+            lambda v: {"n": v["n"] - 1, "h": jnp.zeros(3)},
+            r"`init_val\['h'\]` went in as float32\[2\] but body_fn returned "
+            r"float32\[3\]",
+        ),
+        (
+            (3, jnp.ones(2)),
+            lambda v: [v[0] - 1, v[1]],  # a list from a tuple
+            r"body_fn returned a carry with structure PyTreeDef\(\[\*, \*\]\), but "
+            r"`init_val` has structure PyTreeDef\(\(\*, \*\)\)",
+        ),
+    ]
+    for init, body, match in cases:
+        # The reference raises too.
+        assert _jax_raises(
+            jax.lax.while_loop,
+            lambda v: jnp.all(jax.tree_util.tree_leaves(v)[0] > 1),
+            body,
+            init,
+        )
+        with pytest.raises(TypeError, match=match):
+            run(init, body)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_while_python_scalar_carry_takes_the_body_dtype(jit: bool) -> None:
+    """A weakly typed initial carry is promoted as `jax.lax.while_loop` promotes it."""
+    cases = [
+        (3, lambda x: x * 1.5),  # int -> float32
+        (1.0, lambda x: x * jnp.bfloat16(2.5) + 1),  # float -> bfloat16
+        (1, lambda x: x * jnp.int8(2)),  # int -> int8
+        (jnp.asarray(1), lambda x: x + jnp.int16(3)),  # a weak array -> int16
+    ]
+    for init, body in cases:
+        want, want_n = jax.lax.while_loop(
+            lambda s: s[0] < 10,
+            lambda s: (body(s[0]), s[1] + 1),  # noqa: B023
+            (init, jnp.int32(0)),
+        )
+
+        def loop(init: Any) -> Any:
+            return while_in_context(
+                lambda x: x < 10,
+                lambda x, ctx: (body(x), ctx.add_summary("n", SumSummary(1))),  # noqa: B023
+                init,
+                context=Context.root(),
+            )
+
+        got, coll = (jax.jit(loop) if jit else loop)(init)
+        assert jnp.result_type(got) == jnp.result_type(want), (init, got, want)
+        np.testing.assert_array_equal(got, want)
+        assert int(coll.flatten("summaries")["while/n"].value()) == int(want_n) > 0
+
+
+def test_while_carry_checked_inside_an_outer_scan() -> None:
+    """The carry rule holds in a shape-only pass (a while in a scan body) too."""
+
+    def scan_body(c: Any, x: Any, ctx: Context) -> tuple[Any, None, Context]:
+        v, coll = while_in_context(
+            lambda v: v > 1,
+            lambda v, c: (v.astype(jnp.float32) * 0.75, c),
+            c,
+            context=ctx,
+        )
+        return v, None, ctx.merge(coll)
+
+    with pytest.raises(
+        TypeError, match=r"'root/iter/while': `init_val` went in as int32"
+    ):
+        scan_in_context(
+            scan_body, context=Context.root(), carry=jnp.int32(40), xs=jnp.arange(2)
+        )
+    want = jax.lax.scan(
+        lambda c, x: (
+            jax.lax.while_loop(
+                lambda v: v > 1, lambda v: v.astype(jnp.float32) * 0.75, c
+            ),
+            None,
+        ),
+        jnp.float32(40),
+        jnp.arange(2),
+    )[0]
+    got = scan_in_context(
+        scan_body, context=Context.root(), carry=jnp.float32(40), xs=jnp.arange(2)
+    )[0]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_fori_traced_bounds_carry_must_keep_its_type() -> None:
+    def body(i: Any, x: Any, ctx: Context) -> tuple[Any, Context]:
+        return x.astype(jnp.float32) * 0.75, ctx
+
+    run = jax.jit(
+        lambda n, init: fori_in_context(0, n, body, init, context=Context.root())[0]
+    )
+    assert _jax_raises(
+        lambda: jax.jit(
+            lambda n: jax.lax.fori_loop(
+                0, n, lambda i, x: x.astype(jnp.float32) * 0.75, jnp.int32(40)
+            )
+        )(3)
+    )
+    with pytest.raises(
+        TypeError,
+        match=r"`fori_in_context` at 'root/iter': `init_val` went in as int32\[\] but "
+        r"body_fn returned float32\[\]",
+    ):
+        run(3, jnp.int32(40))
+    # A Python scalar takes the body's dtype, as in `jax.lax.fori_loop`.
+    got = jax.jit(lambda n: fori_in_context(0, n, body, 40, context=Context.root())[0])(
+        3
+    )
+    want = jax.jit(
+        lambda n: jax.lax.fori_loop(0, n, lambda i, x: x.astype(jnp.float32) * 0.75, 40)
+    )(3)
+    assert got.dtype == want.dtype == jnp.float32
+    np.testing.assert_array_equal(got, want)
 
 
 def _fori_body(i: Any, v: Any, ctx: Context) -> tuple[Any, Context]:

@@ -622,3 +622,148 @@ def test_inside_cond_in_context_branches() -> None:
         )
         assert float(coll.flatten("summaries")["cond/g"]) == want
         np.testing.assert_array_equal(grads, jnp.full(4, want))
+
+
+def test_probe_in_one_branch_only_names_the_probe() -> None:
+    def loss(x: Any, ctx: Context) -> tuple[Any, Context]:
+        def probed(x: Any, c: Context) -> tuple[Any, Context]:
+            return c.add_gradient_summary("g", x)
+
+        y, coll = eqxctx.cond_in_context(
+            True, probed, lambda x, c: (x, c), x, context=ctx
+        )
+        return jnp.sum(y), ctx.merge(coll)
+
+    with pytest.raises(ValueError, match="gradient probe") as info:
+        eqxctx.value_and_grad(loss)(jnp.ones(2), prng_key=None, is_training=True)
+    message = str(info.value)
+    assert re.search(
+        r"a gradient probe \(add_gradient_summary/add_gradient_output\) at "
+        r"'root/cond/g' is added in true_fn but not in false_fn.*every branch",
+        message,
+    ), message
+    assert "PendingGradient" not in message
+
+    def shaped(x: Any, ctx: Context) -> tuple[Any, Context]:
+        y, coll = eqxctx.cond_in_context(
+            True,
+            lambda x, c: c.add_gradient_summary("g", x, lambda ct: ct),
+            lambda x, c: c.add_gradient_summary("g", x, lambda ct: ct[0]),
+            x,
+            context=ctx,
+        )
+        return jnp.sum(y), ctx.merge(coll)
+
+    with pytest.raises(ValueError, match="differs between branches") as info:
+        eqxctx.value_and_grad(shaped)(jnp.ones(2), prng_key=None, is_training=True)
+    message = str(info.value)
+    assert (
+        "false_fn: gradient probe(float32[]); true_fn: gradient probe(float32[2])"
+        in (message)
+    ), message
+    assert "PendingGradient" not in message
+
+
+def _fori_loss(bound: Any) -> Any:
+    """`sum(h_n)` with `h_{k+1} = tanh(2 h_k)`, probing each `h_k`."""
+
+    def body(i: Any, h: Any, ctx: Context) -> tuple[Any, Context]:
+        h, ctx = ctx.add_gradient_summary("g", h)
+        return jnp.tanh(h * 2.0), ctx
+
+    def loss(x: Any, ctx: Context) -> tuple[Any, Context]:
+        h, coll = eqxctx.fori_in_context(0, bound(x), body, x, context=ctx)
+        return jnp.sum(h), ctx.merge(coll)
+
+    return loss
+
+
+def _fori_reference(x: Any, n: int) -> tuple[Any, list[Any]]:
+    """The gradient and the probes' RMS cotangents, by `jax.vjp` in a Python loop."""
+    hs = [x]
+    for _ in range(n):
+        hs.append(jnp.tanh(hs[-1] * 2.0))
+    ct = jnp.ones_like(x)  # d sum(h_n) / d h_n
+    rms = [jnp.zeros(())] * n
+    for k in reversed(range(n)):
+        _, vjp = jax.vjp(lambda h: jnp.tanh(h * 2.0), hs[k])
+        (ct,) = vjp(ct)
+        rms[k] = jnp.sqrt(jnp.mean(ct**2))
+    return ct, rms
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_fori_with_concrete_bounds_probes_equal_reference(jit: bool) -> None:
+    x = jnp.array([0.1, -0.3, 0.2])
+    want_grad, want_rms = _fori_reference(x, 2)
+    # A Python int, and a concrete JAX integer from outside the function: a scan.
+    n = jnp.int32(2)
+    for bound in (lambda x: 2, lambda x: n):
+        run = eqxctx.value_and_grad(_fori_loss(bound))
+        if jit:
+            run = eqx.filter_jit(run)
+        (_, coll), grad = run(x, prng_key=None, is_training=True)
+        flat = coll.flatten("summaries")
+        np.testing.assert_allclose(grad, want_grad, rtol=1e-6)
+        for k in range(2):
+            np.testing.assert_allclose(flat[f"iter{k}/g"], want_rms[k], rtol=1e-6)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_probe_in_a_loop_with_traced_bounds_is_refused(jit: bool) -> None:
+    # A data-dependent trip count is traced in value_and_grad's abstract first pass
+    # (and under jit): the loop is a `jax.lax.while_loop`, which JAX cannot
+    # differentiate in reverse mode. Eagerly the second pass used to see it concrete
+    # (a scan) and crash inside `jax.lax.scan` with an IndexError.
+    run = eqxctx.value_and_grad(_fori_loss(lambda x: jnp.sum(x > 0)))
+    if jit:
+        run = eqx.filter_jit(run)
+    with pytest.raises(
+        ValueError,
+        match=r"`fori_in_context`: the body adds a gradient probe "
+        r"\(add_gradient_summary/add_gradient_output\) at 'root/iter/g', but its "
+        r"bounds are traced.*Python-int bounds",
+    ):
+        run(jnp.array([0.1, -0.3]), prng_key=None, is_training=True)
+
+    def while_loss(x: Any, ctx: Context) -> tuple[Any, Context]:
+        def body(h: Any, c: Context) -> tuple[Any, Context]:
+            h, c = c.add_gradient_summary("g", h)
+            return h * 0.5, c
+
+        h, coll = eqxctx.while_in_context(
+            lambda h: jnp.sum(h) > 0.1, body, x, context=ctx
+        )
+        return jnp.sum(h), ctx.merge(coll)
+
+    with pytest.raises(
+        ValueError,
+        match=r"`while_in_context`: the body adds a gradient probe .* at "
+        r"'root/while/g', but JAX cannot differentiate a `jax.lax.while_loop`",
+    ):
+        eqxctx.value_and_grad(while_loss)(jnp.ones(2), prng_key=None, is_training=True)
+
+
+def test_fori_data_dependent_bounds_without_probes_equal_jax_grad() -> None:
+    # No probes: eagerly the bound is concrete in the differentiated pass, a scan, as
+    # for `jax.lax.fori_loop` under `jax.grad`.
+    def body(i: Any, h: Any, ctx: Context) -> tuple[Any, Context]:
+        return jnp.tanh(h * 2.0), ctx.add_summary("m", WeightedSummary(h[0], 1.0))
+
+    def loss(x: Any, ctx: Context) -> tuple[Any, Context]:
+        h, coll = eqxctx.fori_in_context(0, jnp.sum(x > 0), body, x, context=ctx)
+        return jnp.sum(h), ctx.merge(coll)
+
+    x = jnp.array([0.1, -0.3, 0.4])
+    (value, coll), grad = eqxctx.value_and_grad(loss)(
+        x, prng_key=None, is_training=True
+    )
+
+    def plain(x: Any) -> Any:
+        return jnp.sum(
+            jax.lax.fori_loop(0, jnp.sum(x > 0), lambda i, h: jnp.tanh(h * 2.0), x)
+        )
+
+    np.testing.assert_allclose(value, plain(x), rtol=1e-6)
+    np.testing.assert_allclose(grad, jax.grad(plain)(x), rtol=1e-6)
+    assert sorted(coll.flatten("summaries")) == ["iter0/m", "iter1/m"]

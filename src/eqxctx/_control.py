@@ -54,11 +54,12 @@ def _run_branches(
         out, ctx = check_result(result, ctx, f"{where}: {names[j]}")
         return out, ctx.collection
 
+    path = "/".join((*context.path, child_name))
     if is_shape_only(context):
         # Inside an outer shape-only pass nothing is computed: trace every branch once
         # and lay out branch 0's outputs (the structure is what matters).
         results = [run(j, operands, True) for j in range(len(branches))]
-        spec = union_collections([c for _, c in results], names, child_name, where)
+        spec = union_collections([c for _, c in results], names, path, where)
         out, coll = results[0][0], fill_collection(spec, results[0][1])
     else:
         # The union's structure is needed before `jax.lax.switch`: one abstract
@@ -67,7 +68,7 @@ def _run_branches(
             jax.eval_shape(lambda *ops, j=j: run(j, ops, True)[1], *operands)
             for j in range(len(branches))
         ]
-        spec = union_collections(colls, names, child_name, where)
+        spec = union_collections(colls, names, path, where)
 
         def wrapped(j: int) -> Callable[..., tuple[ArrayTree, OutputCollection]]:
             def branch(*ops: ArrayTree) -> tuple[ArrayTree, OutputCollection]:

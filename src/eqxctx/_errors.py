@@ -8,7 +8,8 @@ class OutputConflictError(ValueError):
     `add_module_output` / `add_child` / `merge`, by `Context.call` when one child name
     is called twice, and by `Context.merge` when a scan's collection collides with the
     caller's (for example two `scan_in_context` calls with the same
-    `child_name_prefix`). The message names the offending path and says what to do.
+    `child_name_prefix`, or two `cond_in_context` calls with the same `child_name`).
+    The message names the offending path and says what to do.
 
     AXLearn silently overwrites summaries that are added twice; eqxctx never loses data
     silently, so it raises instead.
@@ -26,5 +27,7 @@ CALL_TWICE_HINT = (
 PREFIX_HINT = (
     "If this collection comes from `scan_in_context` or `vmap_in_context`, pass "
     "another `child_name_prefix=` so that its children (`{prefix}`, `{prefix}0`, "
-    "`{prefix}1`, ...) do not collide with names already in the context."
+    "`{prefix}1`, ...) do not collide with names already in the context; if it "
+    "comes from `cond_in_context`, `switch_in_context`, `while_in_context` or "
+    "`fori_in_context`, pass another `child_name=`."
 )

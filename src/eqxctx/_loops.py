@@ -18,23 +18,96 @@ from ._collection import OutputCollection, validate_child_name
 from ._combinators import scan_in_context
 from ._context import Context, fold_in_name, is_shape_only, iteration_context
 from ._control import check_result
+from ._gradients import PendingGradient, is_pending
 from ._reconcile import identity_of
 from ._repeat import accumulate_trees, accumulator_shape, cast_like
 from ._summary import Summary
-from ._typing import ArrayTree, Carry, Leaf, PRNGKeys, SummaryTree
+from ._typing import Carry, DType, Leaf, PRNGKeys, SummaryTree
 
 
-def _no_stacked_outputs(coll: OutputCollection, prefix: str, where: str) -> None:
+def _no_stacked_outputs(coll: OutputCollection, path: str, where: str) -> None:
     for kind in ("state_updates", "module_outputs"):
         flat = coll.flatten(kind)
         if flat:
-            path = f"{kind}/{prefix}/{min(flat)}"
+            noun = "module output" if kind == "module_outputs" else "state update"
+            at = f"{path}/{min(flat)}"
             raise ValueError(
-                f"{where}: the body adds {path}, but a while loop's number of "
-                "iterations is unknown, so its module outputs and state updates "
-                "cannot be stacked. Add it as a summary (accumulated over the "
-                "iterations), or loop with `fori_in_context` over Python-int bounds "
-                "(a scan) or `scan_in_context`."
+                f"{where}: the body adds the {noun} {at!r}, but a while "
+                "loop's number of iterations is unknown, so its module outputs and "
+                "state updates cannot be stacked. Add it as a summary (accumulated "
+                "over the iterations), or loop with `fori_in_context` over Python-int "
+                "bounds (a scan) or `scan_in_context`."
+            )
+
+
+def _no_probes(coll: OutputCollection, where: str, why: str) -> None:
+    """Raise for a gradient probe in a while body: JAX has no reverse mode for it."""
+    for leaf in jax.tree_util.tree_leaves(coll, is_leaf=is_pending):
+        if isinstance(leaf, PendingGradient):
+            path, _, name = leaf.key
+            raise ValueError(
+                f"{where}: the body adds a gradient probe "
+                "(add_gradient_summary/add_gradient_output) at "
+                f"{'/'.join((*path, name))!r}, but {why}. Move the probe out of the "
+                "loop, or loop with `fori_in_context` over Python-int bounds (a "
+                "scan; e.g. a static maximum, masking the extra iterations) or "
+                "`scan_in_context`."
+            )
+
+
+def _promote_weak(init: Carry, out: Carry) -> tuple[Carry, bool]:
+    """Promote weakly typed leaves of `init` towards `out`'s dtypes (as JAX does).
+
+    `jax.lax.while_loop` (`_promote_weak_typed_input`): a weakly typed initial leaf
+    (a Python scalar) whose type differs from the body's output is converted to
+    `result_type(init, out)`, and the body is traced again.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(init)
+    outs = jax.tree_util.tree_leaves(out)
+    if treedef != jax.tree_util.tree_structure(out):
+        return init, False  # reported by `_check_carry`
+    changed = False
+    new: list[object] = []
+    for a, b in zip(leaves, outs, strict=True):
+        if jax.typeof(a).weak_type and _type(a) != _type(b):
+            try:
+                a = jax.lax.convert_element_type(a, jnp.result_type(a, b))
+                changed = True
+            except jax.dtypes.TypePromotionError:  # strict promotion: reported later
+                pass
+        new.append(a)
+    return treedef.unflatten(new), changed
+
+
+def _type(x: object) -> tuple[tuple[int, ...], DType]:
+    return tuple(jnp.shape(x)), jnp.result_type(x)  # pyright: ignore[reportArgumentType]
+
+
+def _check_carry(init: Carry, out: Carry, where: str) -> None:
+    """Raise for a body whose carry changes structure, shape or dtype (trace time).
+
+    The rule of `jax.lax.while_loop` (weak types ignored, after `_promote_weak`),
+    which would raise too, naming eqxctx's internal loop state.
+    """
+    got, want = jax.tree_util.tree_structure(out), jax.tree_util.tree_structure(init)
+    if got != want:
+        raise TypeError(
+            f"{where}: body_fn returned a carry with structure {got}, but `init_val` "
+            f"has structure {want}; body_fn must return a carry of the same "
+            "structure, shapes and dtypes (as in `jax.lax.while_loop`)."
+        )
+    leaves = jax.tree_util.tree_leaves_with_path(init)
+    for (path, a), b in zip(leaves, jax.tree_util.tree_leaves(out), strict=True):
+        (a_shape, a_dtype), (b_shape, b_dtype) = _type(a), _type(b)
+        if (a_shape, a_dtype) != (b_shape, b_dtype):
+            name = f"init_val{jax.tree_util.keystr(path)}"
+            raise TypeError(
+                f"{where}: `{name}` went in as {a_dtype}{list(a_shape)} but body_fn "
+                f"returned {b_dtype}{list(b_shape)} for it; body_fn must return a "
+                "carry of the same structure, shapes and dtypes (as in "
+                "`jax.lax.while_loop`). Cast it, e.g. `new.astype(old.dtype)`, or "
+                "start from a carry of the right dtype (a Python scalar takes the "
+                "body's dtype)."
             )
 
 
@@ -84,11 +157,17 @@ def while_in_context(
     Returns:
         `(val, collection)`: the final value and the construct's collection.
 
+    The body must return a carry of `init_val`'s structure, shapes and dtypes, as
+    in `jax.lax.while_loop` (nothing is cast); a weakly typed leaf of `init_val` (a
+    Python scalar) is first promoted to the body's dtype, as JAX does.
+
     Raises:
         ValueError: at trace time: an invalid `child_name`; a body that adds module
-            outputs or state updates (the message names the path); a body returning
-            a context with another path.
-        TypeError: if `body_fn` does not return `(val, ctx)`.
+            outputs or state updates, or a gradient probe (JAX cannot differentiate
+            a while loop in reverse mode; the messages name the path); a body
+            returning a context with another path.
+        TypeError: if `body_fn` does not return `(val, ctx)`, or returns a carry of
+            another structure, shape or dtype (the message names the carry's path).
 
     References:
         `jax.lax.while_loop`.
@@ -105,8 +184,32 @@ def while_in_context(
     """
     check_context(context, "while_in_context")
     name = validate_child_name(child_name, where="while_in_context(child_name=...)")
-    where = "`while_in_context`"
+    return _while(
+        cond_fn,
+        body_fn,
+        init_val,
+        context,
+        name,
+        where="`while_in_context`",
+        view=lambda val: val,
+        why="JAX cannot differentiate a `jax.lax.while_loop` in reverse mode",
+    )
+
+
+def _while(
+    cond_fn: Callable[[Carry], ArrayLike],
+    body_fn: Callable[[Carry, Context], tuple[Carry, Context]],
+    init_val: Carry,
+    context: Context,
+    name: str,
+    *,
+    where: str,
+    view: Callable[[Carry], object],
+    why: str,
+) -> tuple[Carry, OutputCollection]:
+    """`while_in_context` (`view` picks the user's carry out of the loop state)."""
     child_key: PRNGKeys | None = fold_in_name(context.prng_key, name)
+    path = "/".join((*context.path, name))
 
     def one(val: Carry, i: Array, shape_only: bool) -> tuple[Carry, OutputCollection]:
         key = None if child_key is None else jax.random.fold_in(child_key, i)
@@ -116,16 +219,23 @@ def while_in_context(
         return val, ctx.collection
 
     i0 = jnp.zeros((), jnp.uint32)
-    if is_shape_only(context):
-        val, coll = one(init_val, i0, True)
-        _no_stacked_outputs(coll, name, where)
-        like = accumulator_shape(coll.summaries)
-        acc = cast_like(coll.summaries, like)
-        return cast_like_tree(val, init_val), _result(name, acc)
+    shape_only = is_shape_only(context)
 
-    shapes = jax.eval_shape(lambda v, i: one(v, i, True), init_val, i0)
-    _no_stacked_outputs(shapes[1], name, where)
-    like = accumulator_shape(shapes[1].summaries)
+    def abstract(init: Carry) -> tuple[Carry, OutputCollection]:
+        if shape_only:  # inside an outer abstract pass: trace directly
+            return one(init, i0, True)
+        return jax.eval_shape(lambda v, i: one(v, i, True), init, i0)
+
+    out, coll = abstract(init_val)
+    init_val, promoted = _promote_weak(init_val, out)
+    if promoted:  # as `jax.lax.while_loop`: trace again from the promoted carry
+        out, coll = abstract(init_val)
+    _check_carry(view(init_val), view(out), f"{where} at {path!r}")
+    _no_probes(coll, where, why)
+    _no_stacked_outputs(coll, path, where)
+    like = accumulator_shape(coll.summaries)
+    if shape_only:
+        return out, _result(name, cast_like(coll.summaries, like))
     acc0 = cast_like(_identity_tree(like), like)
 
     def cond(state: tuple[Carry, SummaryTree, Array, Array]) -> ArrayLike:
@@ -139,20 +249,13 @@ def while_in_context(
         new = cast_like(coll.summaries, like)
         summed = cast_like(accumulate_trees(acc, new), like)
         acc = jax.tree_util.tree_map(lambda a, b: jnp.where(first, a, b), new, summed)
-        return cast_like_tree(new_val, val), acc, jnp.array(False), i + 1
+        return new_val, acc, jnp.array(False), i + 1
 
     with jax.named_scope(name):
         val, acc, _, _ = jax.lax.while_loop(
             cond, body, (init_val, acc0, jnp.array(True), i0)
         )
     return val, _result(name, acc)
-
-
-def cast_like_tree(tree: ArrayTree, like: ArrayTree) -> ArrayTree:
-    """Return `tree` with each leaf cast to the dtype of `like`'s (weak types too)."""
-    return jax.tree_util.tree_map(
-        lambda x, s: jnp.asarray(x, jnp.result_type(s)), tree, like
-    )
 
 
 def _result(name: str, summaries: SummaryTree) -> OutputCollection:
@@ -183,7 +286,7 @@ def fori_in_context(
 ) -> tuple[Carry, OutputCollection]:
     """Run `body_fn(i, val, ctx)` for `i` in `[lower, upper)`, collecting outputs.
 
-    With Python-int bounds this is `scan_in_context` over `jnp.arange(lower, upper)`
+    With static bounds this is `scan_in_context` over `jnp.arange(lower, upper)`
     (the same program): iteration k (`i = lower + k`) has child `{child_name}{k}`
     for its summaries (or, with `merge_summaries=True`, they are accumulated into
     child `child_name`), and module outputs and state updates are stacked in child
@@ -193,12 +296,13 @@ def fori_in_context(
     `remat_kwargs` must keep their defaults).
 
     Args:
-        lower: the first `i`, a Python int or a traced integer scalar.
+        lower: the first `i`: static (a Python int, NumPy integer or concrete JAX
+            integer scalar, as `jax.lax.fori_loop` decides) or a traced integer
+            scalar. Inside `eqxctx.value_and_grad`'s function a bound computed there
+            is traced in its abstract first pass, even when it runs eagerly.
         upper: the end (exclusive), likewise.
         body_fn: the body, `body_fn(i, val, ctx) -> (val, ctx)`; `i` is an int32
             scalar (static bounds) or has the bounds' dtype (traced bounds).
-            Concrete integers (Python ints, NumPy or concrete JAX integer scalars)
-            count as static bounds.
         init_val: the initial value, any PyTree (traced).
         context: the calling context.
         child_name: the child (prefix) name, matching `^[a-z][a-z0-9_]*$`.
@@ -213,8 +317,11 @@ def fori_in_context(
 
     Raises:
         ValueError: as `scan_in_context` (static bounds) or `while_in_context`
-            (traced bounds); traced bounds with `unroll` or `remat_kwargs` set.
-        TypeError: if `body_fn` does not return `(val, ctx)`.
+            (traced bounds: a gradient probe in the body too); traced bounds with
+            `unroll` or `remat_kwargs` set.
+        TypeError: if `body_fn` does not return `(val, ctx)`, or returns a carry of
+            another structure, shape or dtype (as `scan_in_context` /
+            `while_in_context`).
 
     References:
         `jax.lax.fori_loop`.
@@ -245,8 +352,9 @@ def fori_in_context(
         return val, coll
     if unroll != 1 or remat_kwargs is not None:
         raise ValueError(
-            "`fori_in_context`: `unroll` and `remat_kwargs` need Python-int bounds "
-            "(a scan); with traced bounds the loop is a `jax.lax.while_loop`."
+            "`fori_in_context`: `unroll` and `remat_kwargs` need static bounds "
+            "(Python ints: a scan); with traced bounds the loop is a "
+            "`jax.lax.while_loop`."
         )
     with jax.numpy_dtype_promotion("standard"):
         dtype = jnp.result_type(lower, upper)
@@ -262,11 +370,20 @@ def fori_in_context(
             ctx_out = ctx_out.replace_collection(ctx_out.collection.prune(drop_output))
         return (i + jnp.ones((), dtype), new), ctx_out
 
-    (_, val), coll = while_in_context(
+    name = validate_child_name(child_name, where="fori_in_context(child_name=...)")
+    (_, val), coll = _while(
         lambda s: s[0] < hi_a,
         body,
         (lo_a, init_val),
-        context=context,
-        child_name=child_name,
+        context,
+        name,
+        where="`fori_in_context`",
+        view=lambda state: state[1],
+        why=(
+            "its bounds are traced (under `jax.jit`, or computed inside the "
+            "function that `eqxctx.value_and_grad` differentiates, whose first pass "
+            "traces it abstractly), so the loop is a `jax.lax.while_loop`, which JAX "
+            "cannot differentiate in reverse mode"
+        ),
     )
     return val, coll

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._collection import OutputCollection
+from ._gradients import is_pending
 from ._iterations import IterationSummaries
 from ._leaves import KINDS
 from ._mapping import Entry
@@ -51,7 +52,10 @@ def _dtype(x: object) -> DType:
 def _signature(leaf: Leaf) -> tuple[str, TreeDef, tuple[Any, ...]]:
     """Kind, structure, shapes and dtypes of a leaf (weak types ignored)."""
     leaves, treedef = jax.tree_util.tree_flatten(leaf)
-    kind = type(leaf).__name__ if isinstance(leaf, Summary) else "array"
+    if is_pending(leaf):
+        kind = "gradient probe"
+    else:
+        kind = type(leaf).__name__ if isinstance(leaf, Summary) else "array"
     return (
         kind,
         treedef,
@@ -103,6 +107,19 @@ def _cast(tree: ArrayTree, like: ArrayTree) -> ArrayTree:
     )
 
 
+#: What one entry of each kind is called in messages.
+_NOUNS = {
+    "summaries": "summary",
+    "module_outputs": "module output",
+    "state_updates": "state update",
+}
+_PROBE = "a gradient probe (add_gradient_summary/add_gradient_output)"
+
+
+def _article(word: str) -> str:
+    return f"an {word}" if word[0].lower() in "aeiou" else f"a {word}"
+
+
 def _unfillable(kind: str, spec: Spec, path: str) -> tuple[str, str] | None:
     """Return `(path, what)` of the first entry that has no identity, else None."""
     if isinstance(spec, _Entry):
@@ -113,13 +130,32 @@ def _unfillable(kind: str, spec: Spec, path: str) -> tuple[str, str] | None:
             if found is not None:
                 return found
         return None
+    if is_pending(spec):
+        return path, _PROBE
     if kind != "summaries":
-        return path, f"a {kind} entry"
+        return path, _article(_NOUNS[kind])
     if not isinstance(spec, Summary):
         return path, "a raw-array summary"
     if not has_identity(spec):
-        return path, f"a {type(spec).__name__} (a kind without an identity)"
+        return path, f"{_article(type(spec).__name__)} (a kind without an identity)"
     return None
+
+
+def _subclasses(cls: type) -> list[type]:
+    return [c for sub in cls.__subclasses__() for c in (sub, *_subclasses(sub))]
+
+
+def kinds_with_identity() -> list[str]:
+    """The names of eqxctx's public summary kinds that define `Summary.identity`."""
+    return sorted(
+        {
+            c.__name__
+            for c in _subclasses(Summary)
+            if c.__module__.startswith("eqxctx.")
+            and not c.__name__.startswith("_")
+            and getattr(c, "identity", None) is not Summary.identity
+        }
+    )
 
 
 def _union(
@@ -139,12 +175,22 @@ def _union(
         if bad is not None:
             at, what = bad
             has = ", ".join(names[i] for i in present)
+            if what == _PROBE:
+                fix = (
+                    "A gradient probe has no value to fill in for a branch that does "
+                    "not add it: add it in every branch, or before the branch."
+                )
+            else:
+                fix = (
+                    "Only summaries whose kind has an identity "
+                    f"({', '.join(kinds_with_identity())}, or a kind of your own "
+                    "that defines `Summary.identity`) can be missing from a branch: "
+                    "wrap it in such a kind (e.g. `WeightedSummary(x, 1)` for a mean) "
+                    "or add it in every branch."
+                )
             raise ValueError(
-                f"{where}: {at} is {what} added in {has} but not in "
-                f"{', '.join(missing)}. Only summaries whose kind has an identity "
-                "(WeightedSummary, MinSummary, MaxSummary, SumSummary) can be missing "
-                "from a branch: wrap it in such a kind (e.g. `WeightedSummary(x, 1)` "
-                "for a mean) or add it in every branch."
+                f"{where}: {what} at {at!r} is added in {has} but not in "
+                f"{', '.join(missing)}. {fix}"
             )
     shapes = {type(s) for s in given}
     if len(shapes) > 1 or (
@@ -153,7 +199,8 @@ def _union(
     ):
         listing = "; ".join(f"{names[i]}: {_what(specs[i])}" for i in present)
         raise ValueError(
-            f"{where}: {path} differs between branches ({listing}). An entry added "
+            f"{where}: the {_NOUNS[kind]} at {path!r} differs between branches "
+            f"({listing}). An entry added "
             "in several branches needs the same kind, shape and dtype in each: cast "
             "or reshape it, or give the entries different names."
         )
@@ -175,7 +222,7 @@ def _union(
         lengths = {s.length for s in given}
         if len(lengths) > 1:
             raise ValueError(
-                f"{where}: {path} holds per-iteration summaries of different lengths "
+                f"{where}: {path!r} holds per-iteration summaries of different lengths "
                 f"{sorted(lengths)} in different branches; scan the same number of "
                 "iterations in every branch, or use another child name."
             )
@@ -207,13 +254,16 @@ _MISSING: Spec = _Missing()
 
 
 def union_collections(
-    colls: list[OutputCollection], names: tuple[str, ...], prefix: str, where: str
+    colls: list[OutputCollection], names: tuple[str, ...], path: str, where: str
 ) -> dict[str, Spec]:
-    """Return `{kind: union spec}` of the branches' collections, or raise."""
+    """Return `{kind: union spec}` of the branches' collections, or raise.
+
+    `path` is the construct's context path (`root/.../cond`), for the messages.
+    """
     out: dict[str, Spec] = {}
     for kind in KINDS:
         specs = [_spec_of(getattr(c, kind)) for c in colls]
-        out[kind] = _union(kind, specs, f"{kind}/{prefix}", names, where)
+        out[kind] = _union(kind, specs, path, names, where)
     return out
 
 
