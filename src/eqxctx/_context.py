@@ -415,7 +415,8 @@ class Context(TreeEquality):
         Raises:
             OutputConflictError: on any name conflict (see `OutputCollection.merge`);
                 the message names the context path and suggests another
-                `child_name_prefix` for scan results.
+                `child_name_prefix` for scan results (`child_name` for branches
+                and loops).
         """
         try:
             merged = self.collection.merge(collection)
