@@ -237,7 +237,9 @@ def bench_components(width: int, batch_size: int) -> list[tuple[str, float]]:
             fetch_module.MAX_BATCHED_SIZE = saved_size
             fetch_module._plans.clear()  # pyright: ignore[reportPrivateUsage]
         rows = list(fetches.items())
-        with AsyncWriter(MultiWriter(JsonlWriter(f"{logdir}/a.jsonl"))) as writer:
+        with AsyncWriter(
+            MultiWriter(JsonlWriter(f"{logdir}/a.jsonl")), background_fetch=True
+        ) as writer:
             for _ in range(20):
                 writer.write(0, next(fresh))
             rows.append(

@@ -53,6 +53,9 @@ def _numbered_splits(key: str) -> Iterator[tuple[str, int]]:
             yield key[:k], int(key[k:])
 
 
+_list_init = list.__init__
+
+
 class _Log(list[Any]):
     """The entries of every version of one mapping, in insertion order.
 
@@ -108,7 +111,7 @@ class _Log(list[Any]):
         traced: bool | None = False,
         checked: bool = True,
     ) -> None:
-        super().__init__(values)
+        _list_init(self, values)  # (not `super()`: it builds an object per call)
         self.keys = keys
         self.positions = index
         self.spans = spans
@@ -616,7 +619,7 @@ def _unflatten(keys: Keys, children: Children) -> FrozenMapping:
         out._sorted = ()
         return out
     log = _new_log(_Log)
-    log.extend(children)
+    _extend(log, children)
     log.keys = keys
     log.positions = None
     log.spans = None
@@ -633,6 +636,7 @@ def _unflatten(keys: Keys, children: Children) -> FrozenMapping:
 
 _new = object.__new__
 _new_log = list.__new__
+_extend = list.extend
 
 jax.tree_util.register_pytree_with_keys(
     FrozenMapping, _flatten_with_keys, _unflatten, _flatten
