@@ -374,11 +374,17 @@ def scan_in_context(
             unroll=unroll,
         )
     if merge_summaries and not merge:  # nothing to accumulate, or a shape-only pass
-        merged = fold_stacked(stacked.summaries, n) if n else EMPTY
+        merged = fold_stacked(stacked.summaries, n, reverse=reverse) if n else EMPTY
     return (
         carry_out,
         ys,
-        assemble(stacked, prefix=prefix, length=n, merged_summaries=merged),
+        assemble(
+            stacked,
+            prefix=prefix,
+            length=n,
+            merged_summaries=merged,
+            reverse=reverse,
+        ),
     )
 
 
