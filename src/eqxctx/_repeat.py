@@ -406,11 +406,17 @@ def merge_iteration_summaries(summaries: SummaryTree) -> SummaryTree:
     _collect(summaries, entries)
     if not entries:
         return summaries
-    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(entries)):
+    try:
+        merged = _fold_all_jit(entries)
+    except TypeError:  # `jax.jit` refuses `ShapeDtypeStruct`s (nothing is traced)
+        leaves = jax.tree_util.tree_leaves(entries)
+        if not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+            raise
         # The `jax.eval_shape` image of a collection: abstract results. Its leaves
         # were checked in the trace where they entered, and `ShapeDtypeStruct`s are
         # no collection leaves, so the result is made of checked mappings (as
-        # `materialize` makes them).
+        # `materialize` makes them). Checked here, not first: that costs ~10% of a
+        # concrete call.
         merged = jax.eval_shape(_fold_all, entries)
         return materialize_tree(_replace(summaries, iter(merged)))
-    return _replace(summaries, iter(_fold_all_jit(entries)))
+    return _replace(summaries, iter(merged))
