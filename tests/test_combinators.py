@@ -253,6 +253,36 @@ def test_vmap_keys() -> None:
     np.testing.assert_array_equal(ys, np.stack([child_key] * 4))
 
 
+@pytest.mark.parametrize(
+    "in_axes",
+    [0, {"x": 0, "mask": None, "pair": (None, 1)}, {"x": 0, "mask": 0, "pair": 1}],
+)
+def test_vmap_xs_may_hold_none(in_axes: Any) -> None:
+    """`None` in `xs` is an empty subtree, as in `jax.vmap` (was a zip error)."""
+    w = jnp.arange(6.0).reshape(3, 2)  # mapped over axis 1 where in_axes says 1
+    xs = {
+        "x": jnp.arange(3.0),
+        "mask": None,
+        "pair": (None, w if in_axes == 0 else w.T),
+    }
+
+    def f(d: Any) -> Any:
+        return d["x"] * 2 + jnp.sum(d["pair"][1])
+
+    def body(d: Any, ctx: Context) -> tuple[Any, Context]:
+        assert d["mask"] is None
+        assert d["pair"][0] is None
+        return f(d), ctx.add_summary("x", d["x"])
+
+    ys, coll = vmap_in_context(body, context=Context.root(), xs=xs, in_axes=in_axes)
+    np.testing.assert_array_equal(ys, jax.vmap(f, in_axes=(in_axes,))(xs))
+    assert {k: float(v) for k, v in coll.flatten("summaries").items()} == {
+        f"iter{i}/x": float(i) for i in range(3)
+    }
+    with pytest.raises(ValueError, match="no leaf of `xs` is mapped"):
+        vmap_in_context(body, context=Context.root(), xs={"mask": None})
+
+
 def test_nested_scans_give_nested_children() -> None:
     def inner(c: Any, x: Any, ctx: Context) -> tuple[Any, Any, Context]:
         return c + x, x, ctx.add_summary("s", x).add_module_output("o", 2.0 * x)

@@ -238,6 +238,122 @@ def test_carry_that_changes_dtype_names_the_carry() -> None:
     assert float(c) == 3.0
 
 
+@pytest.mark.parametrize("merge", [False, True])
+@pytest.mark.parametrize(
+    ("init", "factor"),
+    [
+        (0.0, jnp.bfloat16(2)),  # narrowed, as in mixed precision
+        (1, jnp.int8(2)),
+        (1, jnp.float32(2)),  # widened
+        (jnp.asarray(0.5), jnp.bfloat16(3)),  # a weakly typed array
+        (0.0, jnp.float32(2)),  # unchanged
+    ],
+)
+def test_weakly_typed_carry_follows_lax_scan(
+    init: Any, factor: Any, merge: bool
+) -> None:
+    """A weakly typed carry may change dtype once, as in `jax.lax.scan`."""
+    traces = {"lax": 0, "ctx": 0}
+
+    def lax_body(c: Any, x: Any) -> Any:
+        traces["lax"] += 1
+        return c * factor + 1, c
+
+    def body(c: Any, x: Any, ctx: Context) -> Any:
+        traces["ctx"] += 1
+        return c * factor + 1, c, ctx.add_summary("c", c)
+
+    want, want_ys = jax.lax.scan(lax_body, init, None, length=3)
+    got, ys, coll = scan_in_context(
+        body,
+        context=Context.root(),
+        carry=init,
+        xs=None,
+        length=3,
+        merge_summaries=merge,
+    )
+    assert got.dtype == want.dtype
+    assert ys.dtype == want_ys.dtype
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(ys, want_ys)
+    summaries = coll.flatten("summaries")
+    if merge:
+        assert summaries["iter/c"].dtype == want_ys.dtype
+        np.testing.assert_array_equal(
+            summaries["iter/c"], np.sum(want_ys, dtype=want_ys.dtype)
+        )
+        # One abstract pass for the accumulator; the carry is converted between
+        # passes, so the scan itself traces the body once.
+        assert traces["ctx"] == traces["lax"] + 1
+    else:
+        assert [summaries[f"iter{i}/c"] for i in range(3)] == list(np.asarray(want_ys))
+        assert {summaries[f"iter{i}/c"].dtype for i in range(3)} == {want_ys.dtype}
+        assert traces["ctx"] == traces["lax"]
+
+
+def test_weakly_typed_carry_errors() -> None:
+    ctx = Context.root()
+    zero: Any = 0.0  # a weakly typed carry
+    # A weakly typed carry may change dtype, never shape.
+    with pytest.raises(TypeError, match="shapes do not match"):
+        jax.lax.scan(
+            lambda c, x: (jnp.zeros(3, jnp.bfloat16), None), zero, None, length=2
+        )
+    with pytest.raises(
+        TypeError,
+        match=r"carry went in as a weakly typed float32\[\] \(e\.g\. a Python scalar\) "
+        r"but the body returned bfloat16\[3\]; .* may change its dtype once, never "
+        "its shape",
+    ):
+        scan_in_context(
+            lambda c, x, k: (jnp.zeros(3, jnp.bfloat16), None, k),
+            context=ctx,
+            carry=zero,
+            xs=None,
+            length=2,
+        )
+
+    # Converted once: given bfloat16 the body must return bfloat16.
+    def flip(c: Any, x: Any = None, k: Any = None) -> Any:
+        out = c.astype(jnp.float32) if c.dtype == jnp.bfloat16 else c * jnp.bfloat16(2)
+        return out, None, k
+
+    with pytest.raises(TypeError):
+        jax.lax.scan(lambda c, x: flip(c)[:2], zero, None, length=2)
+    for merge in (False, True):
+        with pytest.raises(
+            TypeError,
+            match=r"carry went in as a weakly typed float32\[\] .*, which "
+            r"`jax\.lax\.scan` converted to bfloat16\[\] .* but the body returned "
+            r"float32\[\]",
+        ):
+            scan_in_context(
+                flip, context=ctx, carry=zero, xs=None, length=2, merge_summaries=merge
+            )
+    # No promotion path under strict promotion (conftest): JAX's own error, as in
+    # `jax.lax.scan`.
+    promotion = "no available implicit dtype promotion path"
+    with pytest.raises(ValueError, match=promotion):  # TypePromotionError
+        jax.lax.scan(lambda c, x: (jnp.int32(3), None), zero, None, length=2)
+    with pytest.raises(ValueError, match=promotion):
+        scan_in_context(
+            lambda c, x, k: (jnp.int32(3), None, k),
+            context=ctx,
+            carry=zero,
+            xs=None,
+            length=2,
+        )
+    # A strongly typed carry is not converted (as in `jax.lax.scan`).
+    with pytest.raises(TypeError, match=r"carry went in as float32\[\] but"):
+        scan_in_context(
+            lambda c, x, k: (c.astype(jnp.bfloat16), None, k),
+            context=ctx,
+            carry=jnp.float32(0),
+            xs=None,
+            length=2,
+        )
+
+
 def test_merge_memory_does_not_grow_with_iterations() -> None:
     def body(h: jax.Array, w: jax.Array, ctx: Context) -> Any:
         h = jnp.tanh(h * w)

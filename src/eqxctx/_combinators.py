@@ -206,10 +206,15 @@ def scan_in_context(
     Args:
         fn: the body, `fn(carry, x_i, ctx_i) -> (carry, y_i, ctx_i)`; traced once,
             or twice with `merge_summaries=True` (a `jax.eval_shape` pass gives the
-            accumulator's structure), so keep Python side effects out of it.
+            accumulator's structure), and once more when it changes the dtype of a
+            weakly typed carry, so keep Python side effects out of it.
         context: the calling context (its key, path and training flag are used; its
             collection is not).
-        carry: the initial carry, any PyTree (traced).
+        carry: the initial carry, any PyTree (traced). As in `jax.lax.scan`, a
+            weakly typed leaf (a Python scalar such as `0.0`) that the body returns
+            in another dtype is converted to `jnp.result_type(leaf, returned)`
+            (`carry=0.0` with a bfloat16 body gives a bfloat16 carry); other leaves
+            must keep their dtypes.
         xs: a PyTree whose leaves have a leading axis N, or None with `length`.
         length: N, static (an int or any integer, e.g. `np.int64`); optional when
             `xs` has leaves (then it must agree).
@@ -236,7 +241,9 @@ def scan_in_context(
             (or `length`) that disagree (the message names the leaves and shapes), no
             `xs` leaves and no `length`, an invalid prefix, unknown `per_iteration`
             keys, `remat_kwargs` with `prevent_cse=True`.
-        TypeError: at trace time, if `fn` does not return `(carry, y, ctx)`.
+        TypeError: at trace time, if `fn` does not return `(carry, y, ctx)`, or
+            returns a carry of another structure, shape or dtype (beyond the weak
+            type rule above; the message names the carry leaf).
         OutputConflictError: from `ctx.merge(collection)`, if the prefix's children
             collide with names already in the caller's collection.
 
@@ -298,6 +305,7 @@ def scan_in_context(
     # nested merged scans trace each body at most twice in total per level.
     shape_only = is_shape_only(context)
     merge = merge_summaries and n >= 2 and not shape_only
+    init_carry = carry  # as given: `_check_carry` names its weak types
     acc: SummaryTree | None = None
     first: Array | None = None
     like: SummaryTree | None = None
@@ -311,13 +319,24 @@ def scan_in_context(
         )
         if count:
             k0 = jax.ShapeDtypeStruct((), jnp.uint32)
-        shapes = jax.eval_shape(
-            lambda c, x, k, s: one_iteration(c, x, k, s, shape_only=True),
-            carry,
-            x0,
-            k0,
-            s0,
-        )
+
+        def shapes_of(c: PyTree) -> tuple[PyTree, PyTree, OutputCollection]:
+            return jax.eval_shape(
+                lambda c, x, k, s: one_iteration(c, x, k, s, shape_only=True),
+                c,
+                x0,
+                k0,
+                s0,
+            )
+
+        shapes = shapes_of(carry)
+        # A weakly typed carry that the body changes is converted first, as
+        # `jax.lax.scan` would (then `jax.lax.scan` traces the body once), and the
+        # body evaluated again: the accumulator takes the dtypes of the iterations
+        # that run.
+        carry, changed = _promote_weak(carry, shapes[0])
+        if changed:
+            shapes = shapes_of(carry)
         like = accumulator_shape(shapes[2].summaries)
         acc = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), like)
         first = jnp.array(True)
@@ -330,7 +349,7 @@ def scan_in_context(
         c_in, acc, first, index = state
         x, k, s = inputs
         c, y, coll = one_iteration(c_in, x, index if count else k, s)
-        _check_carry(c_in, c)
+        _check_carry(c_in, c, init_carry)
         if merge and like is not None:
             new = cast_like(coll.summaries, like)
             summed = cast_like(accumulate_trees(acc, new), like)
@@ -355,18 +374,66 @@ def scan_in_context(
             unroll=unroll,
         )
     if merge_summaries and not merge:  # nothing to accumulate, or a shape-only pass
-        merged = fold_stacked(stacked.summaries, n) if n else EMPTY
+        merged = fold_stacked(stacked.summaries, n, reverse=reverse) if n else EMPTY
     return (
         carry_out,
         ys,
-        assemble(stacked, prefix=prefix, length=n, merged_summaries=merged),
+        assemble(
+            stacked,
+            prefix=prefix,
+            length=n,
+            merged_summaries=merged,
+            reverse=reverse,
+        ),
     )
 
 
-def _check_carry(before: PyTree, after: PyTree) -> None:
+def _is_weak(x: object) -> bool:
+    """Return whether `x` is weakly typed (a Python scalar, or an array from one)."""
+    try:
+        return bool(getattr(jax.typeof(x), "weak_type", False))
+    except TypeError:  # not an array; `jax.lax.scan` rejects it itself
+        return False
+
+
+def _type_str(x: Any) -> str:
+    return f"{jnp.result_type(x)}{list(jnp.shape(x))}"
+
+
+def _promote_weak(carry: PyTree, out: PyTree) -> tuple[PyTree, bool]:
+    """Apply `jax.lax.scan`'s rule for a weakly typed initial carry.
+
+    A weakly typed leaf whose dtype differs from the body's result `out` (abstract) is
+    converted to `jnp.result_type(leaf, out)`, as `jax.lax.scan` does before tracing
+    its body a second time. Returns the carry and whether any leaf changed; a carry
+    of another structure or shape is returned as it is (`_check_carry` reports it).
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(carry)
+    outs = jax.tree_util.tree_leaves(out)
+    if jax.tree_util.tree_structure(out) != treedef:
+        return carry, False
+    changed = False
+    promoted: list[Leaf] = []
+    for x, o in zip(leaves, outs, strict=True):
+        if (
+            _is_weak(x)
+            and jnp.shape(x) == o.shape
+            and jnp.result_type(x) != jnp.result_type(o)
+        ):
+            x = jax.lax.convert_element_type(x, jnp.result_type(x, o))
+            changed = True
+        promoted.append(x)
+    return treedef.unflatten(promoted), changed
+
+
+def _check_carry(before: PyTree, after: PyTree, init: PyTree) -> None:
     """Raise for a body whose carry changes structure, shape or dtype (at trace time).
 
     `jax.lax.scan` raises too, but names eqxctx's internal loop state (`state[0]`).
+    Its rule for weak types is kept: on the first trace a weakly typed leaf of the
+    initial carry `init` may come back in another dtype (with the same shape);
+    `jax.lax.scan` then converts it to `jnp.result_type(init, returned)` and traces
+    the body again, where the dtypes must match.
     """
     where = "`scan_in_context`"
     got, want = (
@@ -380,27 +447,59 @@ def _check_carry(before: PyTree, after: PyTree) -> None:
             "shapes and dtypes (as in `jax.lax.scan`)."
         )
     leaves = jax.tree_util.tree_leaves_with_path(before)
-    for (path, a), b in zip(leaves, jax.tree_util.tree_leaves(after), strict=True):
-        a_type = (jnp.shape(a), jnp.result_type(a))
-        b_type = (jnp.shape(b), jnp.result_type(b))
-        if a_type != b_type:
-            name = f"carry{jax.tree_util.keystr(path)}"
+    inits = jax.tree_util.tree_leaves(init)
+    weak = [_is_weak(x) for x in inits]
+    # The second trace: a weakly typed initial leaf came in converted.
+    promoted = [w and not _is_weak(a) for w, (_, a) in zip(weak, leaves, strict=True)]
+    first_trace = not any(promoted)
+    outs = jax.tree_util.tree_leaves(after)
+    for j, ((path, a), b) in enumerate(zip(leaves, outs, strict=True)):
+        same_shape = jnp.shape(a) == jnp.shape(b)
+        if same_shape and jnp.result_type(a) == jnp.result_type(b):
+            continue
+        if first_trace and weak[j] and same_shape:
+            continue  # `jax.lax.scan` converts it and traces the body again
+        name = f"carry{jax.tree_util.keystr(path)}"
+        if not weak[j]:
             raise TypeError(
-                f"{where}: {name} went in as {a_type[1]}{list(a_type[0])} but the body "
-                f"returned {b_type[1]}{list(b_type[0])}; `fn` must return a carry of "
-                "the same shapes and dtypes (as in `jax.lax.scan`). Cast it, e.g. "
+                f"{where}: {name} went in as {_type_str(a)} but the body returned "
+                f"{_type_str(b)}; `fn` must return a carry of the same shapes and "
+                "dtypes (as in `jax.lax.scan`). Cast it, e.g. "
                 "`new.astype(old.dtype)`, or start from a carry of the right dtype."
             )
+        went_in = (
+            f"went in as a weakly typed {_type_str(inits[j])} (e.g. a Python scalar)"
+        )
+        if promoted[j]:
+            went_in += (
+                f", which `jax.lax.scan` converted to {_type_str(a)} (the result type "
+                "of it and the dtype the body first returned) before tracing the body "
+                "again,"
+            )
+        raise TypeError(
+            f"{where}: {name} {went_in} but the body returned {_type_str(b)}; `fn` "
+            "must return a carry of the same shapes"
+            + (" and dtypes" if same_shape else "")
+            + " (as in `jax.lax.scan`, where a weakly typed carry may change its "
+            "dtype once, never its shape). Start from a carry of the dtype and shape "
+            "the body returns, e.g. `jnp.zeros(shape, dtype)`."
+        )
 
 
 def _vmap_length(xs: PyTree, in_axes: InAxes) -> int:
     where = "`vmap_in_context`"
+    # Each leaf of `xs` with the axis of the `in_axes` leaf above it. `None` in
+    # `in_axes` is a leaf (unmapped); `None` in `xs` is an empty subtree, as in
+    # `jax.vmap`.
+    mapped: list[tuple[str, Leaf, int | None]] = []
+
+    def collect(path: tuple[Any, ...], ax: int | None, sub: PyTree) -> None:
+        for sub_path, leaf in jax.tree_util.tree_leaves_with_path(sub):
+            mapped.append((f"xs{jax.tree_util.keystr((*path, *sub_path))}", leaf, ax))
+
     try:
-        axes = jax.tree_util.tree_map(
-            lambda ax, sub: jax.tree_util.tree_map(lambda _: ax, sub),
-            in_axes,
-            xs,
-            is_leaf=lambda a: a is None,
+        jax.tree_util.tree_map_with_path(
+            collect, in_axes, xs, is_leaf=lambda a: a is None
         )
     except ValueError as e:
         raise ValueError(
@@ -408,8 +507,7 @@ def _vmap_length(xs: PyTree, in_axes: InAxes) -> int:
             f"`jax.vmap`): {e}"
         ) from None
     sizes: list[tuple[str, int, tuple[int, ...]]] = []
-    flat_axes = jax.tree_util.tree_leaves(axes, is_leaf=lambda a: a is None)
-    for (name, leaf), ax in zip(_leaves_with_names(xs, "xs"), flat_axes, strict=True):
+    for name, leaf, ax in mapped:
         if ax is None:
             continue
         _check_array_leaf(name, leaf, where)

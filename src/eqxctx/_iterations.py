@@ -47,11 +47,16 @@ class IterationSummaries(eqx.Module):
     views slice the wrong axis; move the outer axes to the front first
     (`jnp.moveaxis`).
 
+    Iteration i is always index i (the `xs` index of a scan, also under
+    `reverse=True`); `reverse` records only the order in which the iterations ran,
+    which `OutputCollection.merge_iterations` accumulates in (as
+    `merge_summaries=True` does).
+
     Raises:
         ValueError: if a leaf of `stacked` has no leading axis of size `length`, or
             `length` is negative.
-        TypeError: if `length` is not an int, or a leaf is not a valid summary leaf
-            (naming its path).
+        TypeError: if `length` is not an int, `reverse` not a bool, or a leaf is not
+            a valid summary leaf (naming its path).
 
     Attributes:
         length: the number of iterations N, static.
@@ -59,11 +64,14 @@ class IterationSummaries(eqx.Module):
             axis N (traced).
         ndims: the rank of each leaf of `stacked` (in `jax.tree_util.tree_leaves`
             order) when the entry was made, static. Computed when not given.
+        reverse: whether the iterations ran from the last index to the first (a
+            `scan_in_context(..., reverse=True)`), static; False by default.
     """
 
     length: int = eqx.field(static=True)
     stacked: FrozenMapping
     ndims: tuple[int, ...] = eqx.field(static=True)
+    reverse: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -72,7 +80,13 @@ class IterationSummaries(eqx.Module):
         # `Any`, not `tuple[int, ...] | None`: beartype checks a variadic tuple by
         # sampling it with `random`, which hypothesis forbids inside strategies.
         ndims: Any = None,
+        reverse: object = False,  # a bool, checked here with a message
     ):
+        if not isinstance(reverse, bool):
+            raise TypeError(
+                "`IterationSummaries(length, stacked, reverse=...)`: reverse must be "
+                f"a bool (the scan's direction), got {type(reverse).__name__}."
+            )
         if isinstance(length, bool) or not isinstance(length, (int, np.integer)):
             raise TypeError(
                 "`IterationSummaries(length, stacked)`: length must be an int (the "
@@ -97,6 +111,7 @@ class IterationSummaries(eqx.Module):
         self.length = length
         self.stacked = frozen
         self.ndims = tuple(ndims)
+        self.reverse = reverse
 
     @property
     def reserved_span(self) -> int:
@@ -189,11 +204,48 @@ def _host(leaves: list[Leaf]) -> list[Leaf]:
 
 
 def _unstack(x: Leaf, axis: int) -> list[Leaf]:
-    """Return the slices of `x` along `axis`: NumPy views, or device slices."""
+    """Return the slices of `x` along `axis`: NumPy views, device slices, or structs.
+
+    An abstract leaf (`jax.ShapeDtypeStruct`, as `jax.eval_shape` returns) gives one
+    abstract slice, the same for every index.
+    """
     if isinstance(x, np.ndarray):
         return list(np.moveaxis(x, axis, 0) if axis else x)
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return [_slice_struct(x, axis)] * x.shape[axis]
     index = (slice(None),) * axis
     return [x[(*index, i)] for i in range(np.shape(x)[axis])]
+
+
+def _slice_struct(x: jax.ShapeDtypeStruct, axis: int) -> jax.ShapeDtypeStruct:
+    """Return the abstract value of one slice of `x` along `axis` (`x[..., i]`).
+
+    The shape loses `axis`; dtype and weak type stay. A `NamedSharding` loses the
+    axis's entry when it is not sharded, which is what indexing a traced array with
+    such a sharding gives; a sliced sharded axis has no `NamedSharding` (JAX refuses
+    the index under Explicit axes), so the slice gets none. A single-device sharding
+    stays; any other sharding is dropped.
+    """
+    shape = x.shape[:axis] + x.shape[axis + 1 :]
+    sharding = x.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        parts = tuple(sharding.spec)
+        if axis < len(parts) and parts[axis] is not None:
+            sharding = None
+        elif axis < len(parts):
+            spec = sharding.spec.update(partitions=parts[:axis] + parts[axis + 1 :])
+            sharding = jax.sharding.NamedSharding(
+                sharding.mesh, spec, memory_kind=sharding.memory_kind
+            )
+    elif not isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        sharding = None
+    return jax.ShapeDtypeStruct(
+        shape,
+        x.dtype,
+        sharding=sharding,
+        weak_type=x.weak_type,
+        manual_axis_type=x.manual_axis_type,
+    )
 
 
 # -- conversion (where leaves enter) -------------------------------------------------
@@ -516,7 +568,7 @@ def _prune_entry(
         index: list[int] = first[0]
         stacked = jax.tree_util.tree_map(lambda j: leaves[j], kept[0])
         ndims = tuple(entry.ndims[j] for j in index)
-        return [(key, IterationSummaries(entry.length, stacked, ndims))]
+        return [(key, IterationSummaries(entry.length, stacked, ndims, entry.reverse))]
     if slots:
         raise _NonUniform
     # Slice: prune the materialized entry (`drop` is memoized: nothing asked twice).

@@ -33,14 +33,17 @@ Spec: TypeAlias = Any
 
 
 class _Entry:
-    """The spec of an `IterationSummaries`: its length, outer axes and stacked tree."""
+    """The spec of an `IterationSummaries`: length, outer axes, stacked tree, order."""
 
-    __slots__ = ("length", "outer", "stacked")
+    __slots__ = ("length", "outer", "reverse", "stacked")
 
-    def __init__(self, length: int, outer: int, stacked: dict[str, Spec]):
+    def __init__(
+        self, length: int, outer: int, stacked: dict[str, Spec], reverse: bool
+    ):
         self.length = length
         self.outer = outer
         self.stacked = stacked
+        self.reverse = reverse
 
 
 def _dtype(x: object) -> DType:
@@ -74,7 +77,12 @@ def _spec_of(value: Entry) -> Spec:
     if isinstance(value, IterationSummaries):
         leaves = jax.tree_util.tree_leaves(value.stacked)
         outers = {np.ndim(x) - n for x, n in zip(leaves, value.ndims, strict=True)}
-        return _Entry(value.length, min(outers, default=0), _spec_of(value.stacked))
+        return _Entry(
+            value.length,
+            min(outers, default=0),
+            _spec_of(value.stacked),
+            value.reverse,
+        )
     if isinstance(value, Mapping):
         return {k: _spec_of(v) for k, v in value.items()}
     return value
@@ -226,6 +234,13 @@ def _union(
                 f"{sorted(lengths)} in different branches; scan the same number of "
                 "iterations in every branch, or use another child name."
             )
+        if len({s.reverse for s in given}) > 1:
+            raise ValueError(
+                f"{where}: {path} holds per-iteration summaries of a scan run forward "
+                "in some branches and in reverse in others; their merged views would "
+                "differ. Scan in the same direction in every branch, or use another "
+                "child name."
+            )
         stacked = _union(
             kind,
             [s.stacked if s is not _MISSING else _MISSING for s in specs],
@@ -233,7 +248,7 @@ def _union(
             names,
             where,
         )
-        return _Entry(first.length, first.outer, stacked)
+        return _Entry(first.length, first.outer, stacked, first.reverse)
     return first
 
 
@@ -273,7 +288,7 @@ def _fill(spec: Spec, value: Entry) -> Entry:
         stacked = _fill(spec.stacked, _MISSING if value is _MISSING else value.stacked)
         leaves = jax.tree_util.tree_leaves(stacked)
         ndims = tuple(np.ndim(x) - spec.outer for x in leaves)
-        return IterationSummaries(spec.length, stacked, ndims)
+        return IterationSummaries(spec.length, stacked, ndims, spec.reverse)
     if isinstance(spec, dict):
         got: Tree = {} if value is _MISSING else value
         return {k: _fill(v, got.get(k, _MISSING)) for k, v in spec.items()}

@@ -14,7 +14,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike
 
 from ._collection import OutputCollection, validate_child_name
-from ._iterations import IterationSummaries
+from ._iterations import IterationSummaries, materialize_tree
 from ._mapping import EMPTY
 from ._summary import (
     AudioSummary,
@@ -64,17 +64,22 @@ def _outer_axes(entry: IterationSummaries) -> int:
 
 
 def _accumulate_entries(a: IterationSummaries, b: Leaf) -> IterationSummaries:
-    if not isinstance(b, IterationSummaries) or b.length != a.length:
+    if (
+        not isinstance(b, IterationSummaries)
+        or b.length != a.length
+        or b.reverse != a.reverse
+    ):
+        order = ", run in reverse" if a.reverse else ""
         raise ValueError(
-            f"cannot accumulate per-iteration summaries of {a.length} iterations with "
-            f"{b!r}; keep the same scan in every step."
+            f"cannot accumulate per-iteration summaries of {a.length} iterations"
+            f"{order} with {b!r}; keep the same scan in every step."
         )
     if not a.ndims:
         return a
     fn: Callable[[SummaryTree, SummaryTree], SummaryTree] = accumulate_trees
     for _ in range(_outer_axes(a) + 1):
         fn = jax.vmap(fn)
-    return IterationSummaries(a.length, fn(a.stacked, b.stacked), a.ndims)
+    return IterationSummaries(a.length, fn(a.stacked, b.stacked), a.ndims, a.reverse)
 
 
 def cast_like(tree: SummaryTree, like: SummaryTree) -> SummaryTree:
@@ -138,7 +143,7 @@ def _reduce_unit(x: Leaf) -> Leaf:
         # Per-iteration summaries of each mapped example: reduce the mapped (outer)
         # axis, keep the iterations.
         reduced = jax.tree_util.tree_map(_reduce_unit, x.stacked, is_leaf=_is_unit)
-        return IterationSummaries(x.length, reduced, x.ndims)
+        return IterationSummaries(x.length, reduced, x.ndims, x.reverse)
     if type(x) is WeightedSummary:
         return _reduce_weighted(x)
     if type(x) is MinSummary:
@@ -166,17 +171,22 @@ def _fold(stacked: Summary) -> Summary:
     return jax.lax.scan(step, first, rest)[0]
 
 
-def fold_stacked(stacked: SummaryTree, length: int) -> SummaryTree:
+def fold_stacked(
+    stacked: SummaryTree, length: int, *, reverse: bool = False
+) -> SummaryTree:
     """Accumulate a stacked summary tree over its leading axis.
 
     One reduction per leaf (a sum, a weighted mean, a minimum or maximum; the first
     entry for media kinds), equal to accumulating entries `0, 1, …, N-1` in index
     order up to floating-point rounding; a `Summary` kind without a known reduction
-    is folded with its own `accumulate`, in index order.
+    is folded with its own `accumulate`, in index order. With `reverse=True` the
+    order is `N-1, …, 0` (a reversed scan's execution order: media kinds keep entry
+    N-1).
 
     Args:
         stacked: a summary tree whose array leaves have a leading axis of `length`.
         length: the number of entries N (static).
+        reverse: accumulate from the last entry to the first (static).
 
     Returns:
         The accumulation (`{}` for N == 0; entry 0 itself for N == 1, with no
@@ -184,6 +194,8 @@ def fold_stacked(stacked: SummaryTree, length: int) -> SummaryTree:
     """
     if length == 0:
         return EMPTY
+    if reverse and length > 1:
+        stacked = jax.tree_util.tree_map(lambda x: jnp.flip(x, 0), stacked)
     if length == 1:
         return jax.tree_util.tree_map(lambda x: x[0], stacked)
     like = accumulator_shape(
@@ -230,16 +242,18 @@ def assemble(
     prefix: str,
     length: int,
     merged_summaries: SummaryTree | None,
+    reverse: bool = False,
 ) -> OutputCollection:
     """Lay out stacked per-iteration outputs under `prefix` (no checks).
 
     With `merged_summaries` None, the stacked summaries of `repeated` become one
-    `IterationSummaries(length, ...)` entry; otherwise `merged_summaries` (an already
-    accumulated tree) becomes child `prefix`'s summaries.
+    `IterationSummaries(length, ..., reverse=reverse)` entry; otherwise
+    `merged_summaries` (an already accumulated tree) becomes child `prefix`'s
+    summaries.
     """
     if merged_summaries is None:
         summaries: SummaryTree | IterationSummaries = IterationSummaries(
-            length, repeated.summaries
+            length, repeated.summaries, reverse=reverse
         )
     else:
         summaries = merged_summaries
@@ -329,8 +343,10 @@ def _merge_entries(tree: SummaryTree) -> SummaryTree:
             outer = _outer_axes(value)  # of the entry as made, before inner merges
             inner = _merge_entries(value.stacked)
 
-            def fold(t: SummaryTree, n: int = value.length) -> SummaryTree:
-                return fold_stacked(t, n)
+            def fold(
+                t: SummaryTree, n: int = value.length, r: bool = value.reverse
+            ) -> SummaryTree:
+                return fold_stacked(t, n, reverse=r)
 
             for _ in range(outer):
                 fold = jax.vmap(fold)
@@ -379,7 +395,8 @@ def merge_iteration_summaries(summaries: SummaryTree) -> SummaryTree:
     """Return `summaries` with every per-iteration entry accumulated (in one program).
 
     Each `IterationSummaries` under `prefix` becomes the mapping under `prefix` that
-    `merge_summaries=True` gives: its iterations accumulated in index order (one
+    `merge_summaries=True` gives: its iterations accumulated in execution order
+    (index order, or from the last index to the first for a reversed scan; one
     reduction per leaf, see `fold_stacked`), inner entries first. Only the entries go
     through `jax.jit` (one call for all), so leaves outside them are unchanged (Python
     numbers stay Python numbers); so is `summaries`. Returns `summaries` itself when
@@ -389,4 +406,17 @@ def merge_iteration_summaries(summaries: SummaryTree) -> SummaryTree:
     _collect(summaries, entries)
     if not entries:
         return summaries
-    return _replace(summaries, iter(_fold_all_jit(entries)))
+    try:
+        merged = _fold_all_jit(entries)
+    except TypeError:  # `jax.jit` refuses `ShapeDtypeStruct`s (nothing is traced)
+        leaves = jax.tree_util.tree_leaves(entries)
+        if not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+            raise
+        # The `jax.eval_shape` image of a collection: abstract results. Its leaves
+        # were checked in the trace where they entered, and `ShapeDtypeStruct`s are
+        # no collection leaves, so the result is made of checked mappings (as
+        # `materialize` makes them). Checked here, not first: that costs ~10% of a
+        # concrete call.
+        merged = jax.eval_shape(_fold_all, entries)
+        return materialize_tree(_replace(summaries, iter(merged)))
+    return _replace(summaries, iter(merged))
