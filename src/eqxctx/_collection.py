@@ -295,8 +295,9 @@ class OutputCollection(TreeEquality):
 
         Each scan's or vmap's per-iteration summaries (`{prefix}0` … `{prefix}{N-1}`)
         become the merged child `{prefix}` that `merge_summaries=True` would have
-        given: accumulated in index order (`Summary.accumulate`, `+` for raw
-        arrays), on the device, in one compiled program; nested scans are merged
+        given: accumulated in the scan's execution order (index order; from the
+        last index to the first for `reverse=True`) with `Summary.accumulate` (`+`
+        for raw arrays), on the device, in one compiled program; nested scans are merged
         from the inside out. So one scan gives both the per-layer view (`self`) and
         the whole-stack view (the result). `self` is unchanged.
         """
