@@ -30,6 +30,7 @@ from eqxctx import (
     scan_in_context,
     vmap_in_context,
 )
+from eqxctx._mapping import _flatten as mapping_flatten  # pyright: ignore[reportPrivateUsage]
 from eqxctx.testing import assert_collections_equal, output_collections
 from eqxctx.writers import JsonlWriter
 
@@ -196,8 +197,10 @@ def test_mappings_are_read_only() -> None:
         entry.stacked["y"] = 1  # pyright: ignore[reportIndexIssue]
     # Flattening one level hands out no container a level keeps (a level made by
     # unflattening, here the output of `jax.jit`, and one made by adds).
+    # (`flatten_one_level` is public from JAX 0.9; before, the registered function.)
+    one_level = getattr(jax.tree_util, "flatten_one_level", mapping_flatten)
     for level in (jax.jit(lambda c: c)(coll).summaries, coll.summaries):
-        children, _ = jax.tree_util.flatten_one_level(level)
+        children, _ = one_level(level)
         if isinstance(children, list):
             children.clear()
         assert level["loss"] == 1.0

@@ -239,12 +239,11 @@ def _slice_struct(x: jax.ShapeDtypeStruct, axis: int) -> jax.ShapeDtypeStruct:
             )
     elif not isinstance(sharding, jax.sharding.SingleDeviceSharding):
         sharding = None
+    # `manual_axis_type` exists from JAX 0.9 (pyproject allows 0.8).
+    manual: Any = getattr(x, "manual_axis_type", None)
+    extra: dict[str, Any] = {} if manual is None else {"manual_axis_type": manual}
     return jax.ShapeDtypeStruct(
-        shape,
-        x.dtype,
-        sharding=sharding,
-        weak_type=x.weak_type,
-        manual_axis_type=x.manual_axis_type,
+        shape, x.dtype, sharding=sharding, weak_type=x.weak_type, **extra
     )
 
 
