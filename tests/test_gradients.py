@@ -134,7 +134,8 @@ def test_per_iteration_equals_vjp_reference(
             kwargs={"reverse": reverse},
         )[0]
     )(ws)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    # float32 sums in another order: within a few ulp of the loss's scale.
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(grads, ref_grads, rtol=1e-5, atol=1e-6)
 
 
