@@ -32,7 +32,14 @@ from ._leaves import (
     validate_child_name,
     validate_leaf_name,
 )
-from ._mapping import EMPTY, FrozenMapping, Levels, child_in_any, key_in_any
+from ._mapping import (
+    EMPTY,
+    FrozenMapping,
+    Levels,
+    inserted_child,
+    key_in_any,
+    leaf_clashes,
+)
 from ._typing import Children, Leaf, PathPredicate, SummaryTree, Tree, TreeDef
 
 
@@ -418,10 +425,15 @@ def with_child(
     coll: OutputCollection, name: str, child: OutputCollection
 ) -> OutputCollection:
     """Return `coll` with `child` under `name` (the caller checked `name`)."""
+    s, su, mo = inserted_child(
+        (coll.summaries, coll.state_updates, coll.module_outputs),
+        name,
+        (child.summaries, child.state_updates, child.module_outputs),
+    )
     out = _new(OutputCollection)
-    _set_summaries(out, coll.summaries.inserted(name, child.summaries))
-    _set_state_updates(out, coll.state_updates.inserted(name, child.state_updates))
-    _set_module_outputs(out, coll.module_outputs.inserted(name, child.module_outputs))
+    _set_summaries(out, s)
+    _set_state_updates(out, su)
+    _set_module_outputs(out, mo)
     return out
 
 
@@ -442,19 +454,8 @@ def add_leaf(
             raise ValueError(msg) from e
     s, su, mo = coll.summaries, coll.state_updates, coll.module_outputs
     target = s if kind == "summaries" else su if kind == "state_updates" else mo
-    existing = target.get(name, _MISSING)
-    if existing is not _MISSING and type(existing) not in _CHILD_TYPES:
-        raise OutputConflictError(
-            f"`{ADDERS[kind]}`: {kind} already has an entry {name!r} (path "
-            f"{kind}/{name}). Each name can be added once per context; use another "
-            "name or a child context (`ctx.call`)."
-        )
-    if child_in_any(name, (s, su, mo), _CHILD_TYPES):
-        where = ADDERS[kind]
-        raise OutputConflictError(
-            f"`{where}`: {name!r} is already a child at this level (path "
-            f"{kind}/{name}); leaf names and child names must differ."
-        )
+    if leaf_clashes(name, target, (s, su, mo), _CHILD_TYPES):
+        _raise_leaf_clash(kind, name, target)
     new = target.inserted(name, value)
     out = _new(OutputCollection)
     if kind == "summaries":
@@ -470,6 +471,21 @@ def add_leaf(
         return out
     _set_module_outputs(out, mo)
     return out
+
+
+def _raise_leaf_clash(kind: Kind, name: str, target: FrozenMapping) -> NoReturn:
+    """Raise the `OutputConflictError` of a leaf `name` that `leaf_clashes`."""
+    existing = target.get(name, _MISSING)
+    if existing is not _MISSING and type(existing) not in _CHILD_TYPES:
+        raise OutputConflictError(
+            f"`{ADDERS[kind]}`: {kind} already has an entry {name!r} (path "
+            f"{kind}/{name}). Each name can be added once per context; use another "
+            "name or a child context (`ctx.call`)."
+        )
+    raise OutputConflictError(
+        f"`{ADDERS[kind]}`: {name!r} is already a child at this level (path "
+        f"{kind}/{name}); leaf names and child names must differ."
+    )
 
 
 def _check_merge(mine: OutputCollection, other: OutputCollection) -> None:

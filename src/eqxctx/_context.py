@@ -138,20 +138,11 @@ class Context(TreeEquality):
         {'loss': 1.0}
     """
 
-    __slots__ = (
-        "_base_key",
-        "_gradients",
-        "_name",
-        "_path",
-        "_shape_only",
-        "_up",
-        "collection",
-        "is_training",
-        "summary_level",
-    )
-    is_training: bool
+    # The collection, and a `_Frame` with everything else: adding an output makes a
+    # context with a new collection and the same frame.
+    __slots__ = ("_frame", "collection")
+    _frame: "_Frame"
     collection: OutputCollection
-    summary_level: int | None
 
     def __init__(
         self,
@@ -162,7 +153,9 @@ class Context(TreeEquality):
         summary_level: int | None = None,
     ):
         level = check_summary_level(summary_level, "Context")
-        _init(self, tuple(path), prng_key, bool(is_training), collection, False, level)
+        frame = _Frame(tuple(path), prng_key, bool(is_training), False, level, None)
+        _set_frame(self, frame)
+        _set_collection(self, collection)
 
     def __setattr__(self, name: str, value: object) -> NoReturn:
         raise dataclasses.FrozenInstanceError(f"cannot assign to field '{name}'")
@@ -189,23 +182,35 @@ class Context(TreeEquality):
     @property
     def path(self) -> tuple[str, ...]:
         """The names from the root to this context (built when first read)."""
-        path = self._path
+        frame = self._frame
+        path = frame.path
         if path is None:
-            path = _derive_path(self)
+            path = _derive_path(frame)
         return path
 
     @property
     def prng_key(self) -> MaybeKey:
         """The context's key (derived from its ancestors' names when first needed)."""
-        key = self._base_key
+        frame = self._frame
+        key = frame.base_key
         if key is not _DERIVED:
             return key
-        key = _derive_key(self)
+        key = _derive_key(frame)
         if not isinstance(key, Tracer):  # concrete: remember it (a tracer would leak)
-            _set_base_key(self, key)
-            if self._path is not None:  # both known: the parent is not needed
-                _set_up(self, None)
+            frame.base_key = key
+            if frame.path is not None:  # both known: the parent is not needed
+                frame.up = None
         return key
+
+    @property
+    def is_training(self) -> bool:
+        """Whether the model runs in training mode (static)."""
+        return self._frame.is_training
+
+    @property
+    def summary_level(self) -> int | None:
+        """The summary level (static): see `Context.root`."""
+        return self._frame.summary_level
 
     @classmethod
     def root(
@@ -237,7 +242,8 @@ class Context(TreeEquality):
         key = check_prng_key(prng_key, "Context.root")
         training = check_is_training(is_training, "Context.root")
         level = check_summary_level(summary_level, "Context.root")
-        return _make((name,), key, training, OutputCollection.empty(), False, level)
+        frame = _Frame((name,), key, training, False, level, None)
+        return _make(frame, OutputCollection.empty())
 
     @property
     def name(self) -> str:
@@ -285,16 +291,19 @@ class Context(TreeEquality):
             else check_is_training(is_training, "Context.child")
         )
         if prng_key is _UNSET:
-            return _child(self, name, training)
+            return _make(_child_frame(self._frame, name, training), _EMPTY)
         prng_key = check_prng_key(prng_key, "Context.child")
+        frame = self._frame
         return _make(
-            (*self.path, name),
-            prng_key,
-            training,
+            _Frame(
+                (*self.path, name),
+                prng_key,
+                training,
+                frame.shape_only,
+                frame.summary_level,
+                frame.gradients,
+            ),
             _EMPTY,
-            self._shape_only,
-            self.summary_level,
-            self._gradients,
         )
 
     def add_summary(self, name: str, value: Leaf, level: int = 0) -> "Context":
@@ -312,7 +321,7 @@ class Context(TreeEquality):
                 or conflicts), and the context is returned unchanged.
         """
         # The default (level 0, no summary level) costs one compare per add.
-        if (level or self.summary_level is not None) and _drops(
+        if (level or self._frame.summary_level is not None) and _drops(
             self, name, level, "Context.add_summary"
         ):
             return self
@@ -332,7 +341,7 @@ class Context(TreeEquality):
         `level` works as in `add_summary`: the output is kept only if `level <=
         ctx.summary_level` (or `summary_level` is None).
         """
-        if (level or self.summary_level is not None) and _drops(
+        if (level or self._frame.summary_level is not None) and _drops(
             self, name, level, "Context.add_module_output"
         ):
             return self
@@ -466,12 +475,15 @@ class Context(TreeEquality):
                 f"`Context.call`: {name!r} is already used in context "
                 f"{'/'.join(self.path)!r}. {CALL_TWICE_HINT}"
             )
-        child = _child(self, name, self.is_training)
+        frame = self._frame
+        at = _child_frame(frame, name, frame.is_training)
+        # The child context is made in the call (no local keeps it alive while `fn`
+        # runs: a model that rebinds its context argument frees it).
         with jax.named_scope(name):
             try:
-                result = fn(*args, child, **kwargs)
+                result = fn(*args, _make(at, _EMPTY), **kwargs)
             except TypeError as e:
-                note_missing_key(e, child, f"`Context.call({name!r}, fn)`")
+                note_missing_key(e, _make(at, _EMPTY), f"`Context.call({name!r}, fn)`")
                 raise
         if (
             type(result) is not tuple
@@ -480,8 +492,10 @@ class Context(TreeEquality):
         ):
             check_returns_context(result, f"`Context.call({name!r}, fn)`: fn")
         out, child_out = result
-        if not _same_place(child_out, child):
-            check_path(child_out, child, f"`Context.call({name!r}, fn)`: fn")
+        if child_out._frame is not at:
+            check_path(
+                child_out, _make(at, _EMPTY), f"`Context.call({name!r}, fn)`: fn"
+            )
         return out, _with(self, with_child(coll, name, child_out.collection))
 
 
@@ -490,135 +504,121 @@ _EMPTY = OutputCollection.empty()
 # so that generated names cannot grow it without limit.
 _VALID_NAMES: dict[str, None] = {}
 _MAX_VALID_NAMES = 1 << 16
-# The slots' own setters: faster than `object.__setattr__`, and the class's
-# `__setattr__` (which refuses every assignment) is not involved.
-_SET = {name: Context.__dict__[name].__set__ for name in Context.__slots__}
 
 
-def _init(
-    ctx: Context,
-    path: Names,
-    base_key: MaybeKey,  # also batched: a context unflattened by `jax.vmap`
-    is_training: bool,
-    collection: OutputCollection,
-    shape_only: bool,
-    level: int | None,
-    gradients: GradientSinks = None,
-) -> None:
-    _SET["_path"](ctx, path)
-    _SET["_up"](ctx, None)
-    _SET["_name"](ctx, None)
-    _SET["_base_key"](ctx, base_key)
-    _SET["is_training"](ctx, is_training)
-    _SET["collection"](ctx, collection)
-    # True inside eqxctx's own shape-only passes (`jax.eval_shape` of a scan body):
-    # nested scans then skip their own shape pass (see `scan_in_context`).
-    _SET["_shape_only"](ctx, shape_only)
-    _SET["summary_level"](ctx, level)
-    # `_gradients.GradientState` under `eqxctx.value_and_grad`, else None.
-    _SET["_gradients"](ctx, gradients)
+class _Frame:
+    """Everything of a context but its collection.
 
-
-def _make(
-    path: Names | None,
-    base_key: MaybeKey,  # also batched: a context unflattened by `jax.vmap`
-    is_training: bool,
-    collection: OutputCollection,
-    shape_only: bool,
-    level: int | None,
-    gradients: GradientSinks = None,
-    up: Context | None = None,
-    name: str | None = None,
-) -> Context:
-    """Build a context from checked parts (no walk, no checks).
-
-    `level` is the summary level (required, so that no place that rebuilds a
-    context forgets to carry it); `gradients` the `value_and_grad` state. A child
-    made by `_child` has no path yet (`path` None): it is `(*up.path, name)`, built
-    when read; its key may be `_DERIVED` (`fold_in(up.prng_key, name)`).
+    Shared by the contexts that adds make from it (an add builds a context of two
+    fields). A child's frame (`_child_frame`) has no path yet (`path` None): it is
+    `(*up.path, name)`, built when read; its key may be `_DERIVED` (`fold_in(up's
+    key, name)`). Both are remembered here once derived (outside a trace), for every
+    context of the frame, and `up` is then dropped.
     """
-    out = _new(Context)
-    _set_path(out, path)
-    _set_up(out, up)
-    _set_name(out, name)
-    _set_base_key(out, base_key)
-    _set_is_training(out, is_training)
-    _set_collection(out, collection)
-    _set_shape_only(out, shape_only)
-    _set_summary_level(out, level)
-    _set_gradients(out, gradients)
-    return out
+
+    __slots__ = (
+        "base_key",
+        "gradients",
+        "is_training",
+        "name",
+        "path",
+        "shape_only",
+        "summary_level",
+        "up",
+    )
+
+    def __init__(
+        self,
+        path: Names | None,
+        base_key: MaybeKey,  # also batched: a context unflattened by `jax.vmap`
+        is_training: bool,
+        shape_only: bool,
+        summary_level: int | None,
+        gradients: GradientSinks,
+        up: "_Frame | None" = None,
+        name: str | None = None,
+    ) -> None:
+        self.path = path
+        self.base_key = base_key
+        self.is_training = is_training
+        # True inside eqxctx's own shape-only passes (`jax.eval_shape` of a scan
+        # body): nested scans then skip their own shape pass (see `scan_in_context`).
+        self.shape_only = shape_only
+        self.summary_level = summary_level
+        # `_gradients.GradientState` under `eqxctx.value_and_grad`, else None.
+        self.gradients = gradients
+        self.up = up
+        self.name = name
 
 
 _new = object.__new__
-_set_path = _SET["_path"]
-_set_up = _SET["_up"]
-_set_name = _SET["_name"]
-_set_base_key = _SET["_base_key"]
-_set_is_training = _SET["is_training"]
-_set_collection = _SET["collection"]
-_set_shape_only = _SET["_shape_only"]
-_set_summary_level = _SET["summary_level"]
-_set_gradients = _SET["_gradients"]
+# The slots' own setters: faster than `object.__setattr__`, and the class's
+# `__setattr__` (which refuses every assignment) is not involved.
+_set_frame = Context.__dict__["_frame"].__set__
+_set_collection = Context.__dict__["collection"].__set__
 
 
-#: The `_base_key` of a child whose key is `fold_in(parent's key, seed(name))`, not
+def _make(frame: _Frame, collection: OutputCollection) -> Context:
+    """Build a context from checked parts (no walk, no checks)."""
+    out = _new(Context)
+    _set_frame(out, frame)
+    _set_collection(out, collection)
+    return out
+
+
+#: The `base_key` of a child whose key is `fold_in(parent's key, seed(name))`, not
 #: derived yet.
 _DERIVED: Any = _Unset()
 
 
-def _child(parent: Context, name: str, is_training: bool) -> Context:
-    # O(1) whatever the depth: the child points at its parent for its path and key
-    # (a path tuple built per level would make a chain K deep cost O(K^2)). The
-    # parent stays alive while the child does, as it does on the stack anyway.
-    key = _DERIVED if parent._base_key is not None else None  # pyright: ignore[reportPrivateUsage]
-    return _make(
+def _child_frame(parent: _Frame, name: str, is_training: bool) -> _Frame:
+    """The frame of `parent`'s child `name`: its path and key are derived when read.
+
+    O(1) whatever the depth: the child points at its parent for its path and key (a
+    path tuple built per level would make a chain K deep cost O(K^2)). The parent
+    frame stays alive while the child's does.
+    """
+    return _Frame(
         None,
-        key,
+        _DERIVED if parent.base_key is not None else None,
         is_training,
-        _EMPTY,
-        parent._shape_only,  # pyright: ignore[reportPrivateUsage]
+        parent.shape_only,
         parent.summary_level,
-        parent._gradients,  # pyright: ignore[reportPrivateUsage]
+        parent.gradients,
         parent,
         name,
     )
 
 
-def _derive_path(ctx: Context) -> tuple[str, ...]:
-    """Build (and remember) the path of a child made by `_child` (a loop)."""
+def _derive_path(frame: _Frame) -> tuple[str, ...]:
+    """Build (and remember) the path of a child's frame (a loop)."""
     names: list[str] = []
-    node = ctx
-    while (path := node._path) is None:  # pyright: ignore[reportPrivateUsage]
-        names.append(node._name)  # pyright: ignore[reportPrivateUsage]
-        node = node._up  # pyright: ignore[reportPrivateUsage]
+    node = frame
+    while (path := node.path) is None:
+        up, name = node.up, node.name
+        assert up is not None and name is not None  # (a child's frame has both)
+        names.append(name)
+        node = up
     names.reverse()
     path = (*path, *names)
-    _set_path(ctx, path)
-    if ctx._base_key is not _DERIVED:  # pyright: ignore[reportPrivateUsage]
-        _set_up(ctx, None)  # both known: the parent is not needed
+    frame.path = path
+    if frame.base_key is not _DERIVED:
+        frame.up = None  # both known: the parent is not needed
     return path
 
 
-def _derive_key(ctx: Context) -> MaybeKey:
+def _derive_key(frame: _Frame) -> MaybeKey:
     """Fold in the names from the nearest ancestor whose key is known."""
     names: list[str] = []
-    node = ctx
-    while (key := node._base_key) is _DERIVED:  # pyright: ignore[reportPrivateUsage]
-        names.append(node._name)  # pyright: ignore[reportPrivateUsage]
-        node = node._up  # pyright: ignore[reportPrivateUsage]
+    node = frame
+    while (key := node.base_key) is _DERIVED:
+        up, name = node.up, node.name
+        assert up is not None and name is not None  # (a child's frame has both)
+        names.append(name)
+        node = up
     for name in reversed(names):
         key = fold_in_name(key, name)
     return key
-
-
-def _same_place(a: Context, b: Context) -> bool:
-    """Whether `a` was made from `b` by adds (so has its path), without building it."""
-    return (
-        a._path is b._path  # pyright: ignore[reportPrivateUsage]
-        and a._up is b._up  # pyright: ignore[reportPrivateUsage]
-        and a._name is b._name  # pyright: ignore[reportPrivateUsage]
-    )
 
 
 def iteration_context(
@@ -633,20 +633,23 @@ def iteration_context(
 
     `gradients` (the iteration's gradient sinks) defaults to the parent's.
     """
+    frame = parent._frame  # pyright: ignore[reportPrivateUsage]
     return _make(
-        (*parent.path, name),
-        prng_key,
-        parent.is_training,
+        _Frame(
+            (*parent.path, name),
+            prng_key,
+            frame.is_training,
+            shape_only or frame.shape_only,
+            frame.summary_level,
+            frame.gradients if gradients is _UNSET else gradients,
+        ),
         _EMPTY,
-        shape_only or parent._shape_only,  # pyright: ignore[reportPrivateUsage]
-        parent.summary_level,
-        parent._gradients if gradients is _UNSET else gradients,  # pyright: ignore[reportPrivateUsage]
     )
 
 
 def gradient_state(ctx: Context) -> GradientSinks:
     """The context's `_gradients.GradientState`, or None (no `value_and_grad`)."""
-    return ctx._gradients  # pyright: ignore[reportPrivateUsage]
+    return ctx._frame.gradients  # pyright: ignore[reportPrivateUsage]
 
 
 def gradient_root(
@@ -658,34 +661,22 @@ def gradient_root(
     summary_level: int | None = None,
 ) -> Context:
     """A root context (named "root") carrying a `_gradients.GradientState`."""
-    return _make(
-        ("root",),
-        prng_key,
-        is_training,
-        _EMPTY,
-        shape_only,
-        summary_level,
-        gradients,
+    frame = _Frame(
+        ("root",), prng_key, is_training, shape_only, summary_level, gradients
     )
+    return _make(frame, _EMPTY)
 
 
 def is_shape_only(ctx: Context) -> bool:
     """Whether `ctx` is used inside one of eqxctx's shape-only passes."""
-    return ctx._shape_only  # pyright: ignore[reportPrivateUsage]
+    return ctx._frame.shape_only  # pyright: ignore[reportPrivateUsage]
 
 
 def _with(ctx: Context, collection: OutputCollection) -> Context:
-    return _make(
-        ctx._path,  # pyright: ignore[reportPrivateUsage]
-        ctx._base_key,  # pyright: ignore[reportPrivateUsage]
-        ctx.is_training,
-        collection,
-        ctx._shape_only,  # pyright: ignore[reportPrivateUsage]
-        ctx.summary_level,
-        ctx._gradients,  # pyright: ignore[reportPrivateUsage]
-        ctx._up,  # pyright: ignore[reportPrivateUsage]
-        ctx._name,  # pyright: ignore[reportPrivateUsage]
-    )
+    out = _new(Context)
+    _set_frame(out, ctx._frame)  # pyright: ignore[reportPrivateUsage]
+    _set_collection(out, collection)
+    return out
 
 
 _KEYS = (
@@ -711,7 +702,7 @@ def _flatten(ctx: Context) -> tuple[tuple[object, ...], _Aux]:
     # The gradient sinks (under `value_and_grad` only) are children too, so that
     # they pass through transformations of a function taking the context.
     aux = (ctx.path, ctx.is_training, ctx.summary_level)
-    grads = ctx._gradients  # pyright: ignore[reportPrivateUsage]
+    grads = ctx._frame.gradients  # pyright: ignore[reportPrivateUsage]
     if grads is None:
         return (ctx.prng_key, ctx.collection), aux
     return (ctx.prng_key, ctx.collection, grads), aux
@@ -720,7 +711,8 @@ def _flatten(ctx: Context) -> tuple[tuple[object, ...], _Aux]:
 def _unflatten(aux: _Aux, children: Children) -> Context:
     path, is_training, level = aux
     grads = children[2] if len(children) == 3 else None
-    return _make(path, children[0], is_training, children[1], False, level, grads)
+    frame = _Frame(path, children[0], is_training, False, level, grads)
+    return _make(frame, children[1])
 
 
 jax.tree_util.register_pytree_with_keys(

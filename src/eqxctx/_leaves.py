@@ -102,6 +102,22 @@ def leaf_type(value: object) -> int:
     return found
 
 
+_PLAIN, _KEY, _NOT_NUMERIC = 0, 1, 2
+#: id(dtype) -> (dtype, its kind): the dtype is kept so that its id stays its own.
+_dtype_kinds: dict[int, tuple[object, int]] = {}
+
+
+def _dtype_kind(dtype: DType) -> int:
+    """`_PLAIN` (a numeric non-key dtype), `_KEY` (typed PRNG key) or `_NOT_NUMERIC`."""
+    if not _is_numeric(dtype):
+        kind = _NOT_NUMERIC
+    else:
+        kind = _KEY if _is_key(dtype) else _PLAIN
+    if len(_dtype_kinds) < 1024:  # bounded: dtype-like objects may be made anew
+        _dtype_kinds[id(dtype)] = (dtype, kind)
+    return kind
+
+
 def check_leaf(value: object, path: str) -> int:
     """Return `value`'s `leaf_type`; raise `TypeError` naming `path` if it is invalid.
 
@@ -121,9 +137,14 @@ def check_leaf(value: object, path: str) -> int:
         dtype = getattr(value, "dtype", None)
         if dtype is None:
             return kind
-        known = _numeric_cache.get(dtype)
-        if known or (known is None and _is_numeric(dtype)):
-            if _is_key(dtype) and path.startswith(_SUMMARY_PATHS):
+        # One lookup per leaf, by the dtype's identity (dtypes are few and kept
+        # alive by the cache; hashing a NumPy dtype costs more than the lookup).
+        found = _dtype_kinds.get(id(dtype))
+        known = _dtype_kind(dtype) if found is None else found[1]
+        if known == _PLAIN:
+            return kind
+        if known == _KEY:
+            if path.startswith(_SUMMARY_PATHS):
                 raise TypeError(
                     f"`OutputCollection`: the summary at {path!r} is a typed PRNG key "
                     f"({dtype}); writers log numbers. Add it as a module output, or "

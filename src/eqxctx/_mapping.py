@@ -287,7 +287,10 @@ class FrozenMapping(Mapping[str, Entry]):
     same leaves in the same order as for the equivalent `dict`.
     """
 
-    __slots__ = ("_log", "_n", "_sorted")
+    # `_flat`: this version's children in key order, kept after the first flatten
+    # (JAX flattens a jitted function's outputs up to three times); None until then,
+    # and for logs made by unflattening, which are in key order already.
+    __slots__ = ("_flat", "_log", "_n", "_sorted")
 
     def __init__(self, items: Mapping[str, Entry] | Pairs = ()):
         index: dict[str, int] = {}
@@ -300,6 +303,7 @@ class FrozenMapping(Mapping[str, Entry]):
         self._log = log
         self._n = len(log.keys)
         self._sorted: Keys | None = None
+        self._flat: Children | None = None
 
     # -- reading -----------------------------------------------------------------
 
@@ -434,50 +438,8 @@ class FrozenMapping(Mapping[str, Entry]):
 
         O(1) amortized. The caller has checked that `key` is not present.
         """
-        log, n = self._log, self._n
-        out = object.__new__(FrozenMapping)
-        out._sorted = None
         with _LOCK:
-            keys = log.keys
-            if n == 0 and len(keys) != 0:
-                # Adding to an empty version that is not a log's tip (the shared
-                # `EMPTY`): start a log.
-                span = 0 if type(value) in _no_span else _span_of(value)
-                index = {key: 0}
-                out._log = _Log(
-                    index,
-                    [value],
-                    index,
-                    {key: (0, span)} if span else None,
-                    _holds_tracer(value),
-                )
-                out._n = 1
-                return out
-            if type(keys) is not dict:
-                log.open()
-                keys = log.keys
-            # (`_holds_tracer(value)` first: the log's own flag may need a walk of
-            # its levels, which only a traced value needs.)
-            if len(keys) == n and (not _holds_tracer(value) or log.holds_tracer()):
-                # The newest version: append in place (`keys` is the index).
-                log.append(value)
-                keys[key] = n  # pyright: ignore[reportIndexIssue]
-                if type(value) not in _no_span and (span := _span_of(value)):
-                    log._add_span(key, n, span)
-                # (`log.traced` needs no update: a traced value is appended in place
-                # only to a log that is traced already.)
-                out._log = log
-                out._n = n + 1
-                return out
-            if len(log.keys) != n:
-                # `self` is extended a second time (a branch): it is being kept and
-                # reused. From now on it reads a sealed copy of its own entries, so
-                # it keeps nothing added after it alive, and is always copied.
-                self._log = _copy(log, n, seal=True)
-            # Under the lock: another thread may be appending to `log` (its spans).
-            new = _copy(log, n, seal=False)
-            new.add(key, value, _span_of(value))
-        return _version(new, n + 1)
+            return _insert(self, key, value)
 
     def updated(self, pairs: Pairs) -> "FrozenMapping":
         """Return a new version with every pair added (keys checked by the caller)."""
@@ -485,6 +447,96 @@ class FrozenMapping(Mapping[str, Entry]):
         for key, value in pairs:
             out = out.inserted(key, value)
         return out
+
+
+#: Entry types that are neither tracers, levels nor scan entries (arrays, numbers,
+#: summaries): a value of one of these types holds no tracer and reserves no names.
+_plain_types: set[type] = set()
+#: Tracer types (`jax.core.Tracer` subclasses).
+_tracer_types: set[type] = set()
+
+
+def _traced_value(value: object) -> bool:
+    """`_holds_tracer(value)`, by a type lookup for plain values and tracers."""
+    cls = type(value)
+    if cls in _plain_types:
+        return False
+    if cls in _tracer_types:
+        return True
+    if cls is FrozenMapping:  # a child's level
+        sub = value._log  # pyright: ignore[reportAttributeAccessIssue]
+        traced = sub.traced
+        return traced if traced is not None else _resolve_traced(sub)
+    if issubclass(cls, Tracer):
+        _tracer_types.add(cls)
+        _no_span.add(cls)
+        return True
+    _span_of(value)  # (puts `cls` in `_no_span` if it reserves no names)
+    if cls in _no_span:
+        _plain_types.add(cls)
+        return False
+    return _holds_tracer(value)
+
+
+def _insert(m: FrozenMapping, key: str, value: Entry) -> FrozenMapping:
+    """`m.inserted(key, value)`; the caller holds `_LOCK`."""
+    log, n = m._log, m._n
+    keys = log.keys
+    cls = type(value)
+    traced = (
+        False
+        if cls in _plain_types
+        else True
+        if cls in _tracer_types
+        else _traced_value(value)
+    )
+    if n == 0 and len(keys) != 0:
+        # Adding to an empty version that is not a log's tip (the shared `EMPTY`):
+        # start a log.
+        span = 0 if type(value) in _no_span else _span_of(value)
+        index = {key: 0}
+        return _version(
+            _Log(index, [value], index, {key: (0, span)} if span else None, traced),
+            1,
+        )
+    if type(keys) is not dict:
+        keys = log.open()
+    # (`traced` first: the log's own flag may need a walk of its levels, which only
+    # a traced value needs.)
+    if len(keys) == n and (not traced or log.traced or log.holds_tracer()):
+        # The newest version: append in place (`keys` is the index).
+        log.append(value)
+        keys[key] = n
+        if type(value) not in _no_span and (span := _span_of(value)):
+            log._add_span(key, n, span)
+        # (`log.traced` needs no update: a traced value is appended in place only
+        # to a log that is traced already.)
+        out = _new(FrozenMapping)
+        out._log = log
+        out._n = n + 1
+        out._sorted = None
+        out._flat = None
+        return out
+    if len(log.keys) != n:
+        # `m` is extended a second time (a branch): it is being kept and reused.
+        # From now on it reads a sealed copy of its own entries, so it keeps nothing
+        # added after it alive, and is always copied.
+        m._log = _copy(log, n, seal=True)
+    # Under the lock: another thread may be appending to `log` (its spans).
+    new = _copy(log, n, seal=False)
+    new.add(key, value, _span_of(value))
+    return _version(new, n + 1)
+
+
+def inserted_child(levels: "Levels", key: str, children: "Levels") -> "Levels":
+    """Return each of `levels` with `key` mapped to the matching one of `children`.
+
+    Three `inserted` calls under one lock: every `ctx.call` runs this.
+    """
+    s, su, mo = levels
+    cs, csu, cmo = children
+    with _LOCK:
+        return _insert(s, key, cs), _insert(su, key, csu), _insert(mo, key, cmo)
 
 
 def _copy(log: _Log, n: int, *, seal: bool) -> _Log:
@@ -510,6 +562,7 @@ def _version(log: _Log, n: int) -> FrozenMapping:
     out._log = log
     out._n = n
     out._sorted = None
+    out._flat = None
     return out
 
 
@@ -571,39 +624,91 @@ def child_in_any(name: str, levels: "Levels", child_types: frozenset[type]) -> b
     return name[-1:].isdigit() and _reserved(name, levels) is not None
 
 
+def leaf_clashes(
+    name: str, target: FrozenMapping, levels: "Levels", child_types: frozenset[type]
+) -> bool:
+    """Whether adding leaf `name` to `target` (one of `levels`) clashes.
+
+    It does if `name` is a key of `target`, a child (of `child_types`) in one of
+    `levels`, or reserved by a span of one: `key_in` on `target` and `child_in_any`
+    in one pass (every add runs it).
+    """
+    for m in levels:
+        log = m._log
+        index = log.positions
+        if index is None:
+            index = log.build_index()
+        pos = index.get(name)
+        if (
+            pos is not None
+            and pos < m._n
+            and (m is target or type(log[pos]) in child_types)
+        ):
+            return True
+    return name[-1:].isdigit() and _reserved(name, levels) is not None
+
+
 # Flattening and unflattening run at every transformation boundary, for every level
 # of every collection: they avoid per-entry method calls.
 
 
+#: sorted keys -> their `DictKey`s: the levels of a model's children repeat the same
+#: few key sets, and a `DictKey` per entry and flatten costs more than the lookup.
+_dict_keys: dict[Keys, tuple[Any, ...]] = {}
+
+
+def _children(m: FrozenMapping, keys: Keys) -> Children:
+    """The children of a version of an open log in key order, kept in `m._flat`."""
+    children = m._flat
+    if children is None:
+        log = m._log
+        index = log.positions
+        if index is None:
+            index = log.build_index()
+        children = m._flat = tuple([log[index[k]] for k in keys])
+    return children
+
+
+# (Both inline their fast paths: a call per level and flatten would cost as much as
+# the rest.)
 def _flatten_with_keys(m: FrozenMapping) -> tuple[list[Any], Keys]:
     keys = m._sorted
     if keys is None:
         keys = m.sorted_keys()
-    log = m._log
-    key_type = _DICT_KEY
-    if log.keys is keys:  # a frozen log made by unflattening: already sorted
-        return list(zip(map(key_type, keys), log)), keys  # noqa: B905
-    if not m._n:
+    if not keys:
         return [], ()
-    index = log.positions
-    if index is None:
-        index = log.build_index()
-    return [(key_type(k), log[index[k]]) for k in keys], keys
+    log = m._log
+    if log.keys is keys:
+        children = log
+    elif m._n == 1:
+        children = (log[0],)
+    else:
+        children = m._flat
+        if children is None:
+            children = _children(m, keys)
+    dict_keys = _dict_keys.get(keys)
+    if dict_keys is None:
+        dict_keys = tuple(map(_DICT_KEY, keys))
+        if len(_dict_keys) < 4096:  # bounded: generated names cannot grow it forever
+            _dict_keys[keys] = dict_keys
+    return list(zip(dict_keys, children)), keys  # noqa: B905
 
 
 def _flatten(m: FrozenMapping) -> tuple[Children, Keys]:
     keys = m._sorted
     if keys is None:
         keys = m.sorted_keys()
+    if not keys:
+        return (), ()
     log = m._log
     if log.keys is keys:  # (a copy: `flatten_one_level` hands the children out)
         return tuple(log), keys
-    if not m._n:
-        return (), ()
-    index = log.positions
-    if index is None:
-        index = log.build_index()
-    return [log[index[k]] for k in keys], keys
+    if m._n == 1:
+        return (log[0],), keys
+    children = m._flat
+    if children is None:
+        children = _children(m, keys)
+    return children, keys
 
 
 def _unflatten(keys: Keys, children: Children) -> FrozenMapping:
@@ -617,6 +722,7 @@ def _unflatten(keys: Keys, children: Children) -> FrozenMapping:
         out._log = _EMPTY_LOG
         out._n = 0
         out._sorted = ()
+        out._flat = None
         return out
     log = _new_log(_Log)
     _extend(log, children)
@@ -631,6 +737,7 @@ def _unflatten(keys: Keys, children: Children) -> FrozenMapping:
     out._log = log
     out._n = len(keys)
     out._sorted = keys
+    out._flat = None
     return out
 
 
