@@ -596,7 +596,8 @@ def _derive_path(frame: _Frame) -> tuple[str, ...]:
     node = frame
     while (path := node.path) is None:
         up, name = node.up, node.name
-        assert up is not None and name is not None  # (a child's frame has both)
+        assert up is not None  # (a child's frame has both)
+        assert name is not None
         names.append(name)
         node = up
     names.reverse()
@@ -613,7 +614,8 @@ def _derive_key(frame: _Frame) -> MaybeKey:
     node = frame
     while (key := node.base_key) is _DERIVED:
         up, name = node.up, node.name
-        assert up is not None and name is not None  # (a child's frame has both)
+        assert up is not None  # (a child's frame has both)
+        assert name is not None
         names.append(name)
         node = up
     for name in reversed(names):
