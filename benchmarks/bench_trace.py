@@ -53,8 +53,11 @@ change by a few instructions with the trip count); a summary table closes
 the run. Usage:
 
     .venv/bin/python benchmarks/bench_trace.py [--quick] [--max-k K] [--row-budget S]
-        [--shapes flat deep] [--trace-only]
+        [--shapes flat deep] [--trace-only] [--frames]
 
+`--frames` runs only a table of deep chains (part 1's `ours`, `hand` and
+`scoped`) against *framed*: the scoped chain calling each child through a helper
+function, one more Python frame per level as `ctx.call` adds.
 `--max-k` caps part 1's K (default 2000); `--row-budget` (seconds, default 60) stops
 adding rounds to a part-1 row once it has run that long (every row runs at least one
 round), so the slow rows of old internals finish in a few minutes. `--shapes` picks
@@ -223,6 +226,40 @@ def make_deep_hand(k: int, s: int, scoped: bool = False) -> Fn:
                 h, summaries, outputs = node(x, 0)
         else:
             h, summaries, outputs = node(x, 0)
+        coll = {
+            "summaries": {"c0": summaries},
+            "state_updates": {},
+            "module_outputs": {"c0": outputs},
+        }
+        return h, coll
+
+    return run
+
+
+def make_deep_framed(k: int, s: int) -> Fn:
+    """The scoped hand-written chain, each child called through a helper function.
+
+    As `ctx.call` does: one more Python frame per level, which JAX records with every
+    equation it traces (so each equation at depth d costs O(d) more).
+    """
+
+    def via(name: str, fn: Callable[..., Any], *args: Any) -> Any:
+        with jax.named_scope(name):
+            return fn(*args)
+
+    def node(x: jax.Array, i: int) -> tuple[jax.Array, dict[str, Any], dict[str, Any]]:
+        h, sums = _child_values(x, s)
+        summaries: dict[str, Any] = {f"s{j}": v for j, v in enumerate(sums)}
+        outputs: dict[str, Any] = {"h": h}
+        if i + 1 < k:
+            h, sub_s, sub_o = via(f"c{i + 1}", node, h, i + 1)
+            summaries[f"c{i + 1}"] = sub_s
+            outputs[f"c{i + 1}"] = sub_o
+        return h, summaries, outputs
+
+    def run(x: jax.Array, key: jax.Array) -> Any:
+        del key
+        h, summaries, outputs = via("c0", node, x, 0)
         coll = {
             "summaries": {"c0": summaries},
             "state_updates": {},
@@ -438,6 +475,40 @@ def bench_trace(
                     flush=True,
                 )
     return rows
+
+
+def bench_frames(ks: tuple[int, ...], rounds: int) -> None:
+    """Deep chains: ours vs the scoped chain with a helper-function frame per level."""
+    key = jax.random.PRNGKey(0)
+    args = (jnp.linspace(-1.0, 1.0, WIDTH, dtype=jnp.float32), key)
+    print(
+        "\n### 1b. deep chains vs a hand-written chain calling each child through a "
+        f"helper function (framed), min over {rounds} rounds\n"
+    )
+    print(
+        "| S |    K | ours s | hand s | scoped s | framed s | ours/hand | ours/framed |"
+    )
+    print("|--:|-----:|------:|------:|------:|------:|------:|------:|")
+    variants: tuple[tuple[str, Callable[[int, int], Fn]], ...] = (
+        ("ours", make_deep_ours),
+        ("hand", make_deep_hand),
+        ("scoped", SCOPED["deep"]),
+        ("framed", make_deep_framed),
+    )
+    for s in (1, 4):
+        for k in ks:
+            times: dict[str, list[float]] = {name: [] for name, _ in variants}
+            for _ in range(rounds):  # interleaved
+                for name, make in variants:
+                    times[name].append(_trace_time(make(k, s), args)[0])
+            best = {name: min(t) for name, t in times.items()}
+            print(
+                f"| {s} | {k:4d} | {best['ours']:.3f} | {best['hand']:.3f} "
+                f"| {best['scoped']:.3f} | {best['framed']:.3f} "
+                f"| {best['ours'] / best['hand']:.2f}x "
+                f"| {best['ours'] / best['framed']:.2f}x |",
+                flush=True,
+            )
 
 
 # -------------------------------------------------------- 2. adds after a long scan
@@ -845,6 +916,11 @@ def main() -> None:
     parser.add_argument(
         "--trace-only", action="store_true", help="run part 1 only (no summary)"
     )
+    parser.add_argument(
+        "--frames",
+        action="store_true",
+        help="run only the deep chains against a chain with a helper frame per level",
+    )
     opts = parser.parse_args()
     ks = tuple(k for k in (10, 100, 1000, 2000) if k <= opts.max_k)
     if opts.quick:
@@ -855,6 +931,9 @@ def main() -> None:
         f"jax {jax.__version__}, {jax.devices()[0].platform}, "
         f"{'quick' if opts.quick else 'full'} run"
     )
+    if opts.frames:
+        bench_frames(ks, rounds)
+        return
     trace_rows = bench_trace(ks, rounds, opts.row_budget, tuple(opts.shapes))
     if opts.trace_only:
         return

@@ -272,7 +272,8 @@ class Context(TreeEquality):
         AXLearn's seed (`int(md5(name).hexdigest(), 16) % (2**31 - 1)`), so keys match
         AXLearn's bit for bit. Typed keys give the same key data as raw keys. It is
         derived when read, not here, and so is the child's `path`: until both have
-        been read (outside a trace), the child refers to `self`, keeping it alive.
+        been read (outside a trace), the child refers to `self`'s path, key and name
+        (not to its outputs), keeping them alive.
 
         Args:
             name: the child's name, matching `^[a-z][a-z0-9_]*$`.
