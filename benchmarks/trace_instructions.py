@@ -13,8 +13,10 @@ inside `divmod`, and callgrind collects only there. Usage (one variant per run):
         --toggle-collect=builtin_divmod --callgrind-out-file=/tmp/cg.trace \\
         .venv/bin/python benchmarks/trace_instructions.py deep ours 4 1000
 
-then read the "Collected" count. The script also prints the garbage collections by
-generation during the trace (to stderr).
+then read the "Collected" count. `trace_instructions.py calls - S K` counts instead K
+`ctx.call` children with S summaries and a module output each and no JAX operation
+(eqxctx's own work per child: divide by K). The script also prints the garbage
+collections by generation during the trace (to stderr).
 """
 
 import gc
@@ -26,8 +28,45 @@ import jax
 import jax.numpy as jnp
 from runner_instructions import _Counted as Counted  # pyright: ignore[reportPrivateUsage]
 
+from eqxctx import Context
+
+
+def calls(s: int, k: int) -> None:
+    """Count K `ctx.call` children (S summaries and a module output each) in a trace.
+
+    No JAX operation but `ctx.call`'s `jax.named_scope`: every child adds the same
+    input tracer, so the count is eqxctx's own work per child (divide by K).
+    """
+    names = [f"c{i}" for i in range(k)]
+
+    def child(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+        for j in range(s):
+            ctx = ctx.add_summary(f"s{j}", x)
+        return x, ctx.add_module_output("h", x)
+
+    def traced(x: jax.Array) -> jax.Array:
+        ctx = Context.root(prng_key=jax.random.PRNGKey(0))
+        for name in names[:50]:  # warm up (the child names' checks)
+            x, ctx = ctx.call(name, child, x)
+        box = [Context.root(prng_key=jax.random.PRNGKey(0))]
+
+        def run(n: int) -> None:
+            del n
+            ctx = box[0]
+            for name in names:
+                _, ctx = ctx.call(name, child, x)
+            box[0] = ctx
+
+        divmod(Counted(run, 1), 1)
+        return x
+
+    jax.jit(traced).trace(jnp.ones(bench_trace.WIDTH))
+
 
 def main() -> None:
+    if sys.argv[1] == "calls":
+        calls(int(sys.argv[3]), int(sys.argv[4]))
+        return
     shape, variant, s, k = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     make_ours, make_hand = bench_trace.SHAPES[shape]
     make = {

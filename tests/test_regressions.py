@@ -389,3 +389,116 @@ def test_adding_to_a_deep_unflattened_collection() -> None:
         assert jax.jit(step)(jnp.float32(2.0)) == 2.0
     assert "new" not in frozen.summaries
     assert len(jax.tree_util.tree_leaves(frozen.add_summary("new", 2.0))) == 402
+
+
+@pytest.mark.parametrize("read", ["prng_key", "path"])
+def test_versions_of_one_context_derive_keys_and_paths_from_two_threads(
+    read: str,
+) -> None:
+    # Every version of a context shares its frame. Thread B is paused inside the walk
+    # up to the nearest known ancestor, between its two reads of a frame; thread A
+    # then derives the key and path of its own version (which drops the parent link
+    # of the shared frame). B must still find them.
+    import inspect
+    import sys
+    import threading
+
+    import eqxctx._context as context_module
+
+    walk = inspect.unwrap(  # (the test suite's runtime type checks wrap it)
+        context_module._derive_key  # pyright: ignore[reportPrivateUsage]
+        if read == "prng_key"
+        else context_module._derive_path  # pyright: ignore[reportPrivateUsage]
+    )
+    lines, first = inspect.getsourcelines(walk)
+    # Pause between the loop's first two statements (its two reads of the frame).
+    loop = next(i for i, line in enumerate(lines) if line.strip().startswith("while"))
+    body = [
+        i
+        for i in range(loop + 1, len(lines))
+        if lines[i].strip() and not lines[i].strip().startswith("#")
+    ]
+    after_up = first + body[1]
+    child = Context.root(prng_key=jax.random.PRNGKey(0)).child("a")
+    mine, theirs = child.add_summary("x", 1.0), child.add_summary("y", 2.0)
+    paused, resume = threading.Event(), threading.Event()
+
+    def tracer(frame: Any, event: str, arg: object) -> Any:
+        del event, arg
+        if frame.f_code is not walk.__code__:
+            return None
+
+        def local(frame: Any, event: str, arg: object) -> Any:
+            del arg
+            if event == "line" and frame.f_lineno == after_up and not paused.is_set():
+                paused.set()
+                resume.wait(10)
+            return local
+
+        return local
+
+    got: list[object] = []
+
+    def other() -> None:
+        sys.settrace(tracer)
+        try:
+            got.append(getattr(theirs, read))
+        except BaseException as e:  # reported below
+            got.append(e)
+        finally:
+            sys.settrace(None)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    assert paused.wait(10)
+    want = (mine.path, mine.prng_key)
+    resume.set()
+    thread.join(10)
+    expected = want[0] if read == "path" else want[1]
+    assert not isinstance(got[0], BaseException), got[0]
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(expected))
+
+
+@pytest.mark.parametrize("kind", ["weighted", "max"])
+def test_a_traced_summary_does_not_extend_a_concrete_collection_in_place(
+    kind: str,
+) -> None:
+    # A `Summary` is a PyTree: a tracer inside one is a tracer in the collection.
+    from jax.core import Tracer
+
+    from eqxctx import MaxSummary
+
+    outer = Context.root().add_summary("pre", 1.0)
+
+    @jax.jit
+    def f(x: jax.Array) -> jax.Array:
+        value = WeightedSummary(x, 1.0) if kind == "weighted" else MaxSummary(x)
+        inner = outer.add_summary("in", value)
+        assert sorted(inner.collection.summaries) == ["in", "pre"]
+        return x
+
+    with jax.checking_leaks():
+        f(jnp.float32(3.0))
+    log = outer.collection.summaries._log  # pyright: ignore[reportPrivateUsage]
+    leaves = jax.tree_util.tree_leaves(list(log))
+    assert not any(isinstance(leaf, Tracer) for leaf in leaves)
+    assert list(outer.collection.summaries) == ["pre"]
+
+
+def test_an_empty_traced_scan_does_not_extend_a_concrete_collection_in_place() -> None:
+    def body(
+        c: jax.Array, x: jax.Array, ctx: Context
+    ) -> tuple[jax.Array, None, Context]:
+        return c, None, ctx.add_summary("s", x)
+
+    outer = Context.root().add_summary("pre", 1.0)
+
+    @jax.jit
+    def f(xs: jax.Array) -> jax.Array:
+        _, _, coll = scan_in_context(body, context=outer, carry=jnp.float32(0), xs=xs)
+        outer.merge(coll)
+        return xs
+
+    with jax.checking_leaks():
+        f(jnp.zeros((0,), jnp.float32))
+    assert list(outer.collection.summaries) == ["pre"]

@@ -595,11 +595,16 @@ def _derive_path(frame: _Frame) -> tuple[str, ...]:
     """Build (and remember) the path of a child's frame (a loop)."""
     names: list[str] = []
     node = frame
-    while (path := node.path) is None:
-        up, name = node.up, node.name
+    while True:
+        # `up` first: every version of a context shares its frame, and another
+        # thread may remember the path and then drop `up` meanwhile (never the other
+        # way round), so a frame whose `up` is None has its path.
+        up = node.up
+        if (path := node.path) is not None:
+            break
         assert up is not None  # (a child's frame has both)
-        assert name is not None
-        names.append(name)
+        assert node.name is not None
+        names.append(node.name)
         node = up
     names.reverse()
     path = (*path, *names)
@@ -613,11 +618,13 @@ def _derive_key(frame: _Frame) -> MaybeKey:
     """Fold in the names from the nearest ancestor whose key is known."""
     names: list[str] = []
     node = frame
-    while (key := node.base_key) is _DERIVED:
-        up, name = node.up, node.name
+    while True:
+        up = node.up  # first, as in `_derive_path`
+        if (key := node.base_key) is not _DERIVED:
+            break
         assert up is not None  # (a child's frame has both)
-        assert name is not None
-        names.append(name)
+        assert node.name is not None
+        names.append(node.name)
         node = up
     for name in reversed(names):
         key = fold_in_name(key, name)

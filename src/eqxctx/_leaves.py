@@ -6,6 +6,7 @@ from typing import Final, Literal, TypeAlias
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ._summary import Summary, is_array_leaf
 from ._typing import DType
@@ -113,7 +114,9 @@ def _dtype_kind(dtype: DType) -> int:
         kind = _NOT_NUMERIC
     else:
         kind = _KEY if _is_key(dtype) else _PLAIN
-    if len(_dtype_kinds) < 1024:  # bounded: dtype-like objects may be made anew
+    # NumPy's dtypes only (bfloat16 too): they are few and made once, while JAX's
+    # extended dtypes (typed keys) may be made anew on every access.
+    if isinstance(dtype, np.dtype) and len(_dtype_kinds) < 1024:
         _dtype_kinds[id(dtype)] = (dtype, kind)
     return kind
 

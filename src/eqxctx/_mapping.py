@@ -202,15 +202,16 @@ _no_span: set[type] = set()
 
 
 def _holds_tracer(value: object) -> bool:
-    """Whether `value` is a tracer or a level (a child's mapping) that holds one.
+    """Whether `value` is a tracer, or a level or PyTree (a `Summary`) holding one.
 
     A child's mapping is not itself a tracer: without looking into it, a collection
     made outside `jax.jit` would be extended in place with a traced child (and keep
-    the trace's tracers alive). O(1) but for frozen levels, each derived once.
+    the trace's tracers alive). O(1) but for frozen levels, each derived once, and
+    PyTree values (their leaves).
     """
     sub = _level_log(value)
     if sub is None:
-        return isinstance(value, Tracer)
+        return _leaf_traced(value)
     traced = sub.traced
     return traced if traced is not None else _resolve_traced(sub)
 
@@ -242,7 +243,7 @@ def _resolve_traced(root: _Log) -> bool:
         for value in values:
             sub = _level_log(value)
             if sub is None:
-                if isinstance(value, Tracer):
+                if _leaf_traced(value):
                     traced = True
                     break
             elif sub.traced is None:
@@ -449,11 +450,32 @@ class FrozenMapping(Mapping[str, Entry]):
         return out
 
 
-#: Entry types that are neither tracers, levels nor scan entries (arrays, numbers,
-#: summaries): a value of one of these types holds no tracer and reserves no names.
+#: Types whose values are PyTree leaves, not tracers, levels nor scan entries (arrays,
+#: numbers): such a value holds no tracer and reserves no names.
 _plain_types: set[type] = set()
 #: Tracer types (`jax.core.Tracer` subclasses).
 _tracer_types: set[type] = set()
+
+
+def _leaf_traced(value: object) -> bool:
+    """Whether `value` (not a level) is a tracer or a PyTree holding one.
+
+    PyTrees: a `Summary`, an empty scan's entry. Plain leaf types are remembered.
+    """
+    cls = type(value)
+    if cls in _plain_types:
+        return False
+    if cls in _tracer_types:
+        return True
+    if issubclass(cls, Tracer):
+        _tracer_types.add(cls)
+        return True
+    leaves = jax.tree_util.tree_leaves(value)
+    if len(leaves) == 1 and leaves[0] is value:
+        if not _span_of(value):  # (a type with a `reserved_span` is no plain leaf)
+            _plain_types.add(cls)
+        return False
+    return any(isinstance(leaf, Tracer) for leaf in leaves)
 
 
 def _traced_value(value: object) -> bool:
@@ -467,14 +489,6 @@ def _traced_value(value: object) -> bool:
         sub = value._log  # pyright: ignore[reportAttributeAccessIssue]
         traced = sub.traced
         return traced if traced is not None else _resolve_traced(sub)
-    if issubclass(cls, Tracer):
-        _tracer_types.add(cls)
-        _no_span.add(cls)
-        return True
-    _span_of(value)  # (puts `cls` in `_no_span` if it reserves no names)
-    if cls in _no_span:
-        _plain_types.add(cls)
-        return False
     return _holds_tracer(value)
 
 
