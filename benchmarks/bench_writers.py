@@ -2,10 +2,11 @@
 
 The loop is the demo's training step (`eqxctx.demo`: 4 scanned residual blocks, Adam;
 per step 2 weighted scalars, 2 weighted scalars and a `MomentsSummary` per layer, and a
-`HistogramSummary` of the logits: 59 values), at the demo's size (width 64, batch 64)
-and at width 256, batch 256. Each round runs
-`STEPS` steps per variant, interleaved, and times the whole loop including the final
-`block_until_ready` and the writers' `close` (so nothing is left unwritten):
+`HistogramSummary` of the logits: 59 values), by default at the demo's size (width 64,
+batch 64) and at width 256, batch 256 (`--sizes WIDTHxBATCH ...` for others). Each
+round (7, `--rounds`) runs 100 steps per variant (`--quick`: 30 steps x 2 rounds),
+interleaved, and times the whole loop including the final `block_until_ready` and the
+writers' `close` (so nothing is left unwritten):
 
 - none: the steps only;
 - async: `AsyncWriter(MultiWriter(JsonlWriter, TensorBoardWriter),
@@ -17,14 +18,15 @@ and at width 256, batch 256. Each round runs
 Ratios are variant / none, each the minimum over the rounds, from one run; with
 them the CPU time per step (the median over the rounds) of the whole process and of
 the training thread alone (`time.thread_time`), which says where a writer's work
-runs and how much of the machine the step leaves free. A second
-table gives the host bytes that one write fetches for a 1M-element float32 tensor as a
-raw array and as `HistogramSummary`s (the counts only), with the device time (the
-minimum of 7 calls). A third table gives what one write costs, by part: the fetch on
-the calling thread, and each writer's `write_host` (the background thread's work in
-`AsyncWriter`). Usage:
+runs and how much of the machine the step leaves free. Unless `--loop-only`, a second
+table gives what one write costs at the demo's size, by part: the fetch on the
+calling thread, and each writer's `write_host` (the background thread's work in
+`AsyncWriter`); a third the host bytes that one write fetches for a 1M-element
+float32 tensor as a raw array and as `HistogramSummary`s (the counts only), with the
+device time (the minimum of 7 calls). Usage:
 
-    .venv/bin/python benchmarks/bench_writers.py [--quick]
+    .venv/bin/python benchmarks/bench_writers.py [--quick] [--rounds N]
+        [--sizes WIDTHxBATCH ...] [--loop-only]
 """
 
 import argparse
@@ -42,7 +44,7 @@ import optax
 
 import eqxctx
 import eqxctx.writers._fetch as fetch_module
-from eqxctx.demo._data import load_digits_split, train_batches
+from eqxctx.demo._data import load_digits_split, split_sizes, train_batches
 from eqxctx.demo._model import Classifier
 from eqxctx.demo._train import make_train_step
 from eqxctx.writers import (
@@ -59,7 +61,8 @@ def _writers(logdir: str) -> AbstractWriter:
     return MultiWriter(JsonlWriter(f"{logdir}/s.jsonl"), TensorBoardWriter(logdir))
 
 
-#: (width, batch size): the demo's defaults, and a step ~10x longer.
+#: (width, batch size) of the default `--sizes`: the demo's, and a larger model. The
+#: per-part table is at the first (the demo's), whatever `--sizes` says.
 CONFIGS = ((64, 64), (256, 256))
 
 VARIANTS: dict[str, Callable[[str], AbstractWriter | None]] = {
@@ -272,11 +275,69 @@ def bench_components(width: int, batch_size: int) -> list[tuple[str, float]]:
     return rows
 
 
+def _size(text: str) -> tuple[int, int]:
+    """An argparse `type` for `WIDTHxBATCH`, e.g. `1024x1024`."""
+    width, sep, batch = text.lower().partition("x")
+    try:
+        size = int(width), int(batch)
+    except ValueError:
+        size = None
+    if not sep or size is None or min(size) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected WIDTHxBATCH, positive integers (e.g. 1024x1024), got {text!r}"
+        )
+    return size
+
+
+def _positive(text: str) -> int:
+    """An argparse `type` for an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
+    parser = argparse.ArgumentParser(
+        description="AsyncWriter vs a synchronous writer vs no writing, every step"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="30 steps x 2 rounds (default 100 x 7)"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=_positive,
+        metavar="N",
+        help="interleaved rounds (default 7; 2 if --quick)",
+    )
+    default_sizes = " ".join(f"{w}x{b}" for w, b in CONFIGS)
+    parser.add_argument(
+        "--sizes",
+        type=_size,
+        nargs="+",
+        default=list(CONFIGS),
+        metavar="WIDTHxBATCH",
+        help=f"model width and batch size of each loop (default {default_sizes})",
+    )
+    parser.add_argument(
+        "--loop-only",
+        action="store_true",
+        help="only the loop table (no per-part and histogram tables)",
+    )
     args = parser.parse_args()
+    num_train, _ = split_sizes()
+    for width, batch in args.sizes:
+        if batch > num_train:
+            parser.error(
+                f"argument --sizes: batch {batch} (in {width}x{batch}) is larger than "
+                f"the training split ({num_train} examples); use at most {num_train}"
+            )
     steps, rounds = (30, 2) if args.quick else (100, 7)
+    if args.rounds is not None:
+        rounds = args.rounds
     print(
         f"jax {jax.__version__}, {jax.devices()[0].platform}, {steps} steps x {rounds}"
     )
@@ -285,7 +346,7 @@ def main() -> None:
         "| CPU ms/step: process | training thread |"
     )
     print("|---|---|--:|--:|--:|--:|")
-    for width, batch in CONFIGS:
+    for width, batch in args.sizes:
         best = bench_loop(steps, rounds, width, batch)
         for name, t in best.items():
             ratio = t.wall / best["none"].wall
@@ -293,8 +354,11 @@ def main() -> None:
             ms = [x / steps * 1e3 for x in t]
             print(
                 f"| {label} | {name} | {ms[0]:.2f} | {ratio:.3f}x | {ms[1]:.2f} "
-                f"| {ms[2]:.2f} |"
+                f"| {ms[2]:.2f} |",
+                flush=True,
             )
+    if args.loop_only:
+        return
     width, batch = CONFIGS[0]
     print(f"\n| one write of the demo's summaries (width {width}) | CPU µs |")
     print("|---|--:|")
