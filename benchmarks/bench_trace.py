@@ -202,15 +202,28 @@ def make_deep_ours(k: int, s: int) -> Fn:
     return run
 
 
-def make_deep_hand(k: int, s: int, scoped: bool = False) -> Fn:
-    """Build a fresh hand-written chain returning the same nested dict."""
+def make_deep_hand(k: int, s: int, scoped: bool = False, framed: bool = False) -> Fn:
+    """Build a fresh hand-written chain returning the same nested dict.
 
+    `scoped`: each child in a `jax.named_scope`, as `ctx.call` runs it. `framed`:
+    scoped, and each child called through a helper function, one more Python frame
+    per level as `ctx.call` adds (JAX records the Python stack with every equation
+    it traces, so each equation at depth d costs O(d) more).
+    """
+
+    def via(name: str, fn: Callable[..., Any], *args: Any) -> Any:
+        with jax.named_scope(name):
+            return fn(*args)
+
+    # (Hand and scoped call `node` from `node` itself: one Python frame per level.)
     def node(x: jax.Array, i: int) -> tuple[jax.Array, dict[str, Any], dict[str, Any]]:
         h, sums = _child_values(x, s)
         summaries: dict[str, Any] = {f"s{j}": v for j, v in enumerate(sums)}
         outputs: dict[str, Any] = {"h": h}
         if i + 1 < k:
-            if scoped:
+            if framed:
+                h, sub_s, sub_o = via(f"c{i + 1}", node, h, i + 1)
+            elif scoped:
                 with jax.named_scope(f"c{i + 1}"):
                     h, sub_s, sub_o = node(h, i + 1)
             else:
@@ -221,45 +234,13 @@ def make_deep_hand(k: int, s: int, scoped: bool = False) -> Fn:
 
     def run(x: jax.Array, key: jax.Array) -> Any:
         del key
-        if scoped:
+        if framed:
+            h, summaries, outputs = via("c0", node, x, 0)
+        elif scoped:
             with jax.named_scope("c0"):
                 h, summaries, outputs = node(x, 0)
         else:
             h, summaries, outputs = node(x, 0)
-        coll = {
-            "summaries": {"c0": summaries},
-            "state_updates": {},
-            "module_outputs": {"c0": outputs},
-        }
-        return h, coll
-
-    return run
-
-
-def make_deep_framed(k: int, s: int) -> Fn:
-    """The scoped hand-written chain, each child called through a helper function.
-
-    As `ctx.call` does: one more Python frame per level, which JAX records with every
-    equation it traces (so each equation at depth d costs O(d) more).
-    """
-
-    def via(name: str, fn: Callable[..., Any], *args: Any) -> Any:
-        with jax.named_scope(name):
-            return fn(*args)
-
-    def node(x: jax.Array, i: int) -> tuple[jax.Array, dict[str, Any], dict[str, Any]]:
-        h, sums = _child_values(x, s)
-        summaries: dict[str, Any] = {f"s{j}": v for j, v in enumerate(sums)}
-        outputs: dict[str, Any] = {"h": h}
-        if i + 1 < k:
-            h, sub_s, sub_o = via(f"c{i + 1}", node, h, i + 1)
-            summaries[f"c{i + 1}"] = sub_s
-            outputs[f"c{i + 1}"] = sub_o
-        return h, summaries, outputs
-
-    def run(x: jax.Array, key: jax.Array) -> Any:
-        del key
-        h, summaries, outputs = via("c0", node, x, 0)
         coll = {
             "summaries": {"c0": summaries},
             "state_updates": {},
@@ -493,7 +474,7 @@ def bench_frames(ks: tuple[int, ...], rounds: int) -> None:
         ("ours", make_deep_ours),
         ("hand", make_deep_hand),
         ("scoped", SCOPED["deep"]),
-        ("framed", make_deep_framed),
+        ("framed", lambda k, s: make_deep_hand(k, s, framed=True)),
     )
     for s in (1, 4):
         for k in ks:

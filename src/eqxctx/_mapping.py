@@ -625,27 +625,14 @@ def key_in_any(name: str, levels: "Levels") -> bool:
     return name[-1:].isdigit() and _reserved(name, levels) is not None
 
 
-def child_in_any(name: str, levels: "Levels", child_types: frozenset[type]) -> bool:
-    """Whether `name` is a child (of `child_types`) or reserved in one of `levels`."""
-    for m in levels:
-        log = m._log
-        index = log.positions
-        if index is None:
-            index = log.build_index()
-        pos = index.get(name)
-        if pos is not None and pos < m._n and type(log[pos]) in child_types:
-            return True
-    return name[-1:].isdigit() and _reserved(name, levels) is not None
-
-
 def leaf_clashes(
     name: str, target: FrozenMapping, levels: "Levels", child_types: frozenset[type]
 ) -> bool:
     """Whether adding leaf `name` to `target` (one of `levels`) clashes.
 
     It does if `name` is a key of `target`, a child (of `child_types`) in one of
-    `levels`, or reserved by a span of one: `key_in` on `target` and `child_in_any`
-    in one pass (every add runs it).
+    `levels`, or reserved by a span of one; one pass over the levels (every add runs
+    it).
     """
     for m in levels:
         log = m._log
