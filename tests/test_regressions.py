@@ -405,11 +405,8 @@ def test_versions_of_one_context_derive_keys_and_paths_from_two_threads(
 
     import eqxctx._context as context_module
 
-    walk = inspect.unwrap(  # (the test suite's runtime type checks wrap it)
-        context_module._derive_key  # pyright: ignore[reportPrivateUsage]
-        if read == "prng_key"
-        else context_module._derive_path  # pyright: ignore[reportPrivateUsage]
-    )
+    # (`inspect.unwrap`: the test suite's runtime type checks wrap it.)
+    walk = inspect.unwrap(context_module._walk_up)  # pyright: ignore[reportPrivateUsage]
     lines, first = inspect.getsourcelines(walk)
     # Pause between the loop's first two statements (its two reads of the frame).
     loop = next(i for i, line in enumerate(lines) if line.strip().startswith("while"))

@@ -591,23 +591,30 @@ def _child_frame(parent: _Frame, name: str, is_training: bool) -> _Frame:
     )
 
 
-def _derive_path(frame: _Frame) -> tuple[str, ...]:
-    """Build (and remember) the path of a child's frame (a loop)."""
+def _walk_up(frame: _Frame, field: str, unknown: object) -> tuple[Any, list[str]]:
+    """Walk up to the nearest frame whose `field` (`path`, `base_key`) is known.
+
+    Returns that value and the names of the frames below it, nearest first. Every
+    version of a context shares its frame, and another thread may remember the
+    field and then drop `up` meanwhile (never the other way round): `up` is read
+    first, so a frame whose `up` is None has the field.
+    """
     names: list[str] = []
     node = frame
     while True:
-        # `up` first: every version of a context shares its frame, and another
-        # thread may remember the path and then drop `up` meanwhile (never the other
-        # way round), so a frame whose `up` is None has its path.
         up = node.up
-        if (path := node.path) is not None:
-            break
+        if (value := getattr(node, field)) is not unknown:
+            return value, names
         assert up is not None  # (a child's frame has both)
         assert node.name is not None
         names.append(node.name)
         node = up
-    names.reverse()
-    path = (*path, *names)
+
+
+def _derive_path(frame: _Frame) -> tuple[str, ...]:
+    """Build (and remember) the path of a child's frame."""
+    path, names = _walk_up(frame, "path", None)
+    path = (*path, *reversed(names))
     frame.path = path
     if frame.base_key is not _DERIVED:
         frame.up = None  # both known: the parent is not needed
@@ -616,16 +623,7 @@ def _derive_path(frame: _Frame) -> tuple[str, ...]:
 
 def _derive_key(frame: _Frame) -> MaybeKey:
     """Fold in the names from the nearest ancestor whose key is known."""
-    names: list[str] = []
-    node = frame
-    while True:
-        up = node.up  # first, as in `_derive_path`
-        if (key := node.base_key) is not _DERIVED:
-            break
-        assert up is not None  # (a child's frame has both)
-        assert node.name is not None
-        names.append(node.name)
-        node = up
+    key, names = _walk_up(frame, "base_key", _DERIVED)
     for name in reversed(names):
         key = fold_in_name(key, name)
     return key
