@@ -835,3 +835,86 @@ def test_rows_never_share_a_path_with_another_entry() -> None:
     for case in cases:
         with pytest.raises(ValueError, match=r"iter1"):
             fetch_summaries({"a": case})
+
+
+def _reference_values(coll: eqxctx.OutputCollection, name: str) -> dict[str, Any]:
+    """`{path: NumPy value}` from the per-iteration views (`flatten`), no writer."""
+    out: dict[str, Any] = {}
+    for path, leaf in coll.flatten("summaries").items():
+        path = f"{name}/{path}"
+        if isinstance(leaf, eqxctx.MomentsSummary):
+            count = np.asarray(leaf.count)
+            m2 = np.asarray(leaf.m2)
+            out[f"{path}/count"] = count
+            out[f"{path}/mean"] = np.asarray(leaf.mean)
+            out[f"{path}/variance"] = m2 / np.maximum(count, 1).astype(m2.dtype)
+            out[f"{path}/min"] = np.asarray(leaf.min_)
+            out[f"{path}/max"] = np.asarray(leaf.max_)
+            out[f"{path}/nonfinite"] = np.asarray(leaf.nonfinite)
+        elif isinstance(leaf, eqxctx.Summary):
+            out[path] = np.asarray(leaf.value())
+        else:
+            out[path] = np.asarray(leaf)
+    return out
+
+
+def _built_in_kinds_body(c: jax.Array, x: Any, ctx: eqxctx.Context) -> Any:
+    v, w = x
+    ctx = ctx.add_summary("w", eqxctx.WeightedSummary(v.mean(), w))
+    ctx = ctx.add_summary("wv", eqxctx.WeightedSummary(v, w * jnp.ones_like(v)))
+    ctx = ctx.add_summary("m", eqxctx.MomentsSummary(v))
+    ctx = ctx.add_summary("lo", eqxctx.MinSummary(v.min()))
+    ctx = ctx.add_summary("hi", eqxctx.MaxSummary(v))
+    ctx = ctx.add_summary("n", eqxctx.SumSummary(jnp.int32(3)))
+    return c + v.sum(), None, ctx.add_summary("raw", v[0])
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+def test_built_in_kinds_in_rows_equal_per_iteration_values(mapped: bool) -> None:
+    # Built-in summaries of a per-iteration entry are read from their stacked
+    # fields (one `Rows` part); the values, paths and order equal the per-iteration
+    # views, also under an outer `vmap` (the iteration axis is not the first).
+    v = jax.random.normal(jax.random.PRNGKey(0), (5, 3), jnp.float32)
+    w = jnp.asarray([0.0, 1.0, 2.5, 3.0, 0.5], jnp.float32)
+
+    def run(v: jax.Array, w: jax.Array) -> eqxctx.OutputCollection:
+        _, _, coll = eqxctx.scan_in_context(
+            _built_in_kinds_body,
+            context=eqxctx.Context.root(),
+            carry=jnp.zeros(()),
+            xs=(v, w),
+        )
+        return coll
+
+    coll = jax.vmap(run)(jnp.stack([v, -v]), jnp.stack([w, w])) if mapped else run(v, w)
+    from eqxctx.writers._base import HostSummaries, host_values
+    from eqxctx.writers._host import Rows
+    from eqxctx.writers._jsonl import json_line, json_record
+
+    host = host_values({"train": coll}, where="test")
+    assert [type(part) for part in host.parts] == [Rows]
+    want = _reference_values(coll, "train")
+    assert list(host) == list(want)
+    for path, value in want.items():
+        got = host[path]
+        assert type(got) is np.ndarray
+        assert got.dtype == value.dtype, path
+        assert got.shape == value.shape, path
+        np.testing.assert_array_equal(got, value, err_msg=path)
+    record = HostSummaries(2, host)
+    assert json_line(record) == json.dumps(json_record(record))
+
+
+def test_negative_weight_in_rows_names_its_iteration() -> None:
+    # The stacked read refuses the entry; the per-iteration read raises naming
+    # the iteration, as before.
+    v = jnp.ones((3, 2), jnp.float32)
+    w = np.asarray([1.0, -2.0, 1.0], np.float32)
+    _, _, coll = eqxctx.scan_in_context(
+        _built_in_kinds_body,
+        context=eqxctx.Context.root(),
+        carry=jnp.zeros(()),
+        xs=(v, w),
+    )
+    with pytest.raises(ValueError, match=r"'train/iter1/w'.*must not be negative"):
+        fetch_summaries({"train": coll})

@@ -328,6 +328,12 @@ def _is_unit(x: object) -> bool:
 #: axis first. `paths` is one cached tuple per layout: the same object every step.
 PutRows: TypeAlias = Callable[[tuple[str, ...], list[np.ndarray]], None]
 
+#: `read_stacked(summary)`: the `(suffix, column)` entries that a `Summary` whose
+#: fields are stacked host arrays (iteration axis first) stands for, each column one
+#: value per iteration at `path + suffix`, or None where the summary must be read
+#: iteration by iteration (an unknown kind, or a value its checks refuse).
+ReadStacked: TypeAlias = Callable[[Leaf], list[tuple[str, np.ndarray]] | None]
+
 
 def flatten_into(
     put: Callable[[str, Leaf], None],
@@ -335,21 +341,23 @@ def flatten_into(
     prefix: str,
     sep: str,
     put_rows: PutRows | None = None,
+    read_stacked: ReadStacked | None = None,
 ) -> None:
     """Call `put(path, leaf)` for every leaf of `tree`, per-iteration entries expanded.
 
     Paths are `sep`-joined; iteration i of an entry at `p` contributes `p{i}/...`.
     Mappings are visited in insertion order, an iteration's entries in sorted order
     (as `IterationSummaries.iteration` returns them). With `put_rows`, an entry whose
-    summaries are all raw arrays, fetched to the host, is handed over whole instead
-    (writers format its values together).
+    leaves are all fetched to the host is handed over whole instead (writers format
+    its values together) when its summaries are raw arrays or summaries that
+    `read_stacked` reads from their stacked fields.
     """
     for key, value in _items(tree):
         path = prefix + key
         if isinstance(value, IterationSummaries):
-            _flatten_entry(put, value, path, sep, put_rows)
+            _flatten_entry(put, value, path, sep, put_rows, read_stacked)
         elif isinstance(value, Mapping):
-            flatten_into(put, value, path + sep, sep, put_rows)
+            flatten_into(put, value, path + sep, sep, put_rows, read_stacked)
         else:
             put(path, value)
 
@@ -404,29 +412,61 @@ def _row_paths(key: tuple[TreeDef, str, str, int], rels: list[str]) -> tuple[str
     return cached
 
 
+# `list[Any]`: beartype samples a list's items with `random` (see `_units`).
+def _columns(
+    host: list[Any],
+    axes: list[Any],
+    units: list[Any],
+    read_stacked: ReadStacked | None,
+) -> tuple[list[Any], list[Any]] | None:
+    """An entry's `(relative paths, columns)`, iteration axis first, or None.
+
+    None where a unit is a summary that `read_stacked` does not read whole (or
+    there is no `read_stacked`): the entry is then read iteration by iteration. The
+    relative paths depend only on the entry's structure (`_row_paths` caches them).
+    """
+    columns = [
+        np.moveaxis(x, a, 0) if a else x for x, a in zip(host, axes, strict=True)
+    ]
+    rels: list[str] = []
+    out: list[np.ndarray] = []
+    unit: _Unit
+    for unit in units:
+        rel, treedef, a, b = unit
+        if treedef is None:
+            rels.append(rel)
+            out.append(columns[a])
+            continue
+        if read_stacked is None:
+            return None
+        entries = read_stacked(treedef.unflatten(columns[a:b]))
+        if entries is None:
+            return None
+        for suffix, column in entries:
+            rels.append(rel + suffix)
+            out.append(column)
+    return rels, out
+
+
 def _flatten_entry(
     put: Callable[[str, Leaf], None],
     entry: IterationSummaries,
     path: str,
     sep: str,
     put_rows: PutRows | None = None,
+    read_stacked: ReadStacked | None = None,
 ) -> None:
     leaves, stacked_treedef = _leaves(entry)
     host = _host(leaves)
     axes = _axes(entry, leaves)
     units = _units(entry, stacked_treedef, sep)
-    if (
-        put_rows is not None
-        and all(treedef is None for _, treedef, _, _ in units)
-        and all(type(x) is np.ndarray for x in host)
-    ):
-        columns = [
-            np.moveaxis(host[a], axes[a], 0) if axes[a] else host[a]
-            for _, _, a, _ in units
-        ]
-        rels = [rel for rel, _, _, _ in units]
-        put_rows(_row_paths((stacked_treedef, sep, path, entry.length), rels), columns)
-        return
+    if put_rows is not None and all(type(x) is np.ndarray for x in host):
+        whole = _columns(host, axes, units, read_stacked)
+        if whole is not None:
+            rels, columns = whole
+            key = (stacked_treedef, sep, path, entry.length)
+            put_rows(_row_paths(key, rels), columns)
+            return
     rows = [_unstack(x, a) for x, a in zip(host, axes, strict=True)]
     if all(treedef is None for _, treedef, _, _ in units):
         # Only raw arrays (the common case): one row per unit, no rebuilding.
@@ -445,7 +485,7 @@ def _flatten_entry(
                 continue
             obj = treedef.unflatten([rows[j][i] for j in range(a, b)])
             if isinstance(obj, IterationSummaries):
-                _flatten_entry(put, obj, at + rel, sep, put_rows)
+                _flatten_entry(put, obj, at + rel, sep, put_rows, read_stacked)
             else:
                 put(at + rel, obj)
 

@@ -266,7 +266,7 @@ def host_values(summaries: object, *, where: str) -> HostValues:
             out = {}
         parts.append(Rows(paths, columns))
 
-    flatten_into(put, tree, "", "/", put_rows)
+    flatten_into(put, tree, "", "/", put_rows, _read_stacked)
     if out or not parts:
         parts.append(out)
     return HostValues(parts)
@@ -324,6 +324,40 @@ _READERS: dict[type, Callable[[_Fields, str, str], _Entries]] = {
     SumSummary: _read_value,
     MomentsSummary: _read_moments,
 }
+
+
+#: The built-in kinds read whole from a per-iteration entry's stacked fields (NumPy,
+#: iteration axis first): the same paths and values as `_READERS` per iteration.
+#: None where an iteration would raise, so that the per-iteration read names it.
+_STACKED_READERS: dict[type, Callable[[_Fields], _Entries | None]] = {
+    WeightedSummary: lambda fields: _stacked_weighted(fields),
+    MinSummary: lambda fields: [("", fields["value_"])],
+    MaxSummary: lambda fields: [("", fields["value_"])],
+    SumSummary: lambda fields: [("", fields["value_"])],
+    MomentsSummary: lambda fields: [
+        (suffix[len("x") :], value)
+        for suffix, value in _read_moments(fields, "x", "stacked")
+    ],
+}
+
+
+def _stacked_weighted(fields: _Fields) -> _Entries | None:
+    mean, weight = np.asarray(fields["mean"]), np.asarray(fields["weight"])
+    if weight.shape[1:] not in ((), mean.shape[1:]) or bool(np.any(weight < 0)):
+        return None
+    return [("", mean)]
+
+
+def _read_stacked(leaf: Leaf) -> _Entries | None:
+    """`(suffix, column)` of a built-in summary with stacked fields, or None."""
+    read = _STACKED_READERS.get(type(leaf))
+    entries = None if read is None else read(leaf.__dict__)
+    if entries is None:
+        return None
+    for _, column in entries:
+        if type(column) is not np.ndarray or _dtype_problem(column.dtype) is not None:
+            return None  # read per iteration, which names the path it refuses
+    return entries
 
 
 def _device_get(tree: ArrayTree) -> ArrayTree:

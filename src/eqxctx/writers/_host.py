@@ -74,6 +74,14 @@ class HostValues(Mapping[str, HostValue]):
     def __getitem__(self, key: str) -> HostValue:
         return self._full()[key]
 
+    def items(self) -> Iterator[tuple[str, HostValue]]:  # pyright: ignore[reportIncompatibleMethodOverride]
+        """Yield `(path, value)` in order, part by part (no dict is built)."""
+        if self._dict is not None:
+            yield from self._dict.items()
+            return
+        for part in self._parts:
+            yield from part.items()
+
     def __iter__(self) -> Iterator[str]:
         for part in self._parts:
             yield from (part.paths if isinstance(part, Rows) else part)

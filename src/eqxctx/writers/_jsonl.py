@@ -179,12 +179,7 @@ def json_line(host: HostSummaries) -> str:
     parts = values.parts if isinstance(values, HostValues) else [dict(values)]
     pieces = [f'"step": {host.step}']
     for part in parts:
-        if isinstance(part, Rows):
-            text = _rows_json(part)
-        else:
-            record: dict[str, JsonValue] = {}
-            _fill(record, part.items())
-            text = json.dumps(record)[1:-1]
+        text = _rows_json(part) if isinstance(part, Rows) else _part_json(part)
         if text:
             pieces.append(text)
     return "{" + ", ".join(pieces) + "}"
@@ -194,6 +189,35 @@ def json_line(host: HostSummaries) -> str:
 # (one cached object per layout; hashing its thousands of items took ~45 µs a write).
 # Each entry holds its tuple, so the id stays its own.
 _KEYS: dict[int, tuple[tuple[str, ...], list[str]]] = {}
+
+
+def _part_json(part: dict[str, HostValue]) -> str:
+    """The `"path": value` pairs of `part`, joined with `", "` (as `json.dumps`).
+
+    Scalar floats of at most 32 bits are written together (`float32_texts`).
+    """
+    keys: list[str] = []
+    texts: list[str] = []
+    where: list[int] = []
+    scalars: list[np.ndarray] = []
+    for path, value in part.items():
+        keys.append(json.dumps(path) + ": ")
+        if (
+            type(value) is np.ndarray
+            and value.ndim == 0
+            and value.dtype.kind == "f"
+            and value.dtype.itemsize <= 4
+        ):
+            where.append(len(texts))
+            scalars.append(value)
+            texts.append("")
+        else:
+            texts.append(json.dumps(record_value(value)))
+    if scalars:
+        floats = np.fromiter(scalars, np.float32, len(scalars))
+        for i, text in zip(where, float32_texts(floats), strict=True):
+            texts[i] = text
+    return ", ".join(map(operator.add, keys, texts))
 
 
 def _rows_json(rows: Rows) -> str:
@@ -215,7 +239,16 @@ def _rows_json(rows: Rows) -> str:
         # One matrix [iterations, columns] in row order: the paths' order.
         texts = float32_texts(np.stack(columns, axis=1).reshape(-1))
     else:
-        per_column = [_column_texts(c) for c in columns]
+        # The float32 columns in one matrix (one `orjson` call), the others apart.
+        floats = [j for j, c in enumerate(columns) if _is_float32(c.dtype)]
+        per_column = [
+            None if _is_float32(c.dtype) else _column_texts(c) for c in columns
+        ]
+        if floats:
+            matrix = np.stack([columns[j] for j in floats], axis=1).reshape(-1)
+            flat = float32_texts(matrix)
+            for k, j in enumerate(floats):
+                per_column[j] = flat[k :: len(floats)]
         texts = [t for row in zip(*per_column, strict=True) for t in row]
     return ", ".join(map(operator.add, keys, texts))
 

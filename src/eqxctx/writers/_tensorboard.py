@@ -10,7 +10,7 @@ import struct
 import time
 import wave
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import IO, Any, TypeAlias
 
@@ -27,6 +27,7 @@ from ._base import (
     check_positive_int,
     is_writing_process,
 )
+from ._host import HostValues, Rows
 from ._jsonl import nonempty_span
 
 
@@ -52,6 +53,22 @@ Proto: TypeAlias = Any
 def tag_of(path: str) -> str:
     """Return the TensorBoard tag of a summary path (tensorboardX's `_clean_tag`)."""
     return _INVALID_TAG_CHARACTERS.sub("_", path).lstrip("/")
+
+
+# The tags of a layout's row paths, by the identity of the paths tuple (one cached
+# object per layout, see `_iterations._row_paths`); each entry holds its tuple, so
+# the id stays its own.
+_TAGS: dict[int, tuple[tuple[str, ...], list[str]]] = {}
+
+
+def _tags(paths: tuple[str, ...]) -> list[str]:
+    entry = _TAGS.get(id(paths))
+    if entry is not None and entry[0] is paths:
+        return entry[1]
+    tags = [tag_of(path) for path in paths]
+    if len(_TAGS) < 256:
+        _TAGS[id(paths)] = (paths, tags)
+    return tags
 
 
 def images_nhwc(images: np.ndarray) -> np.ndarray:
@@ -269,26 +286,41 @@ class TensorBoardWriter(AbstractWriter):
         """Write one step as one event with every value."""
         if self._file is None:
             return
-        summary = self._summary_pb2.Summary
-        scalar = summary.Value
-        values: list[Proto] = []
-        for path, value in host.values.items():
-            if type(value) is np.ndarray and not value.ndim:
-                # Most values: a scalar, without `_value`'s media checks (each an
-                # ABC `isinstance`, ~1 µs).
-                values.append(scalar(tag=tag_of(path), simple_value=float(value)))
-                continue
-            proto = self._value(tag_of(path), value)
-            if proto is not None:
-                values.append(proto)
-        event = self._event_pb2.Event(
-            wall_time=time.time(), step=host.step, summary=summary(value=values)
-        )
+        event = self._event_pb2.Event(wall_time=time.time(), step=host.step)
+        # Values are added in place (`add`): a message passed to a constructor
+        # would be copied.
+        out = event.summary.value
+        parts = host.values.parts if isinstance(host.values, HostValues) else None
+        if parts is not None and any(isinstance(part, Rows) for part in parts):
+            for part in parts:
+                self._add_values(out, part)
+        else:
+            self._add_values(out, host.values)
         self._file.write(event)
         self._pending += 1
         elapsed = time.monotonic() - self._last_flush
         if self._pending >= self._max_queue or elapsed >= self._flush_secs:
             self.flush()
+
+    def _add_values(self, out: Proto, part: Mapping[str, HostValue] | Rows) -> None:
+        """Add the `Summary.Value`s of a part of a step's values to `out`, in order."""
+        add = out.add
+        if isinstance(part, Rows) and all(c.ndim == 1 for c in part.columns):
+            # Rows of scalars: every value converted at once (float64 holds every
+            # value of these dtypes exactly, as `float(value)` does).
+            floats = np.stack(part.columns, axis=1).astype(np.float64).reshape(-1)
+            for tag, f in zip(_tags(part.paths), floats.tolist(), strict=True):
+                add(tag=tag, simple_value=f)
+            return
+        for path, value in part.items():
+            if type(value) is np.ndarray and not value.ndim:
+                # Most values: a scalar, without `_value`'s media checks (each an
+                # ABC `isinstance`, ~1 µs).
+                add(tag=tag_of(path), simple_value=float(value))
+                continue
+            proto = self._value(tag_of(path), value)
+            if proto is not None:
+                out.append(proto)
 
     def _value(self, tag: str, value: HostValue) -> Proto | None:
         summary = self._summary_pb2.Summary
