@@ -44,6 +44,42 @@ def test_histogram_equals_numpy(x: np.ndarray, lo: int, width: int, bins: int) -
     np.testing.assert_array_equal(jitted(x).counts, got)
 
 
+# The TPU's two ways (`_counts_from_below`: every value against every edge, or
+# sorted values searched), run here on the CPU against the CPU's scatter-add.
+_TPU_EDGES = (
+    (0.0, 1.0, 2.0, 3.0),
+    tuple(np.linspace(-5.0, 5.0, 64).tolist()),  # the most compared densely
+    tuple(np.linspace(-5.0, 5.0, 65).tolist()),  # the fewest sorted
+    tensorflow_edges(),
+)
+
+
+@pytest.mark.parametrize("edges", _TPU_EDGES, ids=["4", "64", "65", "tf"])
+@given(
+    x=hnp.arrays(
+        np.float32,
+        st.integers(0, 40),
+        elements=st.floats(-8, 8, width=32)
+        | st.sampled_from([np.nan, np.inf, -np.inf, -0.0, 0.0, 3.0, 5.0, -5.0]),
+    )
+)
+def test_tpu_counts_equal_numpy(edges: tuple[float, ...], x: np.ndarray) -> None:
+    from eqxctx._statistics import (
+        MAX_DENSE_EDGES,
+        _counts_from_below,  # pyright: ignore[reportPrivateUsage]
+        _counts_scatter,  # pyright: ignore[reportPrivateUsage]
+    )
+
+    assert (len(edges) <= MAX_DENSE_EDGES) == (len(edges) < 65)
+    e32 = jnp.asarray(np.asarray(edges, np.float64).astype(np.float32))
+    got = np.asarray(jax.jit(_counts_from_below)(jnp.asarray(x), e32))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, jax.jit(_counts_scatter)(jnp.asarray(x), e32))
+    # XLA flushes subnormal values to zero (on the CPU as on TPUs), NumPy does not.
+    flushed = np.where(np.abs(x) < np.finfo(np.float32).tiny, np.float32(0), x)
+    np.testing.assert_array_equal(got, np_histogram(flushed[~np.isnan(x)], edges))
+
+
 def test_histogram_edge_rules_and_explicit_edges() -> None:
     x = np.asarray([-1.0, 0.0, 0.5, 1.0, 1.5, 3.0, 4.0, np.nan, np.inf], np.float32)
     h = HistogramSummary(x, edges=[0.0, 1.0, 2.0, 3.0])

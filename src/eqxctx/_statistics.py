@@ -129,19 +129,61 @@ def _count_at_most(
     return jnp.where(jnp.isnan(x), n, pos)
 
 
-def _counts_impl(values: Array, edges: tuple[float, ...]) -> Int[Array, " bins"]:
-    dtype = _compare_dtype(values.dtype)
-    # float32 rounding of ±DBL_MAX-sized edges gives ±inf; no overflow warning.
-    with np.errstate(over="ignore"):
-        edge_array = jnp.asarray(np.asarray(edges, dtype=np.float64).astype(dtype))
-    x = values.ravel().astype(dtype)
-    num = len(edges) - 1
+#: The most edges for which the TPU counts by comparing every value with every edge
+#: (a fused reduction); above, it sorts the values.
+MAX_DENSE_EDGES = 64
+
+
+def _counts_scatter(x: Array, edge_array: Array) -> Int[Array, " bins"]:
+    """Bucket counts by a search per value and a scatter-add (CPU and GPU)."""
+    num = edge_array.shape[0] - 1
     # Bucket i is [e_i, e_i+1); the last one is closed (numpy.histogram's rule).
     index = _count_at_most(edge_array, x)
     index = jnp.where(x == edge_array[-1], num, index)
     # 0: below the first edge; num + 1: above the last, or NaN. Neither is counted.
     ones = jnp.ones(x.shape, jnp.int32)
     return jnp.zeros(num + 2, jnp.int32).at[index].add(ones)[1 : num + 1]
+
+
+def _counts_from_below(x: Array, edge_array: Array) -> Int[Array, " bins"]:
+    """Bucket counts from how many values lie below each edge (TPU: no scatter).
+
+    `below[j]` counts the values `< e_j` (NaN never is), the last entry those
+    `<= e_last` (the closed last bucket); the counts are its differences. Few
+    edges: every value compared with every edge, one fused reduction; more: the
+    values sorted once (NaN last) and each edge searched for.
+    """
+    if edge_array.shape[0] <= MAX_DENSE_EDGES:
+        below = jnp.sum(x[None, :] < edge_array[:-1, None], axis=1, dtype=jnp.int32)
+        last = jnp.sum(x <= edge_array[-1], dtype=jnp.int32)
+    else:
+        # `sort` and `searchsorted` order floats totally (-0.0 before 0.0, NaN by
+        # sign): compare as `<` does instead, zeros as +0.0 and NaN as +inf (then
+        # taken out of the closed last bucket when it ends at +inf).
+        nan = jnp.isnan(x)
+        x = jnp.where(nan, jnp.inf, jnp.where(x == 0, 0, x))
+        edges = jnp.where(edge_array == 0, 0, edge_array)
+        ordered = jnp.sort(x)
+        below = jnp.searchsorted(ordered, edges[:-1], side="left")
+        last = jnp.searchsorted(ordered, edges[-1], side="right")
+        last = last - jnp.where(edges[-1] == jnp.inf, jnp.sum(nan, dtype=last.dtype), 0)
+    ends = jnp.concatenate([below.astype(jnp.int32), last.astype(jnp.int32)[None]])
+    return jnp.diff(ends)
+
+
+def _counts_impl(values: Array, edges: tuple[float, ...]) -> Int[Array, " bins"]:
+    dtype = _compare_dtype(values.dtype)
+    # float32 rounding of ±DBL_MAX-sized edges gives ±inf; no overflow warning.
+    with np.errstate(over="ignore"):
+        edge_array = jnp.asarray(np.asarray(edges, dtype=np.float64).astype(dtype))
+    x = values.ravel().astype(dtype)
+    # A scatter-add is slow on TPUs (1M values: 9.6 ms for 30 buckets, 72 ms for
+    # 1,550, against 0.5 and 2.5 ms without one on a v5e).
+    counts = jax.lax.platform_dependent(
+        x, edge_array, tpu=_counts_from_below, default=_counts_scatter
+    )
+    assert isinstance(counts, jax.Array)
+    return counts
 
 
 def _counts(values: Array, edges: tuple[float, ...]) -> Int[Array, " bins"]:

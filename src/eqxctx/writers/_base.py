@@ -254,6 +254,8 @@ def host_values(summaries: object, *, where: str) -> HostValues:
 
     def put_rows(paths: tuple[str, ...], columns: list[np.ndarray]) -> None:
         nonlocal out
+        if not paths:  # no iteration (or no summary): nothing to write
+            return
         for column in columns:
             if column.dtype not in checked:
                 _numeric(paths[0], column, where=where)
