@@ -1,12 +1,12 @@
 """Writing summaries every step: AsyncWriter vs a synchronous writer vs no writing.
 
 The loop is the demo's training step (`eqxctx.demo`: 4 scanned residual blocks, Adam;
-per step 2 weighted scalars, 2 weighted scalars and a `MomentsSummary` per layer, and a
-`HistogramSummary` of the logits: 59 values), by default at the demo's size (width 64,
-batch 64) and at width 256, batch 256 (`--sizes WIDTHxBATCH ...` for others). Each
-round (7, `--rounds`) runs 100 steps per variant (`--quick`: 30 steps x 2 rounds),
-interleaved, and times the whole loop including the final `block_until_ready` and the
-writers' `close` (so nothing is left unwritten):
+per step 2 weighted scalars, per layer 3 weighted scalars and a `MomentsSummary` (6
+values), and a `HistogramSummary` of the logits: 39 values), by default at the
+demo's size (width 64, batch 64) and at width 256, batch 256 (`--sizes WIDTHxBATCH
+...` for others). Each round (7, `--rounds`) runs 100 steps per variant (`--quick`:
+30 steps x 2 rounds), interleaved, and times the whole loop including the final
+`block_until_ready` and the writers' `close` (so nothing is left unwritten):
 
 - none: the steps only;
 - async: `AsyncWriter(MultiWriter(JsonlWriter, TensorBoardWriter),

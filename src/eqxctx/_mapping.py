@@ -17,6 +17,7 @@ that are `prefix` followed by a number.
 
 import itertools
 import threading
+import typing
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeAlias
 
@@ -135,6 +136,9 @@ class _Log(list[Any]):
             self.spans = {}
         self.spans[key] = (pos, span)
 
+    # Not type-checked at run time (beartype's checks in the test suite): checking
+    # the result iterates it, while another thread may be appending to it.
+    @typing.no_type_check
     def build_index(self) -> dict[str, int]:
         """Derive `positions` and `spans` of a frozen log (once).
 

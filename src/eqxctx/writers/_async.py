@@ -160,7 +160,7 @@ class AsyncWriter(AbstractWriter):
     - with `background_fetch=True`, in a one-process run, on the background thread
       too: `write` checks the step and queues the summaries' device arrays, so
       the calling thread pays a queue `put` (~10 µs) instead of the fetch (~0.3 ms for
-      the demo's 35 values on CPU, more while a step runs beside it). An invalid
+      the demo's 39 values on CPU, more while a step runs beside it). An invalid
       summary (a `TypeError` or `ValueError` of `fetch`) is then raised by the next
       `write`, `flush` or `close`, like a background write error. A
       `CallbackSummary`'s function runs on the background thread. In a
