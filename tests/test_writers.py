@@ -918,3 +918,38 @@ def test_negative_weight_in_rows_names_its_iteration() -> None:
     )
     with pytest.raises(ValueError, match=r"'train/iter1/w'.*must not be negative"):
         fetch_summaries({"train": coll})
+
+
+def test_bfloat16_rows_are_written_as_float32_shortest_decimals() -> None:
+    # bfloat16 has NumPy kind "V": rows of it (raw, or a built-in summary's field)
+    # are written as the per-value path writes them (found by a break-test).
+    def body(c: jax.Array, x: jax.Array, ctx: eqxctx.Context) -> Any:
+        v = (x + 0.1).astype(jnp.bfloat16)
+        ctx = ctx.add_summary("w", eqxctx.WeightedSummary(v, 1.0))
+        ctx = ctx.add_summary("raw", v)
+        return c, None, ctx.add_summary("lo", eqxctx.MinSummary(v))
+
+    _, _, coll = eqxctx.scan_in_context(
+        body, context=eqxctx.Context.root(), carry=jnp.zeros(()), xs=jnp.arange(3.0)
+    )
+    from eqxctx.writers._base import HostSummaries, host_values
+    from eqxctx.writers._jsonl import json_line
+
+    host = HostSummaries(1, host_values({"t": coll}, where="test"))
+    line = json_line(host)
+    assert line == _dict_line(1, {"t": coll})
+    assert '"t/iter0/w": 0.100097656' in line
+
+
+def test_a_refused_column_in_rows_names_its_own_path() -> None:
+    # A complex raw value next to a built-in summary in one scan entry: the error
+    # names the complex value's path (found by a break-test).
+    def body(c: jax.Array, x: jax.Array, ctx: eqxctx.Context) -> Any:
+        ctx = ctx.add_summary("a", eqxctx.WeightedSummary(x, 1.0))
+        return c, None, ctx.add_summary("z", x.astype(jnp.complex64))
+
+    _, _, coll = eqxctx.scan_in_context(
+        body, context=eqxctx.Context.root(), carry=jnp.zeros(()), xs=jnp.arange(3.0)
+    )
+    with pytest.raises(TypeError, match=r"'train/iter0/z' is complex"):
+        fetch_summaries({"train": coll})

@@ -256,9 +256,10 @@ def host_values(summaries: object, *, where: str) -> HostValues:
         nonlocal out
         if not paths:  # no iteration (or no summary): nothing to write
             return
-        for column in columns:
+        for j, column in enumerate(columns):
             if column.dtype not in checked:
-                _numeric(paths[0], column, where=where)
+                # `paths[j]`: column j's value in the first iteration.
+                _numeric(paths[j], column, where=where)
                 checked.add(column.dtype)
         if not seen.isdisjoint(paths):
             raise _collision(next(p for p in paths if p in seen), where=where)

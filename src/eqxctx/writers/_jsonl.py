@@ -254,8 +254,12 @@ def _rows_json(rows: Rows) -> str:
 
 
 def _is_float32(dtype: np.dtype[np.generic]) -> bool:
-    """Whether `json_value` writes values of `dtype` as float32 shortest decimals."""
-    return dtype.kind == "f" and dtype.itemsize <= 4
+    """Whether `json_value` writes values of `dtype` as float32 shortest decimals.
+
+    Its rule: neither bool nor integer, at most 4 bytes (bfloat16 and the other
+    `ml_dtypes` floats have NumPy kind "V").
+    """
+    return dtype.kind not in "biu" and dtype.itemsize <= 4
 
 
 def _column_texts(column: np.ndarray) -> list[str]:
