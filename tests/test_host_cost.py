@@ -449,9 +449,9 @@ def device_gets(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     # The writers' own batched fetch (one process), which replaces `jax.device_get`.
     real_writers = writers_base._device_get  # pyright: ignore[reportPrivateUsage]
 
-    def counting_writers(x: Any) -> Any:
+    def counting_writers(x: Any, *args: Any) -> Any:
         calls.append(len(jax.tree_util.tree_leaves(x)))
-        return real_writers(x)
+        return real_writers(x, *args)
 
     monkeypatch.setattr(writers_base, "_device_get", counting_writers)
     return calls

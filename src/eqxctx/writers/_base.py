@@ -4,13 +4,14 @@ import abc
 import dataclasses
 import functools
 import operator
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import SupportsIndex, TypeAlias, TypeVar
 
 import jax
 import numpy as np
 
+from eqxctx._checks import is_jax_array_type
 from eqxctx._collection import OutputCollection, check_summary_name, summary_tree
 from eqxctx._iterations import flatten_into
 from eqxctx._mapping import FrozenMapping
@@ -28,8 +29,17 @@ from eqxctx._summary import (
 from eqxctx._transfer import to_host
 from eqxctx._typing import ArrayTree, Leaf, SummaryTree
 
-from ._fetch import device_get
-from ._host import HostValue, HostValues, Part, Rows
+from ._fetch import device_get_leaves
+from ._host import (
+    HostValue,
+    HostValues,
+    Notes,
+    Part,
+    Recipe,
+    Rows,
+    make_recipe,
+    variance,
+)
 
 
 #: What `write` accepts: an `OutputCollection` (its summaries are written) or a
@@ -202,9 +212,79 @@ def host_values(summaries: object, *, where: str) -> HostValues:
     # One fetch of the summary trees first (module outputs and state updates stay on
     # the device), so that per-iteration views index NumPy arrays on the host.
     trees = summary_trees(summaries)
-    # One process: one batched transfer. Several: `to_host` reads replicated arrays
-    # from a local shard and all-gathers arrays split over the processes.
-    fetched = _device_get(trees) if jax.process_count() == 1 else to_host(trees)
+    if jax.process_count() > 1:
+        # `to_host` reads replicated arrays from a local shard and all-gathers
+        # arrays split over the processes.
+        return _read(to_host(trees), trees, where=where, notes=None)
+    # One process: one batched transfer. The first read of a structure is made in
+    # full and recorded (`Recipe`); the next reads of that structure replay it.
+    leaves, treedef = jax.tree_util.tree_flatten(trees)
+    key = _recipe_key(treedef, leaves)
+    recipe = _RECIPES.get(key, _UNSEEN) if key is not None else None
+    host = _device_get(leaves, key)
+    if type(recipe) is Recipe:
+        values = recipe.replay(host)
+        if values is not None:
+            return values
+    notes = Notes() if recipe is _UNSEEN else None
+    values = _read(treedef.unflatten(host), trees, where=where, notes=notes)
+    if notes is not None:
+        if len(_RECIPES) >= MAX_RECIPES:
+            _RECIPES.clear()
+        _RECIPES[key] = make_recipe(values, host, notes)
+    return values
+
+
+#: The most structures whose recipes are kept; past it the cache starts again.
+MAX_RECIPES = 64
+_UNSEEN = object()
+#: (treedef, each leaf's type, shape and dtype) -> its recipe, or None (read in full).
+_RECIPES: dict[object, Recipe | None] = {}
+
+
+def _recipe_key(treedef: object, leaves: list[Leaf]) -> object:
+    """What a write's read depends on but its values: None if it cannot be a key.
+
+    The treedef and each leaf's type, with shape and dtype for arrays and the
+    sharding of JAX arrays (which also determines how they are fetched).
+    """
+    try:
+        key = (
+            treedef,
+            tuple(
+                (type(x), x.shape, x.dtype, x.sharding)
+                if is_jax_array_type(type(x))
+                else (type(x), x.shape, x.dtype)
+                if type(x) is np.ndarray
+                else type(x)
+                for x in leaves
+            ),
+        )
+        return _Key(key)
+    except Exception:  # unhashable aux data; a tracer (the full read names it)
+        return None
+
+
+class _Key:
+    """A hashable key whose hash is computed once (it is looked up several times)."""
+
+    __slots__ = ("hash", "key")
+
+    def __init__(self, key: Hashable):
+        self.key = key
+        self.hash = hash(key)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _Key and self.hash == other.hash and self.key == other.key
+
+
+def _read(
+    fetched: ArrayTree, trees: ArrayTree, *, where: str, notes: Notes | None
+) -> HostValues:
+    """The full read of fetched summaries (`host_values`), recorded in `notes`."""
     tree = summary_tree(_in_order(fetched, trees), where=where)
     parts: list[Part] = []
     out: dict[str, HostValue] = {}  # the part being filled
@@ -219,6 +299,8 @@ def host_values(summaries: object, *, where: str) -> HostValues:
         cls = type(leaf)
         if cls is np.ndarray or _is_plain(cls):  # NumPy values, numbers, views
             arr = leaf if cls is np.ndarray else np.asarray(leaf)
+            if notes is not None and arr is not leaf:
+                notes.made(arr, np.asarray, leaf)
             if arr.dtype not in checked:
                 _numeric(path, arr, where=where)
                 checked.add(arr.dtype)
@@ -227,7 +309,9 @@ def host_values(summaries: object, *, where: str) -> HostValues:
             return
         read = _READERS.get(cls)
         if read is not None:  # a built-in kind: its fields read directly
-            items: Iterable[tuple[str, ArrayTree]] = read(leaf.__dict__, path, where)
+            items: Iterable[tuple[str, ArrayTree]] = read(
+                leaf.__dict__, path, where, notes
+            )
         else:
             if isinstance(leaf, Summary):
                 try:
@@ -243,6 +327,8 @@ def host_values(summaries: object, *, where: str) -> HostValues:
                 _numeric(path, field, where=where)
                 items = [(path, leaf)]
             else:
+                if notes is not None:  # a function's result: read every time
+                    notes.opaque = True
                 items = _expand(path, _callback_value(path, leaf, where), where=where)
         for sub, value in items:
             if sub in seen:
@@ -269,7 +355,10 @@ def host_values(summaries: object, *, where: str) -> HostValues:
             out = {}
         parts.append(Rows(paths, columns))
 
-    flatten_into(put, tree, "", "/", put_rows, _read_stacked)
+    def read_stacked(leaf: Leaf) -> _Entries | None:
+        return _read_stacked(leaf, notes)
+
+    flatten_into(put, tree, "", "/", put_rows, read_stacked)
     if out or not parts:
         parts.append(out)
     return HostValues(parts)
@@ -281,7 +370,9 @@ _Fields: TypeAlias = dict[str, ArrayTree]
 _Entries: TypeAlias = list[tuple[str, ArrayTree]]
 
 
-def _read_weighted(fields: _Fields, path: str, where: str) -> _Entries:
+def _read_weighted(
+    fields: _Fields, path: str, where: str, notes: Notes | None
+) -> _Entries:
     mean, weight = fields["mean"], fields["weight"]
     if np.shape(weight) not in ((), np.shape(mean)):
         # `validate`'s message, without building the summary again.
@@ -297,20 +388,29 @@ def _read_weighted(fields: _Fields, path: str, where: str) -> _Entries:
             f"weights must not be negative, got {np.asarray(weight)!r}; a weight "
             "counts examples (use 0 to add nothing)."
         )
+    if notes is not None:
+        notes.weights.append(weight)
     return [(path, mean)]
 
 
-def _read_value(fields: _Fields, path: str, where: str) -> _Entries:
+def _read_value(
+    fields: _Fields, path: str, where: str, notes: Notes | None
+) -> _Entries:
     return [(path, fields["value_"])]
 
 
-def _read_moments(fields: _Fields, path: str, where: str) -> _Entries:
+def _read_moments(
+    fields: _Fields, path: str, where: str, notes: Notes | None
+) -> _Entries:
     count = np.asarray(fields["count"])
     m2 = np.asarray(fields["m2"])
+    var = variance(m2, count)
+    if notes is not None:
+        notes.made(var, variance, m2, count)
     return [
         (f"{path}/count", count),
         (f"{path}/mean", fields["mean"]),
-        (f"{path}/variance", m2 / np.maximum(count, 1).astype(m2.dtype)),
+        (f"{path}/variance", var),
         (f"{path}/min", fields["min_"]),
         (f"{path}/max", fields["max_"]),
         (f"{path}/nonfinite", fields["nonfinite"]),
@@ -320,7 +420,7 @@ def _read_moments(fields: _Fields, path: str, where: str) -> _Entries:
 #: The built-in kinds whose values are read from their fields (`leaf.__dict__`:
 #: Equinox's `Module.__getattribute__` costs ~1 µs per field read), by exact type
 #: (the kinds are final). The same values as `_host_value`, and `validate`'s check.
-_READERS: dict[type, Callable[[_Fields, str, str], _Entries]] = {
+_READERS: dict[type, Callable[[_Fields, str, str, Notes | None], _Entries]] = {
     WeightedSummary: _read_weighted,
     MinSummary: _read_value,
     MaxSummary: _read_value,
@@ -332,29 +432,31 @@ _READERS: dict[type, Callable[[_Fields, str, str], _Entries]] = {
 #: The built-in kinds read whole from a per-iteration entry's stacked fields (NumPy,
 #: iteration axis first): the same paths and values as `_READERS` per iteration.
 #: None where an iteration would raise, so that the per-iteration read names it.
-_STACKED_READERS: dict[type, Callable[[_Fields], _Entries | None]] = {
-    WeightedSummary: lambda fields: _stacked_weighted(fields),
-    MinSummary: lambda fields: [("", fields["value_"])],
-    MaxSummary: lambda fields: [("", fields["value_"])],
-    SumSummary: lambda fields: [("", fields["value_"])],
-    MomentsSummary: lambda fields: [
+_STACKED_READERS: dict[type, Callable[[_Fields, Notes | None], _Entries | None]] = {
+    WeightedSummary: lambda fields, notes: _stacked_weighted(fields, notes),
+    MinSummary: lambda fields, notes: [("", fields["value_"])],
+    MaxSummary: lambda fields, notes: [("", fields["value_"])],
+    SumSummary: lambda fields, notes: [("", fields["value_"])],
+    MomentsSummary: lambda fields, notes: [
         (suffix[len("x") :], value)
-        for suffix, value in _read_moments(fields, "x", "stacked")
+        for suffix, value in _read_moments(fields, "x", "stacked", notes)
     ],
 }
 
 
-def _stacked_weighted(fields: _Fields) -> _Entries | None:
+def _stacked_weighted(fields: _Fields, notes: Notes | None) -> _Entries | None:
     mean, weight = np.asarray(fields["mean"]), np.asarray(fields["weight"])
     if weight.shape[1:] not in ((), mean.shape[1:]) or bool(np.any(weight < 0)):
         return None
+    if notes is not None:
+        notes.weights.append(weight)
     return [("", mean)]
 
 
-def _read_stacked(leaf: Leaf) -> _Entries | None:
+def _read_stacked(leaf: Leaf, notes: Notes | None) -> _Entries | None:
     """`(suffix, column)` of a built-in summary with stacked fields, or None."""
     read = _STACKED_READERS.get(type(leaf))
-    entries = None if read is None else read(leaf.__dict__)
+    entries = None if read is None else read(leaf.__dict__, notes)
     if entries is None:
         return None
     for _, column in entries:
@@ -363,14 +465,16 @@ def _read_stacked(leaf: Leaf) -> _Entries | None:
     return entries
 
 
-def _device_get(tree: ArrayTree) -> ArrayTree:
+def _device_get(tree: list[Leaf], signature: object = None) -> list[Leaf]:
     """`jax.device_get(tree)` (one process), at a fraction of its cost per array.
+
+    `signature`: a hashable key for the shapes, dtypes and shardings of the arrays.
 
     `eqxctx.writers._fetch.device_get`: one transfer per dtype for the small arrays
     (~1.5 µs per array), the others started together (`copy_to_host_async`) and
     read with `numpy.asarray` (~7 µs per array; `jax.device_get` takes ~12 µs).
     """
-    return device_get(tree)
+    return device_get_leaves(tree, signature)
 
 
 @functools.cache
@@ -381,8 +485,13 @@ def _is_plain(cls: type) -> bool:
 
 def summary_trees(summaries: object) -> object:
     """`summaries` with each `OutputCollection` replaced by its summaries mapping."""
-    if isinstance(summaries, OutputCollection):
-        return summaries.summaries
+    if isinstance(summaries, OutputCollection | FrozenMapping):
+        # A collection's level holds summary leaves only (no collection).
+        return (
+            summaries.summaries
+            if isinstance(summaries, OutputCollection)
+            else summaries
+        )
     if isinstance(summaries, Mapping):
         return {k: summary_trees(v) for k, v in summaries.items()}
     return summaries
@@ -428,7 +537,7 @@ def _host_value(leaf: Leaf) -> ArrayTree:
         return {
             "count": count,
             "mean": np.asarray(leaf.mean),
-            "variance": m2 / np.maximum(count, 1).astype(m2.dtype),
+            "variance": variance(m2, count),
             "min": np.asarray(leaf.min_),
             "max": np.asarray(leaf.max_),
             "nonfinite": np.asarray(leaf.nonfinite),

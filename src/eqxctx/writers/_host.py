@@ -1,12 +1,19 @@
-"""HostValues: one step's `{path: value}` on the host, per-iteration rows kept whole."""
+"""HostValues: one step's `{path: value}` on the host, per-iteration rows kept whole.
 
-from collections.abc import Iterator, Mapping
-from typing import TypeAlias
+And `Recipe`: how a write's `HostValues` are made from its fetched leaves, recorded
+from the full read of the first write of a structure and replayed for the next ones
+(writers read the same structure every step).
+"""
 
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeAlias
+
+import jax
 import numpy as np
 
 from eqxctx._statistics import HistogramSummary
-from eqxctx._summary import AudioSummary, ImageSummary
+from eqxctx._summary import AudioSummary, ImageSummary, Summary
+from eqxctx._typing import TreeDef
 
 
 #: A value ready to write: a NumPy array, or (kept whole, with NumPy fields) an
@@ -48,14 +55,18 @@ class HostValues(Mapping[str, HostValue]):
     a writer reads it.
     """
 
-    __slots__ = ("_dict", "_keys", "_parts")
+    __slots__ = ("_dict", "_keys", "_parts", "layout")
 
     # `list[Part]`: beartype samples a list's items with `random`, which hypothesis
     # forbids inside strategies; host values are made by writers, never in one.
-    def __init__(self, parts: list[Part]):
+    def __init__(self, parts: list[Part], layout: object = None):
         self._parts = parts
         self._dict: dict[str, HostValue] | None = None
         self._keys: frozenset[str] | None = None
+        #: The `Recipe` these values were replayed from, or None: the same object
+        #: for every write of one structure (same parts, paths and dtypes), so
+        #: writers may key their own formatting caches by it.
+        self.layout = layout
 
     @property
     def parts(self) -> list[Part]:
@@ -106,3 +117,165 @@ class HostValues(Mapping[str, HostValue]):
 
     def __repr__(self) -> str:
         return f"HostValues({self._full()!r})"
+
+
+def variance(m2: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """A `MomentsSummary`'s variance from its fields: `m2 / max(count, 1)`.
+
+    An array also for 0-d fields (where NumPy's division returns a scalar).
+    """
+    return np.asarray(m2 / np.maximum(count, 1).astype(m2.dtype))
+
+
+class Notes:
+    """What a full read records for a `Recipe`: the values it derived, the weights.
+
+    Each derived value is kept (with its sources) so that its `id` stays unique.
+    `opaque`: a value came from a function that must run at every read (a
+    `CallbackSummary`, a user's `Summary.value()`): no recipe.
+    """
+
+    __slots__ = ("derived", "opaque", "weights")
+
+    def __init__(self) -> None:
+        self.derived: dict[int, tuple[Callable[..., Any], tuple[object, ...]]] = {}
+        self.weights: list[object] = []
+        self.opaque = False
+
+    def made(self, result: Any, fn: Callable[..., Any], *sources: object) -> None:
+        """Record that `result` is `fn(*sources)` (sources: fetched leaves)."""
+        self.derived[id(result)] = (fn, (*sources, result))
+
+
+#: How a recipe makes one value: a leaf position, or `(fn, leaf positions)`.
+_Op: TypeAlias = int | tuple[Callable[..., Any], tuple[int, ...]]
+
+
+def _rebuild(treedef: TreeDef, *leaves: object) -> Summary:
+    """A media summary kept whole, from its fetched leaves; `validate`d."""
+    summary = treedef.unflatten(leaves)
+    type(summary).validate(summary)
+    return summary
+
+
+class Recipe:
+    """How one structure's `HostValues` are made from its fetched leaves.
+
+    Built by `make_recipe` from a full read (which raises on anything invalid), and
+    checked there to replay that read exactly. A replay re-checks what depends on
+    the values (no negative weight; media `validate()`) and returns None where a
+    check fails, so that the full read runs and raises, naming the path.
+    """
+
+    __slots__ = ("parts", "weights")
+
+    def __init__(
+        self,
+        parts: list[tuple[bool, tuple[str, ...], list[_Op]]],
+        weights: tuple[int, ...],
+    ):
+        self.parts = parts  # (rows?, paths, ops)
+        self.weights = weights
+
+    def replay(self, host: Sequence[Any]) -> HostValues | None:
+        """The `HostValues` of `host` (the fetched leaves), or None (read in full)."""
+        for k in self.weights:
+            if (host[k] < 0).any():
+                return None
+        parts: list[Part] = []
+        try:
+            for rows, paths, ops in self.parts:
+                values = [
+                    host[op] if type(op) is int else op[0](*[host[k] for k in op[1]])  # pyright: ignore[reportIndexIssue]
+                    for op in ops
+                ]
+                parts.append(
+                    Rows(paths, values)
+                    if rows
+                    else dict(zip(paths, values, strict=True))
+                )
+        except ValueError:  # a media summary's `validate`: read in full, which names it
+            return None
+        return HostValues(parts, self)
+
+
+def make_recipe(values: HostValues, host: list[Any], notes: Notes) -> Recipe | None:
+    """The recipe that makes `values` from `host` (the fetched leaves), or None.
+
+    None where a value's making is not known (e.g. a `CallbackSummary`'s result, a
+    per-iteration view) or a leaf object appears twice: such structures are read in
+    full every time.
+    """
+    positions = {id(x): k for k, x in enumerate(host)}
+    if notes.opaque or len(positions) != len(host):
+        return None
+
+    def op_of(value: object) -> _Op | None:
+        k = positions.get(id(value))
+        if k is not None:
+            return k
+        derived = notes.derived.get(id(value))
+        if derived is not None:
+            fn, sources = derived
+            ks = tuple(positions.get(id(x), -1) for x in sources[:-1])
+            return None if -1 in ks else (fn, ks)
+        if isinstance(value, _MEDIA):
+            leaves, treedef = jax.tree_util.tree_flatten(value)
+            ks = tuple(positions.get(id(x), -1) for x in leaves)
+            return None if -1 in ks else (lambda *xs: _rebuild(treedef, *xs), ks)
+        return None
+
+    parts: list[tuple[bool, tuple[str, ...], list[_Op]]] = []
+    for part in values.parts:
+        rows = isinstance(part, Rows)
+        paths = part.paths if isinstance(part, Rows) else tuple(part)
+        found = [
+            op_of(v)
+            for v in (part.columns if isinstance(part, Rows) else part.values())
+        ]
+        ops = [op for op in found if op is not None]
+        if len(ops) != len(found):
+            return None
+        parts.append((rows, paths, ops))
+    weights = tuple(positions.get(id(w), -1) for w in notes.weights)
+    if -1 in weights or any(type(host[k]) is not np.ndarray for k in weights):
+        return None
+    recipe = Recipe(parts, weights)
+    replayed = recipe.replay(host)
+    return recipe if replayed is not None and _same(replayed, values) else None
+
+
+_MEDIA = (ImageSummary, AudioSummary, HistogramSummary)
+
+
+def _same(a: HostValues, b: HostValues) -> bool:
+    """Whether two reads hold the same parts, paths and values (NaN equal to NaN)."""
+    if len(a.parts) != len(b.parts):
+        return False
+    for x, y in zip(a.parts, b.parts, strict=True):
+        if isinstance(x, Rows) != isinstance(y, Rows):
+            return False
+        if isinstance(x, Rows) and isinstance(y, Rows):
+            pairs = list(zip(x.columns, y.columns, strict=False))
+            if x.paths != y.paths or len(x.columns) != len(y.columns):
+                return False
+        elif isinstance(x, dict) and isinstance(y, dict):
+            if list(x) != list(y):
+                return False
+            pairs = list(zip(x.values(), y.values(), strict=True))
+        else:
+            return False
+        for u, v in pairs:
+            if u is v:
+                continue
+            leaves_u, def_u = jax.tree_util.tree_flatten(u)
+            leaves_v, def_v = jax.tree_util.tree_flatten(v)
+            if def_u != def_v or not all(
+                type(p) is np.ndarray
+                and type(q) is np.ndarray
+                and p.dtype == q.dtype
+                and np.array_equal(p, q, equal_nan=p.dtype.kind in "fc")
+                for p, q in zip(leaves_u, leaves_v, strict=True)
+            ):
+                return False
+    return True

@@ -1,0 +1,207 @@
+"""A write's read is replayed for a structure seen before; it equals the full read.
+
+`eqxctx.writers._base.host_values` reads the first write of a structure in full and
+records a `Recipe`; later writes of that structure replay it. The reference here is
+the full read itself (recipes switched off), on the same values.
+"""
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import eqxctx
+import eqxctx.writers._base as writers_base
+from eqxctx.writers import JsonlWriter, fetch_summaries
+
+
+def _scan_collection(xs: jax.Array) -> eqxctx.OutputCollection:
+    def body(c: jax.Array, x: jax.Array, ctx: eqxctx.Context) -> Any:
+        ctx = ctx.add_summary("raw", x * 2.0)
+        ctx = ctx.add_summary("w", eqxctx.WeightedSummary(x, jnp.abs(x) + 1.0))
+        ctx = ctx.add_summary("mx", eqxctx.MaxSummary(x))
+        ctx = ctx.add_summary("m", eqxctx.MomentsSummary(jnp.stack([x, -x, 2 * x])))
+        return c + x, None, ctx
+
+    return eqxctx.scan_in_context(
+        body, context=eqxctx.Context.root(), carry=jnp.float32(0), xs=xs
+    )[2]
+
+
+def _summaries(seed: int) -> dict[str, Any]:
+    """Every kind a recipe replays, with values that depend on `seed`."""
+    rng = np.random.default_rng(seed)
+    f = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    return {
+        "raw": f(),
+        "vector": f(3),
+        "py_float": float(rng.normal()),
+        "py_int": int(rng.integers(-5, 5)),
+        "np_scalar": np.float32(rng.normal()),
+        "np_array": rng.normal(size=(2,)).astype(np.float32),
+        "weighted": eqxctx.WeightedSummary(f(), jnp.float32(rng.uniform(0, 3))),
+        "min": eqxctx.MinSummary(jnp.asarray(rng.integers(-9, 9, 2), jnp.int32)),
+        "sum": eqxctx.SumSummary(f()),
+        "moments": eqxctx.MomentsSummary(f(5)),
+        "histogram": eqxctx.HistogramSummary(f(50), bins=4, range=(-2.0, 2.0)),
+        "image": eqxctx.ImageSummary(jnp.abs(f(2, 3, 4)) / 4.0),
+        "audio": eqxctx.AudioSummary(jnp.tanh(f(6)), sample_rate=8000),
+        "scan": _scan_collection(f(4)),
+    }
+
+
+def _leaves_equal(a: object, b: object) -> bool:
+    la, ta = jax.tree_util.tree_flatten(a)
+    lb, tb = jax.tree_util.tree_flatten(b)
+    return ta == tb and all(
+        type(x) is type(y)
+        and np.asarray(x).dtype == np.asarray(y).dtype
+        and np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True)
+        for x, y in zip(la, lb, strict=True)
+    )
+
+
+@pytest.fixture
+def full_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record each full read (its `where`); replays are not recorded."""
+    calls: list[str] = []
+    real = writers_base._read  # pyright: ignore[reportPrivateUsage]
+
+    def counting(*args: Any, where: str, **kwargs: Any) -> Any:
+        calls.append(where)
+        return real(*args, where=where, **kwargs)
+
+    monkeypatch.setattr(writers_base, "_read", counting)
+    writers_base._RECIPES.clear()  # pyright: ignore[reportPrivateUsage]
+    return calls
+
+
+def _without_recipes(fn: Callable[[], Any]) -> Any:
+    saved = writers_base.make_recipe
+    writers_base.make_recipe = lambda *args: None
+    try:
+        writers_base._RECIPES.clear()  # pyright: ignore[reportPrivateUsage]
+        return fn()
+    finally:
+        writers_base.make_recipe = saved
+        writers_base._RECIPES.clear()  # pyright: ignore[reportPrivateUsage]
+
+
+@settings(max_examples=10, deadline=None)
+@given(seeds=st.lists(st.integers(0, 2**31 - 1), min_size=2, max_size=4))
+def test_replayed_reads_equal_full_reads(seeds: list[int]) -> None:
+    trees = [_summaries(seed) for seed in seeds]
+    want = _without_recipes(lambda: [fetch_summaries(t) for t in trees])
+    writers_base._RECIPES.clear()  # pyright: ignore[reportPrivateUsage]
+    got = [fetch_summaries(t) for t in trees]
+    assert len(writers_base._RECIPES) == 1  # pyright: ignore[reportPrivateUsage]
+    (recipe,) = writers_base._RECIPES.values()  # pyright: ignore[reportPrivateUsage]
+    assert recipe is not None  # every kind here is replayed
+    for g, w in zip(got, want, strict=True):
+        assert list(g) == list(w)  # the same paths in the same order
+        for path in w:
+            assert _leaves_equal(g[path], w[path]), path
+
+
+def test_a_structure_is_read_in_full_once(
+    full_reads: list[str], tmp_path: Path
+) -> None:
+    with JsonlWriter(tmp_path / "s.jsonl") as writer:
+        for step in range(4):
+            writer.write(step, _summaries(step))
+    assert full_reads == ["JsonlWriter.write"]  # then three replays
+    lines = (tmp_path / "s.jsonl").read_text().splitlines()
+    assert len(lines) == 4
+
+    def full() -> None:
+        for step in range(4):
+            with JsonlWriter(tmp_path / f"{step}.jsonl") as w:
+                w.write(step, _summaries(step))
+
+    _without_recipes(full)
+    for step in range(4):  # byte for byte the text of a full read
+        assert lines[step] == (tmp_path / f"{step}.jsonl").read_text().strip()
+
+
+def test_a_negative_weight_in_a_replay_raises_naming_its_path(
+    full_reads: list[str],
+) -> None:
+    def tree(weight: float) -> dict[str, Any]:
+        return {"loss": eqxctx.WeightedSummary(jnp.float32(1.0), jnp.float32(weight))}
+
+    fetch_summaries(tree(2.0))
+    fetch_summaries(tree(3.0))
+    assert len(full_reads) == 1
+    with pytest.raises(ValueError, match=r"'loss'.*must not be negative"):
+        fetch_summaries(tree(-1.0))
+
+
+def test_a_negative_weight_in_replayed_rows_names_its_iteration(
+    full_reads: list[str],
+) -> None:
+    xs = jnp.arange(4.0)
+    fetch_summaries(_scan_collection(xs))
+    fetch_summaries(_scan_collection(xs + 1))
+    assert len(full_reads) == 1
+    stacked = {"w": eqxctx.WeightedSummary(xs, jnp.asarray([1.0, 1.0, -2.0, 1.0]))}
+    like = {"w": eqxctx.WeightedSummary(xs, jnp.ones(4))}
+    ok = eqxctx.OutputCollection({"iter": eqxctx.IterationSummaries(4, like)}, {}, {})
+    bad = eqxctx.OutputCollection(
+        {"iter": eqxctx.IterationSummaries(4, stacked)}, {}, {}
+    )
+    fetch_summaries(ok)
+    fetch_summaries(ok)
+    with pytest.raises(ValueError, match=r"'iter2/w'.*must not be negative"):
+        fetch_summaries(bad)
+
+
+def test_media_are_still_validated_after_a_replay(full_reads: list[str]) -> None:
+    audio = jnp.zeros(8)
+    fetch_summaries({"a": eqxctx.AudioSummary(audio, sample_rate=8000)})
+    fetch_summaries({"a": eqxctx.AudioSummary(audio + 1, sample_rate=8000)})
+    assert len(full_reads) == 1
+    # The sample rate is static: another rate is another structure, read in full.
+    with pytest.raises(ValueError, match=r"'a'.*sample_rate"):
+        fetch_summaries({"a": eqxctx.AudioSummary(audio, sample_rate=0)})
+
+
+def test_callback_summaries_run_at_every_write(full_reads: list[str]) -> None:
+    calls: list[float] = []
+
+    def fn(x: np.ndarray) -> np.ndarray:
+        calls.append(float(x))
+        return x  # its argument itself: still run at every write
+
+    for step in range(3):
+        out = fetch_summaries({"c": eqxctx.CallbackSummary(fn, jnp.float32(step))})
+        assert float(np.asarray(out["c"])) == step
+    assert calls == [0.0, 1.0, 2.0]
+    assert len(full_reads) == 3  # a function's result is never replayed
+
+
+def test_one_array_in_two_places_then_two_arrays(full_reads: list[str]) -> None:
+    # Values go by position: a recipe made when one array filled two places (or
+    # the full read, where the leaves were one object) gives each place its own.
+    for a, b in [(1.0, 1.0), (2.0, 2.0), (3.0, -3.0), (4.0, 4.0)]:
+        x = jnp.float32(a)
+        y = x if a == b else jnp.float32(b)
+        out = fetch_summaries({"a": x, "b": y, "c": jnp.float32(-a)})
+        assert {k: float(np.asarray(v)) for k, v in out.items()} == {
+            "a": a,
+            "b": b,
+            "c": -a,
+        }
+
+
+def test_a_new_shape_or_dtype_is_a_new_structure(full_reads: list[str]) -> None:
+    for x in (jnp.zeros(2), jnp.ones(2), jnp.zeros(3), jnp.zeros(3, jnp.int32)):
+        out = fetch_summaries({"x": x})
+        got = np.asarray(out["x"])
+        np.testing.assert_array_equal(got, np.asarray(x))
+        assert got.dtype == x.dtype
+    assert len(full_reads) == 3  # (2,) float32 twice, (3,) float32, (3,) int32
