@@ -18,6 +18,7 @@ from hypothesis import given, settings, strategies as st
 import eqxctx
 import eqxctx.writers._base as writers_base
 from eqxctx.writers import JsonlWriter, fetch_summaries
+from eqxctx.writers._jsonl import json_line
 
 
 def _scan_collection(xs: jax.Array) -> eqxctx.OutputCollection:
@@ -25,6 +26,10 @@ def _scan_collection(xs: jax.Array) -> eqxctx.OutputCollection:
         ctx = ctx.add_summary("raw", x * 2.0)
         ctx = ctx.add_summary("w", eqxctx.WeightedSummary(x, jnp.abs(x) + 1.0))
         ctx = ctx.add_summary("mx", eqxctx.MaxSummary(x))
+        ctx = ctx.add_summary("positive", x > 0)
+        ctx = ctx.add_summary(
+            "n", eqxctx.SumSummary(jnp.round(x * 100).astype(jnp.int32))
+        )
         ctx = ctx.add_summary("m", eqxctx.MomentsSummary(jnp.stack([x, -x, 2 * x])))
         return c + x, None, ctx
 
@@ -47,6 +52,8 @@ def _summaries(seed: int) -> dict[str, Any]:
         "weighted": eqxctx.WeightedSummary(f(), jnp.float32(rng.uniform(0, 3))),
         "min": eqxctx.MinSummary(jnp.asarray(rng.integers(-9, 9, 2), jnp.int32)),
         "sum": eqxctx.SumSummary(f()),
+        "tiny": f() * 1e-30,
+        "flag": jnp.asarray(rng.integers(0, 2), bool),
         "moments": eqxctx.MomentsSummary(f(5)),
         "histogram": eqxctx.HistogramSummary(f(50), bins=4, range=(-2.0, 2.0)),
         "image": eqxctx.ImageSummary(jnp.abs(f(2, 3, 4)) / 4.0),
@@ -92,11 +99,20 @@ def _without_recipes(fn: Callable[[], Any]) -> Any:
         writers_base._RECIPES.clear()  # pyright: ignore[reportPrivateUsage]
 
 
+def _line(tree: Any) -> str:
+    values = writers_base.host_values(tree, where="test")
+    return json_line(writers_base.HostSummaries(7, values))
+
+
 @settings(max_examples=10, deadline=None)
 @given(seeds=st.lists(st.integers(0, 2**31 - 1), min_size=2, max_size=4))
 def test_replayed_reads_equal_full_reads(seeds: list[int]) -> None:
     trees = [_summaries(seed) for seed in seeds]
     want = _without_recipes(lambda: [fetch_summaries(t) for t in trees])
+    want_lines = _without_recipes(lambda: [_line(t) for t in trees])
+    writers_base._RECIPES.clear()  # pyright: ignore[reportPrivateUsage]
+    got_lines = [_line(t) for t in trees]  # JSON lines from the replayed layout
+    assert got_lines == want_lines
     writers_base._RECIPES.clear()  # pyright: ignore[reportPrivateUsage]
     got = [fetch_summaries(t) for t in trees]
     assert len(writers_base._RECIPES) == 1  # pyright: ignore[reportPrivateUsage]

@@ -4,7 +4,7 @@ import json
 import operator
 import os
 from collections.abc import Iterable
-from typing import IO, Literal, TypeAlias
+from typing import IO, Literal, TypeAlias, cast
 
 import numpy as np
 import orjson
@@ -13,7 +13,7 @@ from eqxctx._statistics import HistogramSummary
 from eqxctx._summary import AudioSummary, ImageSummary
 
 from ._base import AbstractWriter, HostSummaries, is_writing_process
-from ._host import HostValue, HostValues, Rows
+from ._host import HostValue, HostValues, Part, Rows
 
 
 _POW10 = 10.0 ** np.arange(23)
@@ -176,6 +176,10 @@ def json_line(host: HostSummaries) -> str:
     stacked arrays: keys from a per-layout cache, values converted in one pass.
     """
     values = host.values
+    if isinstance(values, HostValues) and values.layout is not None:
+        plan = _line_plan(values)
+        if plan is not None:
+            return plan.line(host.step, values.parts)
     parts = values.parts if isinstance(values, HostValues) else [dict(values)]
     pieces = [f'"step": {host.step}']
     for part in parts:
@@ -183,6 +187,121 @@ def json_line(host: HostSummaries) -> str:
         if text:
             pieces.append(text)
     return "{" + ", ".join(pieces) + "}"
+
+
+class _LinePlan:
+    """How to write the values of one layout (`HostValues.layout`) as a line.
+
+    The `"path": ` keys in order, computed once; every float32 scalar of the line
+    (a dict's 0-d values, the float32 columns of `Rows`) converted by one
+    `float32_texts` call; the other values one by one (a dict's) or per column.
+    """
+
+    __slots__ = ("columns", "floats", "keys", "positions", "singles")
+
+    def __init__(self, values: HostValues):
+        self.keys: list[str] = []
+        #: `(part index, float32 column indices of Rows, paths of a dict's float32
+        #: scalars)`, one list empty, in the order they are gathered.
+        self.floats: list[tuple[int, list[int], list[str]]] = []
+        self.positions: list[int] = []  # of the gathered floats in the line
+        self.singles: list[tuple[int, int, str]] = []  # (position, part, path)
+        self.columns: list[tuple[list[int], int, int]] = []  # (positions, part, j)
+        for k, part in enumerate(values.parts):
+            start = len(self.keys)
+            self.keys += [json.dumps(path) + ": " for path in _paths(part)]
+            if isinstance(part, Rows):
+                width = len(part.columns)
+                rows = len(part.paths) // width if width else 0
+                floats = [j for j, c in enumerate(part.columns) if _is_float32(c.dtype)]
+                if floats:
+                    self.floats.append((k, floats, []))
+                    self.positions += [
+                        start + i * width + j for i in range(rows) for j in floats
+                    ]
+                for j, c in enumerate(part.columns):
+                    if not _is_float32(c.dtype):
+                        where = [start + i * width + j for i in range(rows)]
+                        self.columns.append((where, k, j))
+                continue
+            scalars: list[str] = []
+            for i, (path, value) in enumerate(part.items()):
+                if _is_float32_scalar(value):
+                    scalars.append(path)
+                    self.positions.append(start + i)
+                else:
+                    self.singles.append((start + i, k, path))
+            if scalars:
+                self.floats.append((k, [], scalars))
+
+    def line(self, step: int, parts: list[Part]) -> str:
+        """The line of one step whose values have this plan's layout."""
+        texts = [""] * len(self.keys)
+        if self.floats:
+            chunks: list[np.ndarray] = []
+            for k, floats, scalars in self.floats:
+                part = parts[k]
+                if floats:
+                    columns = cast(Rows, part).columns
+                    chunks.append(
+                        np.stack([columns[j] for j in floats], axis=1).reshape(-1)
+                    )
+                else:
+                    values = cast(dict[str, HostValue], part)
+                    chunks.append(
+                        np.fromiter(
+                            (values[p] for p in scalars), np.float32, len(scalars)
+                        )
+                    )
+            flat = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+            for p, text in zip(self.positions, float32_texts(flat), strict=True):
+                texts[p] = text
+        for p, k, path in self.singles:
+            value = cast(dict[str, HostValue], parts[k])[path]
+            texts[p] = json.dumps(record_value(value))
+        for where, k, j in self.columns:
+            column = cast(Rows, parts[k]).columns[j]
+            for p, text in zip(where, _column_texts(column), strict=True):
+                texts[p] = text
+        body = ", ".join(map(operator.add, self.keys, texts))
+        return f'{{"step": {step}, {body}}}' if body else f'{{"step": {step}}}'
+
+
+def _paths(part: Part) -> Iterable[str]:
+    return part.paths if isinstance(part, Rows) else part
+
+
+def _is_float32_scalar(value: HostValue) -> bool:
+    return (
+        type(value) is np.ndarray
+        and value.ndim == 0
+        and value.dtype.kind == "f"
+        and value.dtype.itemsize <= 4
+    )
+
+
+#: `id(layout)` -> `(layout, its plan)` (None: written part by part); the layout is
+#: held, so its id stays its own.
+_PLANS: dict[int, tuple[object, _LinePlan | None]] = {}
+
+
+def _line_plan(values: HostValues) -> _LinePlan | None:
+    entry = _PLANS.get(id(values.layout))
+    if entry is not None and entry[0] is values.layout:
+        return entry[1]
+    # Rows of scalars only (other rows are written as nested lists, part by part).
+    plan = (
+        None
+        if any(
+            isinstance(part, Rows) and any(c.ndim != 1 for c in part.columns)
+            for part in values.parts
+        )
+        else _LinePlan(values)
+    )
+    if len(_PLANS) >= 64:
+        _PLANS.clear()
+    _PLANS[id(values.layout)] = (values.layout, plan)
+    return plan
 
 
 # `'"path": '` of each path of a layout's rows, by the identity of the paths tuple
