@@ -174,11 +174,11 @@ def bench_components(width: int, batch_size: int) -> list[tuple[str, float]]:
 
     CPU time of the thread that runs the part (`time.thread_time`), alone (no step
     running beside it). The fetch reads arrays that were never read before (as in a
-    training loop), with one transfer per dtype (`eqxctx.writers._fetch`) and, for
-    comparison, one per array (as before it); `AsyncWriter.write` is what the
-    training thread pays with the background fetch. The TensorBoard write is timed
-    with tensorboardX's checksums in C (the `crc32c` package, when installed) and in
-    its own pure Python.
+    training loop), with one transfer per width of raw bits
+    (`eqxctx.writers._fetch`) and, for comparison, one per array (as before it);
+    `AsyncWriter.write` is what the training thread pays with the background fetch.
+    The TensorBoard write is timed with tensorboardX's checksums in C (the `crc32c`
+    package, when installed) and in its own pure Python.
     """
     import tensorboardX.crc32c as tbx_crc  # the `tensorboard` extra
     import tensorboardX.record_writer as tbx_record
@@ -232,7 +232,7 @@ def bench_components(width: int, batch_size: int) -> list[tuple[str, float]]:
         try:  # interleaved rounds: batched, then array by array (-1: no batching)
             fetches = interleaved(
                 {
-                    "fetch, one transfer per dtype": fetch_with(saved_size),
+                    "fetch, one transfer per width": fetch_with(saved_size),
                     "fetch, one transfer per array (before)": fetch_with(-1),
                 }
             )

@@ -44,6 +44,10 @@ def mixed_tree() -> dict[str, Any]:
     }
 
 
+def arrays_of(tree: Any) -> list[jax.Array]:
+    return [x for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array)]
+
+
 def assert_same_bits(got: Any, want: Any) -> None:
     got_leaves, got_def = jax.tree_util.tree_flatten(got)
     want_leaves, want_def = jax.tree_util.tree_flatten(want)
@@ -58,7 +62,7 @@ def assert_same_bits(got: Any, want: Any) -> None:
             assert g == w
 
 
-def test_same_bits_as_device_get_and_one_transfer_per_dtype() -> None:
+def test_same_bits_as_device_get_and_one_transfer_per_width() -> None:
     tree = mixed_tree()
     want = jax.device_get(tree)
     first = fetch.device_get(tree)  # first sighting: array by array, no plan
@@ -69,9 +73,12 @@ def test_same_bits_as_device_get_and_one_transfer_per_dtype() -> None:
     assert_same_bits(second, want)
     (plan,) = fetch._plans.values()  # pyright: ignore[reportPrivateUsage]
     assert plan is not None
-    # One flat output per dtype: f32 (6 arrays), i32 (2), bool, u8, f16, bf16.
-    assert len(plan.splits) == 6
-    assert sorted(len(items) for items in plan.splits) == [1, 1, 1, 1, 2, 6]
+    # One flat output per width of raw bits: 32 (six f32 arrays and two i32), 16
+    # (f16, bf16), 8 (u8); and bool, as it is.
+    assert len(plan.splits) == 4
+    assert sorted(len(items) for items in plan.splits) == [1, 1, 2, 8]
+    outs = plan.fn([arrays_of(tree)[k] for k in plan.batched])
+    assert sorted(str(x.dtype) for x in outs) == ["bool", "uint16", "uint32", "uint8"]
     arrays = [x for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array)]
     large = [i for i, x in enumerate(arrays) if x.size > fetch.MAX_BATCHED_SIZE]
     assert plan.alone == tuple(large)

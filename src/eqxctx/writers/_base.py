@@ -470,7 +470,7 @@ def _device_get(tree: list[Leaf], signature: object = None) -> list[Leaf]:
 
     `signature`: a hashable key for the shapes, dtypes and shardings of the arrays.
 
-    `eqxctx.writers._fetch.device_get`: one transfer per dtype for the small arrays
+    `eqxctx.writers._fetch.device_get`: one transfer per width for the small arrays
     (~1.5 µs per array), the others started together (`copy_to_host_async`) and
     read with `numpy.asarray` (~7 µs per array; `jax.device_get` takes ~12 µs).
     """

@@ -1,13 +1,15 @@
-"""One process: fetch a write's arrays with one device-to-host transfer per dtype.
+"""One process: fetch a write's arrays with one device-to-host transfer per width.
 
 A write of a training step's summaries reads a few dozen small arrays. Reading them
 one by one costs ~7 µs of Python per array (start each transfer with
 `copy_to_host_async`, then `numpy.asarray`; `jax.device_get` costs ~12 µs); a
-cached `jax.jit` that ravels and concatenates the small arrays of each dtype costs
-one dispatch (~10 µs) plus ~1.5 µs per array, and one transfer per dtype, split back
-into the per-leaf arrays as NumPy views (measured on CPU, jax 0.10: 16 arrays, 112
-vs 37 µs). On an accelerator it also replaces one small device-to-host copy per
-array by one per dtype. The values are the same bits (a concatenation copies them).
+cached `jax.jit` that ravels and concatenates the small arrays costs one dispatch
+(~10 µs) plus ~1.5 µs per array, and one transfer per output, split back into the
+per-leaf arrays as NumPy views (measured on CPU, jax 0.10: 16 arrays, 112 vs 37 µs).
+Integer and floating arrays travel as raw bits of their width (float32 and int32 in
+one `uint32` array; `jax.lax.bitcast_convert_type`), so a step's summaries are
+usually one transfer: on a TPU each device-to-host copy waits ~0.6 ms. The values
+are the same bits (a concatenation and a bitcast copy them).
 """
 
 from collections.abc import Callable, Hashable
@@ -35,14 +37,16 @@ class _Plan(NamedTuple):
 
     Attributes:
         batched: the array positions (in the list of arrays) passed to `fn`.
-        fn: the jitted function: the batched arrays -> one flat array per dtype.
-        splits: per output of `fn`, `(position, start, stop, shape)` of each array.
+        fn: the jitted function: the batched arrays -> one flat array per width
+            (raw bits) or dtype.
+        splits: per output of `fn`, `(position, start, stop, shape, dtype)` of each
+            array (a view of the output's bits as `dtype`).
         alone: the array positions fetched one by one.
     """
 
     batched: tuple[int, ...]
     fn: Callable[[list[jax.Array]], list[jax.Array]]
-    splits: tuple[tuple[tuple[int, int, int, tuple[int, ...]], ...], ...]
+    splits: tuple[tuple[tuple[int, int, int, tuple[int, ...], DType], ...], ...]
     alone: tuple[int, ...]
 
 
@@ -65,6 +69,20 @@ def _batchable(x: jax.Array, sharding: jax.sharding.Sharding) -> bool:
     )
 
 
+#: Integer and floating dtypes sent as raw bits, by width: their arrays share one
+#: transfer per width (float32 and int32 values in one `uint32` array), each read
+#: back as a NumPy view of its own dtype. Other dtypes (bool, complex, sub-byte
+#: and 8-bit float types) are sent one transfer per dtype, as they are.
+_BITS: dict[DType, DType] = {
+    np.dtype(t): np.dtype(f"uint{8 * np.dtype(t).itemsize}")
+    for t in (
+        np.int8, np.int16, np.int32, np.int64,
+        np.uint8, np.uint16, np.uint32, np.uint64,
+        np.float16, np.float32, np.float64, jnp.bfloat16,
+    )
+}  # fmt: skip
+
+
 def _make_plan(arrays: list[jax.Array]) -> _Plan | None:
     """The plan for `arrays`, or None where batching saves nothing (< 2 arrays)."""
     first = arrays[0].sharding
@@ -75,15 +93,21 @@ def _make_plan(arrays: list[jax.Array]) -> _Plan | None:
     groups: dict[DType, list[int]] = {}
     for i, x in enumerate(arrays):
         if _batchable(x, first):
-            groups.setdefault(x.dtype, []).append(i)
+            groups.setdefault(_BITS.get(x.dtype, x.dtype), []).append(i)
     batched = tuple(i for group in groups.values() for i in group)
     if len(batched) < 2:
         return None
     order = {i: k for k, i in enumerate(batched)}
-    slots = [[order[i] for i in group] for group in groups.values()]
+    slots = [([order[i] for i in group], dtype) for dtype, group in groups.items()]
+
+    def raw(x: jax.Array, dtype: DType) -> jax.Array:
+        x = jnp.ravel(x)
+        return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
 
     def concatenate(xs: list[jax.Array]) -> list[jax.Array]:
-        return [jnp.concatenate([jnp.ravel(xs[k]) for k in slot]) for slot in slots]
+        return [
+            jnp.concatenate([raw(xs[k], dtype) for k in slot]) for slot, dtype in slots
+        ]
 
     splits = []
     for group in groups.values():
@@ -91,7 +115,7 @@ def _make_plan(arrays: list[jax.Array]) -> _Plan | None:
         for i in group:
             shape = tuple(arrays[i].shape)
             stop = start + int(np.prod(shape, dtype=np.int64))
-            items.append((i, start, stop, shape))
+            items.append((i, start, stop, shape, np.dtype(arrays[i].dtype)))
             start = stop
         splits.append(tuple(items))
     alone = tuple(i for i in range(len(arrays)) if i not in order)
@@ -115,7 +139,7 @@ def _plan(arrays: list[jax.Array], signature: Hashable | None) -> _Plan | None:
 def device_get(tree: ArrayTree) -> ArrayTree:
     """`jax.device_get(tree)` for one process: NumPy arrays, other leaves as they are.
 
-    Small arrays with one replicated sharding are fetched in one transfer per dtype
+    Small arrays with one replicated sharding are fetched in one transfer per width
     (from the second write of the same signature: shapes, dtypes, shardings); the
     others (large ones, typed PRNG keys, other shardings) each start their transfer
     (`copy_to_host_async`) and are read with `numpy.asarray`. Anything unusual is
@@ -145,13 +169,18 @@ def device_get_leaves(
             host = [np.asarray(x) for x in arrays]
         else:
             outs = plan.fn([arrays[k] for k in plan.batched])
+            for x in outs:  # the copies overlap (on an accelerator, each waits)
+                x.copy_to_host_async()
             for k in plan.alone:
                 arrays[k].copy_to_host_async()
             host: list[np.ndarray | None] = [None] * len(arrays)
             for out, items in zip(outs, plan.splits, strict=True):
                 flat = np.asarray(out)
-                for k, start, stop, shape in items:
-                    host[k] = flat[start:stop].reshape(shape)
+                for k, start, stop, shape, dtype in items:
+                    part = flat[start:stop]
+                    if part.dtype != dtype:
+                        part = part.view(dtype)
+                    host[k] = part.reshape(shape)
             for k in plan.alone:
                 host[k] = np.asarray(arrays[k])
     except Exception:  # anything unusual (e.g. a key array): JAX's own errors
