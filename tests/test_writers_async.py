@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import eqxctx
+import eqxctx.writers._base as writers_base
 from eqxctx.writers import (
     AbstractWriter,
     AsyncWriter,
@@ -169,6 +170,46 @@ def test_async_defer_fetch_fetches_one_step_late() -> None:
     w.write(2, {"x": 2.0})
     w.close()  # writes the deferred step
     assert inner.steps == [0, 1, 2]
+
+
+def test_defer_fetch_starts_each_steps_copies_at_its_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[int] = []
+    real_start = writers_base.start
+
+    def recording(leaves: list[Any], *args: Any) -> Any:
+        started.append(len(leaves))
+        return real_start(leaves, *args)
+
+    monkeypatch.setattr(writers_base, "start", recording)
+    step_fn = jax.jit(lambda i: {"x": i * 0.5, "v": jnp.stack([i, -i]), "n": i > 2})
+    path = tmp_path / "s.jsonl"
+    with AsyncWriter(JsonlWriter(path), defer_fetch=True) as w:
+        for step in range(5):
+            w.write(step, step_fn(jnp.float32(step)))
+            assert started == [3] * (step + 1)  # this step's copies run from now
+    want = [
+        {"step": i, "x": i * 0.5, "v": [float(i), -float(i)], "n": int(i > 2)}
+        for i in range(5)
+    ]
+    assert read_jsonl(path) == want
+
+
+def test_defer_fetch_hands_a_writer_with_its_own_fetch_the_summaries() -> None:
+    seen: list[type] = []
+
+    class OwnFetch(Recorder):
+        def fetch(self, step: Any, summaries: Any) -> HostSummaries:
+            seen.append(type(summaries))
+            return super().fetch(step, summaries)
+
+    inner = OwnFetch()
+    with AsyncWriter(inner, defer_fetch=True) as w:
+        w.write(0, {"x": jnp.float32(1)})
+        w.write(1, {"x": jnp.float32(2)})
+    assert seen == [dict, dict]  # not the prefetched form: its `fetch` is its own
+    assert inner.steps == [0, 1]
 
 
 def test_async_errors_on_the_calling_thread() -> None:

@@ -27,11 +27,14 @@ from eqxctx._summary import (
 from ._base import (
     AbstractWriter,
     HostSummaries,
+    Prefetched,
     Step,
     Summaries,
     check_positive_int,
     check_step,
+    fetch_host,
     is_writing_process,
+    prefetch,
 )
 
 
@@ -194,7 +197,10 @@ class AsyncWriter(AbstractWriter):
             closes it.
         max_pending: the most steps waiting for the thread (>= 1).
         defer_fetch: where the calling thread fetches (the default; several
-            processes), fetch each step at the next write, one step late.
+            processes), fetch each step at the next write, one step late. In one
+            process, a step's copies to the host start at its own write and run
+            during the next step (where the wrapped writer's `fetch` is
+            `AbstractWriter.fetch`, as for the writers here and `MultiWriter`).
         background_fetch: in a one-process run, fetch on the background thread
             (errors in the summaries then surface at the next call).
 
@@ -231,7 +237,7 @@ class AsyncWriter(AbstractWriter):
         self.defer_fetch = defer_fetch
         self.background_fetch = background_fetch
         self._queue: queue.Queue[_Job] = queue.Queue(self.max_pending)
-        self._deferred: tuple[int, Summaries] | None = None
+        self._deferred: tuple[int, Summaries | Prefetched] | None = None
         self._error: BaseException | None = None
         self._error_step: int | None = None
         self._reported = False
@@ -289,13 +295,18 @@ class AsyncWriter(AbstractWriter):
         pending, self._deferred = self._deferred, None
         self._fetch_pending(pending)
 
-    def _fetch_pending(self, pending: tuple[int, Summaries] | None) -> None:
+    def _fetch_pending(
+        self, pending: tuple[int, Summaries | Prefetched] | None
+    ) -> None:
         """Fetch and queue a deferred step; an error raised names that step."""
         if pending is None:
             return
         step, trees = pending
         try:
-            host = self.writer.fetch(step, trees)
+            if type(trees) is Prefetched:  # the writer's fetch is AbstractWriter's
+                host = fetch_host(self.writer, step, trees)
+            else:
+                host = self.writer.fetch(step, cast(Summaries, trees))
         except Exception as e:
             e.add_note(
                 f"Raised by eqxctx's AsyncWriter(defer_fetch=True) fetching step "
@@ -327,6 +338,9 @@ class AsyncWriter(AbstractWriter):
         elif self.defer_fetch:
             # Stored before the previous step is fetched: an error in that one
             # (raised here, naming its step) does not lose this one.
+            if type(self.writer).fetch is AbstractWriter.fetch:
+                # Its copies to the host start now and end during the next step.
+                trees = prefetch(trees)
             previous, self._deferred = self._deferred, (checked, trees)
             self._fetch_pending(previous)
         else:

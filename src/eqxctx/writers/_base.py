@@ -6,7 +6,7 @@ import functools
 import operator
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from types import TracebackType
-from typing import SupportsIndex, TypeAlias, TypeVar
+from typing import NamedTuple, SupportsIndex, TypeAlias, TypeVar
 
 import jax
 import numpy as np
@@ -27,9 +27,9 @@ from eqxctx._summary import (
     WeightedSummary,
 )
 from eqxctx._transfer import to_host
-from eqxctx._typing import ArrayTree, Leaf, SummaryTree
+from eqxctx._typing import ArrayTree, Leaf, SummaryTree, TreeDef
 
-from ._fetch import device_get_leaves
+from ._fetch import Started, device_get_leaves, finish, start
 from ._host import (
     HostValue,
     HostValues,
@@ -211,17 +211,22 @@ def host_values(summaries: object, *, where: str) -> HostValues:
     """
     # One fetch of the summary trees first (module outputs and state updates stay on
     # the device), so that per-iteration views index NumPy arrays on the host.
-    trees = summary_trees(summaries)
-    if jax.process_count() > 1:
-        # `to_host` reads replicated arrays from a local shard and all-gathers
-        # arrays split over the processes.
-        return _read(to_host(trees), trees, where=where, notes=None)
-    # One process: one batched transfer. The first read of a structure is made in
-    # full and recorded (`Recipe`); the next reads of that structure replay it.
-    leaves, treedef = jax.tree_util.tree_flatten(trees)
-    key = _recipe_key(treedef, leaves)
+    if type(summaries) is Prefetched:
+        trees, leaves, treedef, key, started = summaries
+    else:
+        trees = summary_trees(summaries)
+        if jax.process_count() > 1:
+            # `to_host` reads replicated arrays from a local shard and all-gathers
+            # arrays split over the processes.
+            return _read(to_host(trees), trees, where=where, notes=None)
+        # One process: one batched transfer.
+        leaves, treedef = jax.tree_util.tree_flatten(trees)
+        key = _recipe_key(treedef, leaves)
+        started = None
+    # The first read of a structure is made in full and recorded (`Recipe`); the
+    # next reads of that structure replay it.
     recipe = _RECIPES.get(key, _UNSEEN) if key is not None else None
-    host = _device_get(leaves, key)
+    host = finish(started) if started is not None else _device_get(leaves, key)
     if type(recipe) is Recipe:
         values = recipe.replay(host)
         if values is not None:
@@ -233,6 +238,40 @@ def host_values(summaries: object, *, where: str) -> HostValues:
             _RECIPES.clear()
         _RECIPES[key] = make_recipe(values, host, notes)
     return values
+
+
+class Prefetched(NamedTuple):
+    """Summaries whose copies to the host have started (`prefetch`), to fetch later.
+
+    `fetch_host` (and `host_values`) accept one in place of the summaries it
+    stands for.
+    """
+
+    trees: object
+    leaves: list[Leaf]
+    treedef: TreeDef
+    key: object
+    started: Started
+
+
+def prefetch(summaries: Summaries) -> Summaries | Prefetched:
+    """Start copying `summaries` to the host; return what to `fetch` later.
+
+    In one process, a `Prefetched` whose device-to-host copies run while the caller
+    goes on (`AsyncWriter(defer_fetch=True)` fetches step n at the write of step
+    n + 1: the copies are then done). With several processes (the fetch is a
+    collective) or summaries it cannot read, `summaries` itself. Never raises: the
+    fetch raises what there is to raise.
+    """
+    if jax.process_count() > 1:
+        return summaries
+    try:
+        trees = summary_trees(summaries)
+        leaves, treedef = jax.tree_util.tree_flatten(trees)
+        key = _recipe_key(treedef, leaves)
+    except Exception:  # e.g. a mapping that cannot be read: the fetch says why
+        return summaries
+    return Prefetched(trees, leaves, treedef, key, start(leaves, key))
 
 
 #: The most structures whose recipes are kept; past it the cache starts again.
@@ -618,11 +657,7 @@ class AbstractWriter(abc.ABC):
         Runs on every process (`eqxctx.to_host` all-gathers arrays split over
         processes). Raises as `write` does.
         """
-        where = f"{type(self).__name__}.write"
-        checked = check_step(step, where=where)
-        host = HostSummaries(checked, host_values(summaries, where=where))
-        self.check(host)
-        return host
+        return fetch_host(self, step, summaries)
 
     def check(self, host: HostSummaries) -> None:  # noqa: B027 - optional hook
         """Raise if `host` cannot be written (e.g. the writer is closed).
@@ -652,3 +687,14 @@ class AbstractWriter(abc.ABC):
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def fetch_host(
+    writer: AbstractWriter, step: Step, summaries: Summaries | Prefetched
+) -> HostSummaries:
+    """`AbstractWriter.fetch` of `writer`, also of `Prefetched` summaries."""
+    where = f"{type(writer).__name__}.write"
+    checked = check_step(step, where=where)
+    host = HostSummaries(checked, host_values(summaries, where=where))
+    writer.check(host)
+    return host

@@ -157,27 +157,74 @@ def device_get_leaves(
     `signature`, where given, stands for the shapes, dtypes and shardings of the JAX
     arrays among `leaves` (equal signatures: equal ones), saving their look-up.
     """
+    return finish(start(leaves, signature))
+
+
+class Started(NamedTuple):
+    """A fetch whose device-to-host copies have started (`start`; read by `finish`).
+
+    Attributes:
+        leaves: the leaves being fetched.
+        where: the positions of their JAX arrays.
+        plan: the batched plan, or None (each array copied alone).
+        outs: the plan's outputs (their copies started), or None.
+        failed: whether starting raised (`finish` then leaves it to
+            `jax.device_get`, which raises JAX's own error).
+    """
+
+    leaves: list[object]
+    where: list[int]
+    plan: _Plan | None
+    outs: list[jax.Array] | None
+    failed: bool
+
+
+def start(leaves: list[object], signature: Hashable | None = None) -> Started:
+    """Start the device-to-host copies of `leaves` (see `device_get_leaves`).
+
+    Never raises: an error is raised by `finish`.
+    """
     where = [i for i, x in enumerate(leaves) if is_jax_array_type(type(x))]
-    if not where:
-        return list(leaves)
     arrays: list[jax.Array] = [leaves[i] for i in where]  # pyright: ignore[reportAssignmentType]
     try:
         plan = _plan(arrays, signature) if len(arrays) > 1 else None
+        outs = None
         if plan is None:
             for x in arrays:
                 x.copy_to_host_async()
-            host = [np.asarray(x) for x in arrays]
         else:
             outs = plan.fn([arrays[k] for k in plan.batched])
             for x in outs:  # the copies overlap (on an accelerator, each waits)
                 x.copy_to_host_async()
             for k in plan.alone:
                 arrays[k].copy_to_host_async()
+    except Exception:  # anything unusual (e.g. a key array): JAX's own errors
+        return Started(leaves, where, None, None, True)
+    return Started(leaves, where, plan, outs, False)
+
+
+def finish(started: Started) -> list[object]:
+    """The fetched leaves of a `start`ed fetch (a new list).
+
+    Raises:
+        Exception: what `jax.device_get` raises for the leaves (e.g. a deleted
+            array), where anything failed.
+    """
+    leaves, where, plan, outs, failed = started
+    if not where:
+        return list(leaves)
+    arrays: list[jax.Array] = [leaves[i] for i in where]  # pyright: ignore[reportAssignmentType]
+    try:
+        if failed:
+            raise RuntimeError  # read again by `jax.device_get`, below
+        if plan is None or outs is None:
+            host = [np.asarray(x) for x in arrays]
+        else:
             host: list[np.ndarray | None] = [None] * len(arrays)
             for out, items in zip(outs, plan.splits, strict=True):
                 flat = np.asarray(out)
-                for k, start, stop, shape, dtype in items:
-                    part = flat[start:stop]
+                for k, begin, stop, shape, dtype in items:
+                    part = flat[begin:stop]
                     if part.dtype != dtype:
                         part = part.view(dtype)
                     host[k] = part.reshape(shape)
