@@ -221,3 +221,43 @@ def test_a_new_shape_or_dtype_is_a_new_structure(full_reads: list[str]) -> None:
         np.testing.assert_array_equal(got, np.asarray(x))
         assert got.dtype == x.dtype
     assert len(full_reads) == 3  # (2,) float32 twice, (3,) float32, (3,) int32
+
+
+# -- found by a break-test of the replay -------------------------------------------
+
+
+def test_mapping_order_is_part_of_the_structure(full_reads: list[str]) -> None:
+    # A treedef sorts a mapping's keys; the written order is the insertion order.
+    for step, order in enumerate(["ab", "ba", "ab", "ba"]):
+        out = fetch_summaries({k: jnp.float32(step) for k in order})
+        assert list(out) == list(order)
+    assert len(full_reads) == 2
+
+
+def test_a_python_int_beyond_int64_is_refused_in_a_replay() -> None:
+    fetch_summaries({"x": 1})
+    fetch_summaries({"x": 2})
+    with pytest.raises(TypeError, match=r"'x' has dtype object"):
+        fetch_summaries({"x": 2**70})
+
+
+def test_histogram_edges_keep_no_negative_zero(tmp_path: Path) -> None:
+    # -0.0 and 0.0 edges compare equal (JAX's caches, the writers'): one spelling.
+    x = jnp.asarray([-0.5, 0.5, 2.0])
+    h = eqxctx.HistogramSummary(x, edges=[-1.0, -0.0, 1.0, 5.0])
+    assert h.edges == (-1.0, 0.0, 1.0, 5.0)
+    assert str(h.edges[1]) == "0.0"
+    with JsonlWriter(tmp_path / "s.jsonl") as writer:
+        writer.write(0, {"h": eqxctx.HistogramSummary(x, edges=[-1.0, 0.0, 1.0, 5.0])})
+        writer.write(1, {"h": h})
+    lines = (tmp_path / "s.jsonl").read_text().splitlines()
+    assert [line.split('"h": ')[1] for line in lines] == [
+        '{"edges": [-1.0, 0.0, 1.0, 5.0], "counts": [1, 1, 1]}}'
+    ] * 2
+
+
+def test_a_numpy_subclass_changing_dtype_is_read_in_full() -> None:
+    fetch_summaries({"x": np.ma.masked_array([1.0, 2.0])})
+    fetch_summaries({"x": np.ma.masked_array([3.0, 4.0])})
+    with pytest.raises(TypeError, match=r"'x' is complex"):
+        fetch_summaries({"x": np.ma.masked_array([1 + 2j])})

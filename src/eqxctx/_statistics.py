@@ -106,7 +106,9 @@ def _make_edges(
             f"`{where}(edges=...)`: edges must be strictly increasing, also when "
             f"rounded to float32 (values are compared in float32), got {out!r}."
         )
-    return out
+    # -0.0 -> 0.0: the edges are static, and tuples holding 0.0 and -0.0 compare (and
+    # hash) equal, so JAX's caches and the writers' would mix the two spellings.
+    return tuple(e + 0.0 for e in out)
 
 
 def _count_at_most(

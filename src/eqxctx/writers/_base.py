@@ -221,7 +221,7 @@ def host_values(summaries: object, *, where: str) -> HostValues:
             return _read(to_host(trees), trees, where=where, notes=None)
         # One process: one batched transfer.
         leaves, treedef = jax.tree_util.tree_flatten(trees)
-        key = _recipe_key(treedef, leaves)
+        key = _recipe_key(treedef, leaves, trees)
         started = None
     # The first read of a structure is made in full and recorded (`Recipe`); the
     # next reads of that structure replay it.
@@ -268,7 +268,7 @@ def prefetch(summaries: Summaries) -> Summaries | Prefetched:
     try:
         trees = summary_trees(summaries)
         leaves, treedef = jax.tree_util.tree_flatten(trees)
-        key = _recipe_key(treedef, leaves)
+        key = _recipe_key(treedef, leaves, trees)
     except Exception:  # e.g. a mapping that cannot be read: the fetch says why
         return summaries
     return Prefetched(trees, leaves, treedef, key, start(leaves, key))
@@ -281,11 +281,12 @@ _UNSEEN = object()
 _RECIPES: dict[object, Recipe | None] = {}
 
 
-def _recipe_key(treedef: object, leaves: list[Leaf]) -> object:
+def _recipe_key(treedef: object, leaves: list[Leaf], trees: object) -> object:
     """What a write's read depends on but its values: None if it cannot be a key.
 
-    The treedef and each leaf's type, with shape and dtype for arrays and the
-    sharding of JAX arrays (which also determines how they are fetched).
+    The treedef, each leaf's type, with shape and dtype for arrays and the sharding
+    of JAX arrays (which also determines how they are fetched), and the order of
+    every mapping's keys.
     """
     try:
         key = (
@@ -294,14 +295,24 @@ def _recipe_key(treedef: object, leaves: list[Leaf]) -> object:
                 (type(x), x.shape, x.dtype, x.sharding)
                 if is_jax_array_type(type(x))
                 else (type(x), x.shape, x.dtype)
-                if type(x) is np.ndarray
+                if isinstance(x, np.ndarray)
                 else type(x)
                 for x in leaves
             ),
+            # A treedef's mappings are sorted; the written order is the insertion
+            # order of each mapping.
+            _orders(trees),
         )
         return _Key(key)
     except Exception:  # unhashable aux data; a tracer (the full read names it)
         return None
+
+
+def _orders(tree: object) -> object:
+    """The keys of every mapping of `tree`, in order, nested (None for a leaf)."""
+    if isinstance(tree, Mapping):
+        return tuple((k, _orders(v)) for k, v in tree.items())
+    return None
 
 
 class _Key:

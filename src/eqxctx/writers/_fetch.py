@@ -60,25 +60,27 @@ _plans: dict[_Signature | Hashable, _Plan | None] = {}
 
 
 def _batchable(x: jax.Array, sharding: jax.sharding.Sharding) -> bool:
-    dtype = x.dtype
+    # Only dtypes that travel as raw bits, and bool: XLA may canonicalize the NaNs
+    # of a float8 concatenation, and aborts on one of sub-byte integers (int2).
     return (
         x.size <= MAX_BATCHED_SIZE
         and x.sharding == sharding
-        and not jnp.issubdtype(dtype, jax.dtypes.prng_key)
-        and dtype != jax.dtypes.float0
+        and (x.dtype in _BITS or x.dtype == np.bool_)
     )
 
 
 #: Integer and floating dtypes sent as raw bits, by width: their arrays share one
 #: transfer per width (float32 and int32 values in one `uint32` array), each read
-#: back as a NumPy view of its own dtype. Other dtypes (bool, complex, sub-byte
-#: and 8-bit float types) are sent one transfer per dtype, as they are.
+#: back as a NumPy view of its own dtype. Bool arrays share one transfer as they
+#: are; other dtypes (complex, 8-bit floats, sub-byte integers, keys) are fetched
+#: array by array, and so is bfloat16: on a TPU, XLA flushed bfloat16 subnormals
+#: and canonicalized NaN payloads in the concatenation, bitcast or not.
 _BITS: dict[DType, DType] = {
     np.dtype(t): np.dtype(f"uint{8 * np.dtype(t).itemsize}")
     for t in (
         np.int8, np.int16, np.int32, np.int64,
         np.uint8, np.uint16, np.uint32, np.uint64,
-        np.float16, np.float32, np.float64, jnp.bfloat16,
+        np.float16, np.float32, np.float64,
     )
 }  # fmt: skip
 

@@ -143,12 +143,21 @@ class Notes:
         self.opaque = False
 
     def made(self, result: Any, fn: Callable[..., Any], *sources: object) -> None:
-        """Record that `result` is `fn(*sources)` (sources: fetched leaves)."""
+        """Record that `result` is `fn(*sources)` (sources: fetched leaves).
+
+        A replay checks that the value it makes has `result`'s dtype (e.g.
+        `numpy.asarray` of a Python int too large for int64 does not).
+        """
         self.derived[id(result)] = (fn, (*sources, result))
 
 
-#: How a recipe makes one value: a leaf position, or `(fn, leaf positions)`.
-_Op: TypeAlias = int | tuple[Callable[..., Any], tuple[int, ...]]
+#: How a recipe makes one value: a leaf position, or `(fn, leaf positions, dtype)`
+#: (the dtype the value must have; None: any).
+_Op: TypeAlias = int | tuple[Callable[..., Any], tuple[int, ...], object]
+
+
+class _Refused(Exception):
+    """A replayed value differs from what the recipe recorded: read in full."""
 
 
 def _rebuild(treedef: TreeDef, *leaves: object) -> Summary:
@@ -186,7 +195,7 @@ class Recipe:
         try:
             for rows, paths, ops in self.parts:
                 values = [
-                    host[op] if type(op) is int else op[0](*[host[k] for k in op[1]])  # pyright: ignore[reportIndexIssue]
+                    host[op] if type(op) is int else _made(op, host)  # pyright: ignore[reportArgumentType]
                     for op in ops
                 ]
                 parts.append(
@@ -194,9 +203,17 @@ class Recipe:
                     if rows
                     else dict(zip(paths, values, strict=True))
                 )
-        except ValueError:  # a media summary's `validate`: read in full, which names it
+        except (ValueError, _Refused):  # read in full, which names the path
             return None
         return HostValues(parts, self)
+
+
+def _made(op: tuple[Callable[..., Any], tuple[int, ...], object], host: Any) -> Any:
+    fn, ks, dtype = op
+    value = fn(*[host[k] for k in ks])
+    if dtype is not None and value.dtype != dtype:
+        raise _Refused
+    return value
 
 
 def make_recipe(values: HostValues, host: list[Any], notes: Notes) -> Recipe | None:
@@ -218,11 +235,11 @@ def make_recipe(values: HostValues, host: list[Any], notes: Notes) -> Recipe | N
         if derived is not None:
             fn, sources = derived
             ks = tuple(positions.get(id(x), -1) for x in sources[:-1])
-            return None if -1 in ks else (fn, ks)
+            return None if -1 in ks else (fn, ks, np.asarray(sources[-1]).dtype)
         if isinstance(value, _MEDIA):
             leaves, treedef = jax.tree_util.tree_flatten(value)
             ks = tuple(positions.get(id(x), -1) for x in leaves)
-            return None if -1 in ks else (lambda *xs: _rebuild(treedef, *xs), ks)
+            return None if -1 in ks else (lambda *xs: _rebuild(treedef, *xs), ks, None)
         return None
 
     parts: list[tuple[bool, tuple[str, ...], list[_Op]]] = []
