@@ -229,7 +229,7 @@ class HistogramSummary(Summary):
         counts: `int32[..., bins]`, the count of each bucket (traced); a leading
             axis appears when histograms are stacked by a scan or vmap.
         edges: the `bins + 1` bucket edges, strictly increasing (static, a tuple
-            of floats).
+            of floats; an edge -0.0 is kept as 0.0, the same boundary).
 
     Construct as `HistogramSummary(value, *, bins=None, range=None, edges=None)`:
     `value` is an array of any shape and a real dtype.
