@@ -212,16 +212,16 @@ def host_values(summaries: object, *, where: str) -> HostValues:
     # One fetch of the summary trees first (module outputs and state updates stay on
     # the device), so that per-iteration views index NumPy arrays on the host.
     if type(summaries) is Prefetched:
-        trees, leaves, treedef, key, started = summaries
+        trees, leaves, treedef, key = summaries.flat
+        started = summaries.started
     else:
-        trees = summary_trees(summaries)
         if jax.process_count() > 1:
             # `to_host` reads replicated arrays from a local shard and all-gathers
             # arrays split over the processes.
+            trees = summary_trees(summaries)
             return _read(to_host(trees), trees, where=where, notes=None)
         # One process: one batched transfer.
-        leaves, treedef = jax.tree_util.tree_flatten(trees)
-        key = _recipe_key(treedef, leaves, trees)
+        trees, leaves, treedef, key = _flatten(summaries)
         started = None
     # The first read of a structure is made in full and recorded (`Recipe`); the
     # next reads of that structure replay it.
@@ -240,6 +240,21 @@ def host_values(summaries: object, *, where: str) -> HostValues:
     return values
 
 
+class _Flat(NamedTuple):
+    """One process's view of summaries to fetch: trees, leaves and recipe key."""
+
+    trees: object
+    leaves: list[Leaf]
+    treedef: TreeDef
+    key: object
+
+
+def _flatten(summaries: object) -> _Flat:
+    trees = summary_trees(summaries)
+    leaves, treedef = jax.tree_util.tree_flatten(trees)
+    return _Flat(trees, leaves, treedef, _recipe_key(treedef, leaves, trees))
+
+
 class Prefetched(NamedTuple):
     """Summaries whose copies to the host have started (`prefetch`), to fetch later.
 
@@ -247,10 +262,7 @@ class Prefetched(NamedTuple):
     stands for.
     """
 
-    trees: object
-    leaves: list[Leaf]
-    treedef: TreeDef
-    key: object
+    flat: _Flat
     started: Started
 
 
@@ -266,18 +278,16 @@ def prefetch(summaries: Summaries) -> Summaries | Prefetched:
     if jax.process_count() > 1:
         return summaries
     try:
-        trees = summary_trees(summaries)
-        leaves, treedef = jax.tree_util.tree_flatten(trees)
-        key = _recipe_key(treedef, leaves, trees)
+        flat = _flatten(summaries)
     except Exception:  # e.g. a mapping that cannot be read: the fetch says why
         return summaries
-    return Prefetched(trees, leaves, treedef, key, start(leaves, key))
+    return Prefetched(flat, start(flat.leaves, flat.key))
 
 
 #: The most structures whose recipes are kept; past it the cache starts again.
 MAX_RECIPES = 64
 _UNSEEN = object()
-#: (treedef, each leaf's type, shape and dtype) -> its recipe, or None (read in full).
+#: `_recipe_key` -> the structure's recipe, or None (read in full every time).
 _RECIPES: dict[object, Recipe | None] = {}
 
 

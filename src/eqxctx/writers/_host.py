@@ -138,7 +138,8 @@ class Notes:
     __slots__ = ("derived", "opaque", "weights")
 
     def __init__(self) -> None:
-        self.derived: dict[int, tuple[Callable[..., Any], tuple[object, ...]]] = {}
+        #: id(value) -> (fn, sources, value): `value` is `fn(*sources)`.
+        self.derived: dict[int, tuple[Callable[..., Any], tuple[object, ...], Any]] = {}
         self.weights: list[object] = []
         self.opaque = False
 
@@ -148,7 +149,7 @@ class Notes:
         A replay checks that the value it makes has `result`'s dtype (e.g.
         `numpy.asarray` of a Python int too large for int64 does not).
         """
-        self.derived[id(result)] = (fn, (*sources, result))
+        self.derived[id(result)] = (fn, sources, result)
 
 
 #: How a recipe makes one value: a leaf position, or `(fn, leaf positions, dtype)`
@@ -233,9 +234,9 @@ def make_recipe(values: HostValues, host: list[Any], notes: Notes) -> Recipe | N
             return k
         derived = notes.derived.get(id(value))
         if derived is not None:
-            fn, sources = derived
-            ks = tuple(positions.get(id(x), -1) for x in sources[:-1])
-            return None if -1 in ks else (fn, ks, np.asarray(sources[-1]).dtype)
+            fn, sources, result = derived
+            ks = tuple(positions.get(id(x), -1) for x in sources)
+            return None if -1 in ks else (fn, ks, result.dtype)
         if isinstance(value, _MEDIA):
             leaves, treedef = jax.tree_util.tree_flatten(value)
             ks = tuple(positions.get(id(x), -1) for x in leaves)

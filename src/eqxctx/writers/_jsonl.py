@@ -4,7 +4,7 @@ import json
 import operator
 import os
 from collections.abc import Iterable
-from typing import IO, Literal, TypeAlias, cast
+from typing import IO, Literal, TypeAlias, TypeGuard, cast
 
 import numpy as np
 import orjson
@@ -153,12 +153,7 @@ def _fill(record: dict[str, JsonValue], items: Iterable[tuple[str, HostValue]]) 
     scalars: list[str] = []
     values: list[np.ndarray] = []
     for path, value in items:
-        if (
-            type(value) is np.ndarray
-            and value.ndim == 0
-            and value.dtype.kind == "f"
-            and value.dtype.itemsize <= 4
-        ):
+        if _is_float32_scalar(value):
             record[path] = None  # keeps the order; filled below
             scalars.append(path)
             values.append(value)
@@ -271,7 +266,8 @@ def _paths(part: Part) -> Iterable[str]:
     return part.paths if isinstance(part, Rows) else part
 
 
-def _is_float32_scalar(value: HostValue) -> bool:
+def _is_float32_scalar(value: HostValue) -> TypeGuard[np.ndarray]:
+    """Whether `value` is a 0-d float of at most 32 bits (for `float32_texts`)."""
     return (
         type(value) is np.ndarray
         and value.ndim == 0
@@ -321,12 +317,7 @@ def _part_json(part: dict[str, HostValue]) -> str:
     scalars: list[np.ndarray] = []
     for path, value in part.items():
         keys.append(json.dumps(path) + ": ")
-        if (
-            type(value) is np.ndarray
-            and value.ndim == 0
-            and value.dtype.kind == "f"
-            and value.dtype.itemsize <= 4
-        ):
+        if _is_float32_scalar(value):
             where.append(len(texts))
             scalars.append(value)
             texts.append("")
