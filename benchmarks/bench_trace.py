@@ -53,11 +53,11 @@ change by a few instructions with the trip count); a summary table closes
 the run. Usage:
 
     .venv/bin/python benchmarks/bench_trace.py [--quick] [--max-k K] [--row-budget S]
-        [--shapes flat deep] [--trace-only] [--frames]
+        [--shapes flat deep] [--trace-only]
 
-`--frames` runs only a table of deep chains (part 1's `ours`, `hand` and
-`scoped`) against *framed*: the scoped chain calling each child through a helper
-function, one more Python frame per level as `ctx.call` adds.
+Part 1's excess is a tenth of the trace or less, so its slopes between K = 1000 and
+2000 move with the machine's noise and the collector; `trace_instructions.py table`
+counts the same traces exactly (callgrind), with the collector off.
 `--max-k` caps part 1's K (default 2000); `--row-budget` (seconds, default 60) stops
 adding rounds to a part-1 row once it has run that long (every row runs at least one
 round), so the slow rows of old internals finish in a few minutes. `--shapes` picks
@@ -202,18 +202,11 @@ def make_deep_ours(k: int, s: int) -> Fn:
     return run
 
 
-def make_deep_hand(k: int, s: int, scoped: bool = False, framed: bool = False) -> Fn:
+def make_deep_hand(k: int, s: int, scoped: bool = False) -> Fn:
     """Build a fresh hand-written chain returning the same nested dict.
 
-    `scoped`: each child in a `jax.named_scope`, as `ctx.call` runs it. `framed`:
-    scoped, and each child called through a helper function, one more Python frame
-    per level as `ctx.call` adds (JAX records the Python stack with every equation
-    it traces, so each equation at depth d costs O(d) more).
+    `scoped`: each child in a `jax.named_scope`, as `ctx.call` runs it.
     """
-
-    def via(name: str, fn: Callable[..., Any], *args: Any) -> Any:
-        with jax.named_scope(name):
-            return fn(*args)
 
     # (Hand and scoped call `node` from `node` itself: one Python frame per level.)
     def node(x: jax.Array, i: int) -> tuple[jax.Array, dict[str, Any], dict[str, Any]]:
@@ -221,9 +214,7 @@ def make_deep_hand(k: int, s: int, scoped: bool = False, framed: bool = False) -
         summaries: dict[str, Any] = {f"s{j}": v for j, v in enumerate(sums)}
         outputs: dict[str, Any] = {"h": h}
         if i + 1 < k:
-            if framed:
-                h, sub_s, sub_o = via(f"c{i + 1}", node, h, i + 1)
-            elif scoped:
+            if scoped:
                 with jax.named_scope(f"c{i + 1}"):
                     h, sub_s, sub_o = node(h, i + 1)
             else:
@@ -234,9 +225,7 @@ def make_deep_hand(k: int, s: int, scoped: bool = False, framed: bool = False) -
 
     def run(x: jax.Array, key: jax.Array) -> Any:
         del key
-        if framed:
-            h, summaries, outputs = via("c0", node, x, 0)
-        elif scoped:
+        if scoped:
             with jax.named_scope("c0"):
                 h, summaries, outputs = node(x, 0)
         else:
@@ -456,40 +445,6 @@ def bench_trace(
                     flush=True,
                 )
     return rows
-
-
-def bench_frames(ks: tuple[int, ...], rounds: int) -> None:
-    """Deep chains: ours vs the scoped chain with a helper-function frame per level."""
-    key = jax.random.PRNGKey(0)
-    args = (jnp.linspace(-1.0, 1.0, WIDTH, dtype=jnp.float32), key)
-    print(
-        "\n### 1b. deep chains vs a hand-written chain calling each child through a "
-        f"helper function (framed), min over {rounds} rounds\n"
-    )
-    print(
-        "| S |    K | ours s | hand s | scoped s | framed s | ours/hand | ours/framed |"
-    )
-    print("|--:|-----:|------:|------:|------:|------:|------:|------:|")
-    variants: tuple[tuple[str, Callable[[int, int], Fn]], ...] = (
-        ("ours", make_deep_ours),
-        ("hand", make_deep_hand),
-        ("scoped", SCOPED["deep"]),
-        ("framed", lambda k, s: make_deep_hand(k, s, framed=True)),
-    )
-    for s in (1, 4):
-        for k in ks:
-            times: dict[str, list[float]] = {name: [] for name, _ in variants}
-            for _ in range(rounds):  # interleaved
-                for name, make in variants:
-                    times[name].append(_trace_time(make(k, s), args)[0])
-            best = {name: min(t) for name, t in times.items()}
-            print(
-                f"| {s} | {k:4d} | {best['ours']:.3f} | {best['hand']:.3f} "
-                f"| {best['scoped']:.3f} | {best['framed']:.3f} "
-                f"| {best['ours'] / best['hand']:.2f}x "
-                f"| {best['ours'] / best['framed']:.2f}x |",
-                flush=True,
-            )
 
 
 # -------------------------------------------------------- 2. adds after a long scan
@@ -897,11 +852,6 @@ def main() -> None:
     parser.add_argument(
         "--trace-only", action="store_true", help="run part 1 only (no summary)"
     )
-    parser.add_argument(
-        "--frames",
-        action="store_true",
-        help="run only the deep chains against a chain with a helper frame per level",
-    )
     opts = parser.parse_args()
     ks = tuple(k for k in (10, 100, 1000, 2000) if k <= opts.max_k)
     if opts.quick:
@@ -912,9 +862,6 @@ def main() -> None:
         f"jax {jax.__version__}, {jax.devices()[0].platform}, "
         f"{'quick' if opts.quick else 'full'} run"
     )
-    if opts.frames:
-        bench_frames(ks, rounds)
-        return
     trace_rows = bench_trace(ks, rounds, opts.row_budget, tuple(opts.shapes))
     if opts.trace_only:
         return
