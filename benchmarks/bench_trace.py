@@ -53,11 +53,12 @@ change by a few instructions with the trip count); a summary table closes
 the run. Usage:
 
     .venv/bin/python benchmarks/bench_trace.py [--quick] [--max-k K] [--row-budget S]
-        [--shapes flat deep] [--trace-only]
+        [--shapes flat deep] [--trace-only] [--gc on|off]
 
 Part 1's excess is a tenth of the trace or less, so its slopes between K = 1000 and
 2000 move with the machine's noise and the collector; `trace_instructions.py table`
-counts the same traces exactly (callgrind), with the collector off.
+counts the same traces exactly (callgrind), with the collector off. `--gc off` disables
+the collector during each part-1 trace (after the `gc.collect()`), as that count does.
 `--max-k` caps part 1's K (default 2000); `--row-budget` (seconds, default 60) stops
 adding rounds to a part-1 row once it has run that long (every row runs at least one
 round), so the slow rows of old internals finish in a few minutes. `--shapes` picks
@@ -268,15 +269,20 @@ class _Collector:
         self.full += info["generation"] == 2
 
 
-def _trace_time(fn: Fn, args: tuple[Any, ...]) -> tuple[float, int, _Collector]:
+def _trace_time(
+    fn: Fn, args: tuple[Any, ...], collect: bool = True
+) -> tuple[float, int, _Collector]:
     gc.collect()  # start each measurement without the last one's garbage
     collector = _Collector()
     gc.callbacks.append(collector)
+    if not collect:
+        gc.disable()
     try:
         t0 = time.perf_counter()
         traced = jax.jit(fn).trace(*args)
         t = time.perf_counter() - t0
     finally:
+        gc.enable()
         gc.callbacks.remove(collector)
     return t, len(jax.tree_util.tree_leaves(traced.out_info)), collector
 
@@ -308,6 +314,7 @@ def bench_trace(
     rounds: int,
     budget: float,
     shapes: tuple[str, ...] = tuple(SHAPES),
+    collect: bool = True,
 ) -> list[dict[str, Any]]:
     key = jax.random.PRNGKey(0)
     args = (jnp.linspace(-1.0, 1.0, WIDTH, dtype=jnp.float32), key)
@@ -351,7 +358,7 @@ def bench_trace(
                 start = time.perf_counter()
                 for _ in range(rounds):  # interleaved
                     for name, make in variants:
-                        t, leaves[name], col = _trace_time(make(k, s), args)
+                        t, leaves[name], col = _trace_time(make(k, s), args, collect)
                         times[name].append(t)
                         runs[name].append((t, t - col.seconds, col.seconds, col.full))
                     if time.perf_counter() - start > budget:
@@ -852,6 +859,12 @@ def main() -> None:
     parser.add_argument(
         "--trace-only", action="store_true", help="run part 1 only (no summary)"
     )
+    parser.add_argument(
+        "--gc",
+        choices=("on", "off"),
+        default="on",
+        help="off: part 1 disables Python's collector during each trace",
+    )
     opts = parser.parse_args()
     ks = tuple(k for k in (10, 100, 1000, 2000) if k <= opts.max_k)
     if opts.quick:
@@ -860,9 +873,11 @@ def main() -> None:
     _trace_time(make_flat_hand(10, 1), (jnp.ones(WIDTH), jax.random.PRNGKey(0)))
     print(
         f"jax {jax.__version__}, {jax.devices()[0].platform}, "
-        f"{'quick' if opts.quick else 'full'} run"
+        f"{'quick' if opts.quick else 'full'} run, collector {opts.gc} in part 1"
     )
-    trace_rows = bench_trace(ks, rounds, opts.row_budget, tuple(opts.shapes))
+    trace_rows = bench_trace(
+        ks, rounds, opts.row_budget, tuple(opts.shapes), opts.gc == "on"
+    )
     if opts.trace_only:
         return
     adds = bench_add_after_merge(20 if opts.quick else 100)
