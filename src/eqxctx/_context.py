@@ -478,8 +478,8 @@ class Context(TreeEquality):
             )
         frame = self._frame
         at = _child_frame(frame, name, frame.is_training)
-        # The child context is made in the call (no local keeps it alive while `fn`
-        # runs: a model that rebinds its context argument frees it).
+        # The child context is made in the call: the call's argument tuple holds the
+        # empty child until `fn` returns (nothing that grows while `fn` runs).
         with jax.named_scope(name):
             try:
                 result = fn(*args, _make(at, _EMPTY), **kwargs)
