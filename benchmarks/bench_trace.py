@@ -913,16 +913,16 @@ def main() -> None:
     print("|---|---|:--:|")
     worst = max(trace_rows, key=lambda r: r["ratio"])
     slopes = [r["slope"] for r in trace_rows if not math.isnan(r["slope"])]
-    overall = [r["overall"] for r in trace_rows if not math.isnan(r["overall"])]
+    # A group's last row holds its slopes from the smallest K (and its fit).
+    last = [r for r in trace_rows if "fit" in r]
+    overall = [r["overall"] for r in last]
     worst_slope = max(slopes, default=math.nan)
     worst_overall = max(overall, default=math.nan)
     worst_scoped = max(trace_rows, key=lambda r: r["ratio_scoped"])
-    overall_scoped = [
-        r["overall_scoped"] for r in trace_rows if not math.isnan(r["overall_scoped"])
-    ]
+    overall_scoped = [r["overall_scoped"] for r in last]
     worst_overall_scoped = max(overall_scoped, default=math.nan)
-    fits = [r["fit"] for r in trace_rows if "fit" in r]
-    fits_scoped = [r["fit_scoped"] for r in trace_rows if "fit_scoped" in r]
+    fits = [r["fit"] for r in last]
+    fits_scoped = [r["fit_scoped"] for r in last]
     worst_fit = max(fits, default=math.nan)
     worst_fit_scoped = max(fits_scoped, default=math.nan)
     # None: shown for information, not a target (two-point slopes between
