@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from eqxctx import (
     AudioSummary,
@@ -167,6 +167,25 @@ def test_output_collections_include_scan_layouts() -> None:
 
     look()
     assert seen == {"entry": True, "nested": True, "outer": True}
+
+
+def test_scan_layouts_with_the_nested_prefix_as_a_name() -> None:
+    # A summary named like the nested scan's child (`iter`): drawing must not raise
+    # (it did, in the body's merge of the nested scan, before its names were
+    # filtered), and the entry keeps its nested per-iteration summaries.
+    seen = {"nested": False}
+
+    @settings(max_examples=100)
+    @given(output_collections(max_depth=1, max_width=4, leaf_names=st.just("iter")))
+    def look(coll: OutputCollection) -> None:
+        for entry in _iteration_entries(coll.summaries):
+            nested = [
+                v for v in entry.stacked.values() if isinstance(v, IterationSummaries)
+            ]
+            seen["nested"] = seen["nested"] or bool(nested)
+
+    look()
+    assert seen["nested"]
 
 
 def test_default_leaf_names_are_writer_safe() -> None:

@@ -339,6 +339,8 @@ def _iteration_entry(draw: Draw, spec: _Spec) -> OutputCollection:
     if "summaries" not in spec.kinds:
         kinds.clear()
         nested = False
+    if nested:  # the nested scan's child `iter` and its `iter{i}` are reserved
+        kinds = {n: k for n, k in kinds.items() if not n.startswith("iter")}
     with _same_random_state():
         return run(xs) if batch is None else jax.vmap(run)(xs)
 
