@@ -15,7 +15,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from ._checks import check_positive_int_or_none, is_jax_array_type
-from ._collection import OutputCollection, summary_tree
+from ._collection import OutputCollection, summary_tree_flat
 from ._frozen import TreeEquality
 from ._iterations import flatten_into, freeze, materialize_tree
 from ._mapping import EMPTY, FrozenMapping
@@ -168,18 +168,15 @@ def _step(treedef: TreeDef) -> Callable[..., list[Leaf]]:
     return jax.jit(step)
 
 
-@functools.lru_cache(maxsize=64)
-def _out_treedef(treedef: TreeDef, num_leaves: int) -> TreeDef:
-    """The structure of an accumulation: `treedef`'s (accumulating keeps each kind)."""
-    if treedef.num_leaves != num_leaves:  # pragma: no cover - a kind changed shape
-        raise ValueError("`SummaryAccumulator`: accumulation changed the structure.")
-    return treedef
+def _accumulate_same_layout(
+    a: tuple[list[Leaf], TreeDef], b: tuple[list[Leaf], TreeDef]
+) -> tuple[FrozenMapping, list[Leaf]] | None:
+    """Accumulate in one jitted step if both have one layout, else return None.
 
-
-def _accumulate_same_layout(a: SummaryTree, b: SummaryTree) -> FrozenMapping | None:
-    """Accumulate in one jitted step if both have one layout, else return None."""
-    leaves_a, treedef = jax.tree_util.tree_flatten(a)
-    leaves_b, treedef_b = jax.tree_util.tree_flatten(b)
+    `a` and `b` are the two trees' leaves and structures; returns the accumulated
+    tree and its leaves.
+    """
+    (leaves_a, treedef), (leaves_b, treedef_b) = a, b
     if treedef != treedef_b:
         return None
     # Only JAX arrays: NumPy and Python values are added as they are, on the host
@@ -191,7 +188,9 @@ def _accumulate_same_layout(a: SummaryTree, b: SummaryTree) -> FrozenMapping | N
         ):
             return None
     out = _step(treedef)(leaves_a, leaves_b)
-    return _out_treedef(treedef, len(out)).unflatten(out)
+    if len(out) != treedef.num_leaves:  # pragma: no cover - a kind changed shape
+        raise ValueError("`SummaryAccumulator`: accumulation changed the structure.")
+    return treedef.unflatten(out), out
 
 
 class SummaryAccumulator(TreeEquality):
@@ -221,11 +220,22 @@ class SummaryAccumulator(TreeEquality):
     # A frozen class registered as a PyTree (below), as `OutputCollection` is, not an
     # `eqx.Module`: Equinox builds a `BoundMethod` module on every method access
     # (`acc.update`), which cost as much as the rest of an update's Python.
-    __slots__ = ("accumulated",)
+    __slots__ = ("_flat_accumulated", "accumulated")
     accumulated: FrozenMapping | None
+    # `accumulated`'s leaves and structure, when the update that made it had them.
+    _flat_accumulated: tuple[list[Leaf], TreeDef] | None
 
     def __init__(self, accumulated: FrozenMapping | None = None):
         _set_accumulated(self, accumulated)
+        _set_flat(self, None)
+
+    @classmethod
+    def _of(
+        cls, accumulated: FrozenMapping, flat: tuple[list[Leaf], TreeDef]
+    ) -> "SummaryAccumulator":
+        acc = cls(accumulated)
+        _set_flat(acc, flat)
+        return acc
 
     def __setattr__(self, name: str, value: object) -> NoReturn:
         raise dataclasses.FrozenInstanceError(f"cannot assign to field '{name}'")
@@ -258,12 +268,18 @@ class SummaryAccumulator(TreeEquality):
                 of another class, or a raw array where a `Summary` was), naming the
                 path.
         """
-        tree = summary_tree(summaries, where="SummaryAccumulator.update")
+        tree, leaves, treedef = summary_tree_flat(
+            summaries, where="SummaryAccumulator.update"
+        )
         if self.accumulated is None:
-            return SummaryAccumulator(tree)
-        same = _accumulate_same_layout(self.accumulated, tree)
+            return SummaryAccumulator._of(tree, (leaves, treedef))
+        flat_mine = self._flat_accumulated
+        if flat_mine is None:  # made by `SummaryAccumulator(...)` or unflattening
+            flat_mine = jax.tree_util.tree_flatten(self.accumulated)
+        same = _accumulate_same_layout(flat_mine, (leaves, treedef))
         if same is not None:
-            return SummaryAccumulator(same)
+            out, out_leaves = same
+            return SummaryAccumulator._of(out, (out_leaves, treedef))
         # Another layout: accumulate path by path, with errors naming the path.
         mine, flat = _flat(self.accumulated), _flat(tree)
         if flat.keys() != mine.keys():
@@ -293,6 +309,7 @@ class SummaryAccumulator(TreeEquality):
 
 
 _set_accumulated = SummaryAccumulator.__dict__["accumulated"].__set__
+_set_flat = SummaryAccumulator.__dict__["_flat_accumulated"].__set__
 _ACCUMULATED = jax.tree_util.GetAttrKey("accumulated")
 
 

@@ -561,8 +561,19 @@ def summary_tree(summaries: object, *, where: str) -> FrozenMapping:
         ValueError: if a name is empty, not a string or contains "/" (naming where).
         OutputConflictError: if an entry is also a reserved per-iteration child.
     """
+    return summary_tree_flat(summaries, where=where)[0]
+
+
+def summary_tree_flat(
+    summaries: object, *, where: str
+) -> tuple[FrozenMapping, list[Leaf], TreeDef]:
+    """`summary_tree`, with the tree's leaves and structure (flattened once)."""
     if isinstance(summaries, OutputCollection):
         tree = freeze(summaries.summaries, "summaries")
+    elif isinstance(summaries, FrozenMapping) and not any(
+        isinstance(value, OutputCollection) for value in summaries.values()
+    ):
+        tree = freeze(summaries, "summaries")  # as it is, once checked
     elif isinstance(summaries, Mapping):
         tree = freeze(_summaries_of(summaries), "summaries")
     else:
@@ -572,17 +583,17 @@ def summary_tree(summaries: object, *, where: str) -> FrozenMapping:
         )
     # The names depend only on the structure: checked once per treedef (writers and
     # accumulators see the same structure every step).
-    treedef = jax.tree_util.tree_structure(tree)
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
     try:
         known = treedef in _NAMES_CHECKED
+        hashable = True
     except TypeError:  # a node with unhashable aux data: check every time
-        known = False
-        treedef = None
+        known = hashable = False
     if not known:
         check_summary_names(tree, "", where=where)
-        if treedef is not None and len(_NAMES_CHECKED) < 1024:
+        if hashable and len(_NAMES_CHECKED) < 1024:
             _NAMES_CHECKED.add(treedef)
-    return tree
+    return tree, leaves, treedef
 
 
 _NAMES_CHECKED: set[TreeDef] = set()
