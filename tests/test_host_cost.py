@@ -18,6 +18,7 @@ from hypothesis import given
 
 import eqxctx
 import eqxctx._collection as collection_module
+import eqxctx._iterations as iterations_module
 import eqxctx.writers._base as writers_base
 from eqxctx import (
     Context,
@@ -756,6 +757,45 @@ def test_summary_names_are_checked_once_per_structure(
         acc.update({**step(4), "a/b": jnp.float32(0)})
     with pytest.raises(ValueError, match=r"invalid summary name 'a/b'"):
         acc.update({**step(4), "a/b": jnp.float32(0)})
+
+
+def test_jit_outputs_of_a_known_structure_check_only_their_leaves(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # A jitted step's output is unflattened: its leaves are checked when it enters an
+    # accumulator or a writer. For a structure seen before, that is a quick test of
+    # the leaves (no walk by path); a bad leaf is still refused, naming its path.
+    calls: list[str] = []
+    check = iterations_module.check_leaf
+
+    def counted(value: object, path: str) -> int:
+        calls.append(path)
+        return check(value, path)
+
+    monkeypatch.setattr(iterations_module, "check_leaf", counted)
+
+    @jax.jit
+    def f(x: jax.Array) -> OutputCollection:
+        inner = OutputCollection.empty().add_summary("b", x * 2)
+        return OutputCollection.empty().add_summary("a", x).add_child("c", inner)
+
+    acc = SummaryAccumulator().update(f(jnp.float32(1)))
+    assert sorted(calls) == ["summaries/a", "summaries/c/b"]
+    calls.clear()
+    acc = acc.update(f(jnp.float32(2)))
+    assert calls == []
+    assert acc.flatten() == {"a": 3.0, "c/b": 6.0}
+    writer = JsonlWriter(tmp_path / "s.jsonl")
+    for bad, message in (
+        (np.array(["t"]), r"'summaries/a' has dtype <U1"),
+        (jax.random.key(0), r"summary at 'summaries/a' is a typed PRNG key"),
+    ):
+        replaced = jax.tree_util.tree_map(lambda x, bad=bad: bad, f(jnp.float32(3)))
+        with pytest.raises(TypeError, match=message):
+            acc.update(replaced)
+        with pytest.raises(TypeError, match=r"at '(summaries/)?a'"):
+            writer.write(0, replaced)
+    writer.close()
 
 
 # -- deep chains ---------------------------------------------------------------------

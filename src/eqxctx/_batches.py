@@ -8,7 +8,7 @@ import collections
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, NoReturn, TypeAlias
+from typing import Any, NamedTuple, NoReturn, TypeAlias
 
 import jax
 import numpy as np
@@ -151,6 +151,10 @@ def _flat(tree: SummaryTree) -> dict[str, Leaf]:
     return out
 
 
+class _ShapeChanged(Exception):
+    """Raised while tracing `_step` when a leaf's shape differs between the trees."""
+
+
 @functools.lru_cache(maxsize=64)
 def _step(treedef: TreeDef) -> Callable[..., list[Leaf]]:
     """The jitted accumulation of two trees of `treedef`, over their leaves.
@@ -158,39 +162,52 @@ def _step(treedef: TreeDef) -> Callable[..., list[Leaf]]:
     One jitted call per update: per-iteration summaries are accumulated in their
     stacked form (vectorized over the iterations), whatever their number. Taking
     leaves rather than trees keeps the per-call flattening in C++; the result's
-    structure comes back as a static output.
+    structure comes back as a static output. Shapes are compared when tracing (once
+    per shapes, not on every call): `_ShapeChanged` if one differs.
     """
 
     def step(a: list[Leaf], b: list[Leaf]) -> list[Leaf]:
+        if any(np.shape(x) != np.shape(y) for x, y in zip(a, b, strict=True)):
+            raise _ShapeChanged
         out = accumulate_trees(treedef.unflatten(a), treedef.unflatten(b))
         return jax.tree_util.tree_leaves(out)
 
     return jax.jit(step)
 
 
+class _Flat(NamedTuple):
+    """An accumulated tree's leaves and structure, and the step that made them."""
+
+    leaves: list[Leaf]
+    treedef: TreeDef
+    step: Callable[..., list[Leaf]] | None  # None: leaves not known to be JAX arrays
+
+
 def _accumulate_same_layout(
-    a: tuple[list[Leaf], TreeDef], b: tuple[list[Leaf], TreeDef]
-) -> tuple[FrozenMapping, list[Leaf]] | None:
+    a: _Flat, leaves_b: list[Leaf], treedef_b: TreeDef
+) -> tuple[FrozenMapping, _Flat] | None:
     """Accumulate in one jitted step if both have one layout, else return None.
 
-    `a` and `b` are the two trees' leaves and structures; returns the accumulated
-    tree and its leaves.
+    Returns the accumulated tree and its `_Flat`.
     """
-    (leaves_a, treedef), (leaves_b, treedef_b) = a, b
+    treedef = a.treedef
     if treedef != treedef_b:
         return None
     # Only JAX arrays: NumPy and Python values are added as they are, on the host
     # (a jitted step would turn int64 into int32 and `True + True` into `True`).
-    for x, y in zip(leaves_a, leaves_b, strict=True):
-        if (
-            not (is_jax_array_type(type(x)) and is_jax_array_type(type(y)))
-            or x.shape != y.shape
-        ):
-            return None
-    out = _step(treedef)(leaves_a, leaves_b)
+    # A step's outputs are JAX arrays: only the new leaves are tested then.
+    for leaves in (leaves_b,) if a.step is not None else (a.leaves, leaves_b):
+        for x in leaves:
+            if not is_jax_array_type(type(x)):
+                return None
+    step = a.step if a.step is not None else _step(treedef)
+    try:
+        out = step(a.leaves, leaves_b)
+    except _ShapeChanged:
+        return None
     if len(out) != treedef.num_leaves:  # pragma: no cover - a kind changed shape
         raise ValueError("`SummaryAccumulator`: accumulation changed the structure.")
-    return treedef.unflatten(out), out
+    return treedef.unflatten(out), _Flat(out, treedef, step)
 
 
 class SummaryAccumulator(TreeEquality):
@@ -223,16 +240,14 @@ class SummaryAccumulator(TreeEquality):
     __slots__ = ("_flat_accumulated", "accumulated")
     accumulated: FrozenMapping | None
     # `accumulated`'s leaves and structure, when the update that made it had them.
-    _flat_accumulated: tuple[list[Leaf], TreeDef] | None
+    _flat_accumulated: _Flat | None
 
     def __init__(self, accumulated: FrozenMapping | None = None):
         _set_accumulated(self, accumulated)
         _set_flat(self, None)
 
     @classmethod
-    def _of(
-        cls, accumulated: FrozenMapping, flat: tuple[list[Leaf], TreeDef]
-    ) -> "SummaryAccumulator":
+    def _of(cls, accumulated: FrozenMapping, flat: _Flat) -> "SummaryAccumulator":
         acc = cls(accumulated)
         _set_flat(acc, flat)
         return acc
@@ -272,14 +287,13 @@ class SummaryAccumulator(TreeEquality):
             summaries, where="SummaryAccumulator.update"
         )
         if self.accumulated is None:
-            return SummaryAccumulator._of(tree, (leaves, treedef))
+            return SummaryAccumulator._of(tree, _Flat(leaves, treedef, None))
         flat_mine = self._flat_accumulated
         if flat_mine is None:  # made by `SummaryAccumulator(...)` or unflattening
-            flat_mine = jax.tree_util.tree_flatten(self.accumulated)
-        same = _accumulate_same_layout(flat_mine, (leaves, treedef))
+            flat_mine = _Flat(*jax.tree_util.tree_flatten(self.accumulated), None)
+        same = _accumulate_same_layout(flat_mine, leaves, treedef)
         if same is not None:
-            out, out_leaves = same
-            return SummaryAccumulator._of(out, (out_leaves, treedef))
+            return SummaryAccumulator._of(*same)
         # Another layout: accumulate path by path, with errors naming the path.
         mine, flat = _flat(self.accumulated), _flat(tree)
         if flat.keys() != mine.keys():

@@ -28,6 +28,7 @@ from ._leaves import (
     KINDS,
     SUMMARY,
     Kind,
+    all_plain_arrays,
     check_leaf,
     validate_child_name,
     validate_leaf_name,
@@ -568,12 +569,17 @@ def summary_tree_flat(
     summaries: object, *, where: str
 ) -> tuple[FrozenMapping, list[Leaf], TreeDef]:
     """`summary_tree`, with the tree's leaves and structure (flattened once)."""
+    # Whether `tree.checked` can be trusted: a collection's levels, or a mapping
+    # just frozen here. A `FrozenMapping` passed as it is may be a level rebuilt
+    # from another's values (a writer's host copy, a materialized view), which
+    # says nothing of its leaves.
+    trusted = True
     if isinstance(summaries, OutputCollection):
-        tree = freeze(summaries.summaries, "summaries")
+        tree = summaries.summaries
     elif isinstance(summaries, FrozenMapping) and not any(
-        isinstance(value, OutputCollection) for value in summaries.values()
+        isinstance(value, OutputCollection) for _, value in summaries.items_list()
     ):
-        tree = freeze(summaries, "summaries")  # as it is, once checked
+        tree, trusted = summaries, False
     elif isinstance(summaries, Mapping):
         tree = freeze(_summaries_of(summaries), "summaries")
     else:
@@ -589,6 +595,16 @@ def summary_tree_flat(
         hashable = True
     except TypeError:  # a node with unhashable aux data: check every time
         known = hashable = False
+    if not (trusted and tree.checked):
+        # A known structure passed every check but the leaves'; arrays of numeric
+        # dtypes are valid leaves wherever they are. Else each leaf is checked by
+        # its path (the same leaves, in a tree of the same structure).
+        if known and all_plain_arrays(leaves):
+            tree.mark_checked()
+        elif trusted:
+            freeze(tree, "summaries")
+        else:
+            tree = freeze(_summaries_of(tree), "summaries")
     if not known:
         check_summary_names(tree, "", where=where)
         if hashable and len(_NAMES_CHECKED) < 1024:

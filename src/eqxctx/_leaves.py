@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._summary import Summary, is_array_leaf
-from ._typing import DType
+from ._typing import DType, Leaf
 
 
 #: One of the three kinds of outputs of a collection.
@@ -119,6 +119,25 @@ def _dtype_kind(dtype: DType) -> int:
     if isinstance(dtype, np.dtype) and len(_dtype_kinds) < 1024:
         _dtype_kinds[id(dtype)] = (dtype, kind)
     return kind
+
+
+def all_plain_arrays(values: list[Leaf]) -> bool:
+    """Whether every value is an array of a numeric dtype that is not a PRNG key's.
+
+    A quick test over leaves, with the caches `check_leaf` uses (by type, and by the
+    dtype's identity); False leaves the decision to `check_leaf`, by path.
+    """
+    for value in values:
+        kind = _leaf_types.get(type(value))
+        if kind is None:
+            kind = leaf_type(value)
+        dtype = getattr(value, "dtype", None)
+        if kind != ARRAY or dtype is None:
+            return False
+        found = _dtype_kinds.get(id(dtype))
+        if (_dtype_kind(dtype) if found is None else found[1]) != _PLAIN:
+            return False
+    return True
 
 
 def check_leaf(value: object, path: str) -> int:
