@@ -31,9 +31,12 @@ from eqxctx import (
     scan_in_context,
     vmap_in_context,
 )
-from eqxctx._mapping import _flatten as mapping_flatten  # pyright: ignore[reportPrivateUsage]
+from eqxctx._mapping import (
+    FrozenMapping,
+    _flatten as mapping_flatten,  # pyright: ignore[reportPrivateUsage]
+)
 from eqxctx.testing import assert_collections_equal, output_collections
-from eqxctx.writers import JsonlWriter
+from eqxctx.writers import JsonlWriter, fetch_summaries
 
 
 _INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?[\w.\-]+ = ", re.MULTILINE)
@@ -796,6 +799,28 @@ def test_jit_outputs_of_a_known_structure_check_only_their_leaves(
         with pytest.raises(TypeError, match=r"at '(summaries/)?a'"):
             writer.write(0, replaced)
     writer.close()
+
+
+def test_a_rebuilt_structure_is_the_one_remembered() -> None:
+    # A FrozenMapping holding plain mappings (and collections) is rebuilt into
+    # another structure: the rebuilt one is checked, returned and remembered, every
+    # time (the raw one once was, and the next such input then skipped the rebuild).
+    base = OutputCollection.empty().add_summary("loss", jnp.float32(1))
+    inner = (
+        OutputCollection.empty()
+        .add_summary("s", jnp.float32(1))
+        .add_state_update("u", jnp.float32(10))
+    )
+
+    def raw() -> Any:
+        return jax.tree_util.tree_map(lambda _: {"c": inner}, base.summaries)
+
+    for _ in range(2):
+        acc = SummaryAccumulator().update(raw()).update(raw())
+        assert acc.flatten() == {"loss/c/s": 2.0}
+        assert isinstance(acc.accumulated, FrozenMapping)
+        assert isinstance(acc.accumulated["loss"], FrozenMapping)
+        np.testing.assert_array_equal(fetch_summaries(raw())["loss/c/s"], 1.0)
 
 
 # -- deep chains ---------------------------------------------------------------------

@@ -590,21 +590,21 @@ def summary_tree_flat(
     # The names depend only on the structure: checked once per treedef (writers and
     # accumulators see the same structure every step).
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    try:
-        known = treedef in _NAMES_CHECKED
-        hashable = True
-    except TypeError:  # a node with unhashable aux data: check every time
-        known = hashable = False
+    known, hashable = _known_structure(treedef)
     if not (trusted and tree.checked):
         # A known structure passed every check but the leaves'; arrays of numeric
         # dtypes are valid leaves wherever they are. Else each leaf is checked by
-        # its path (the same leaves, in a tree of the same structure).
+        # its path.
         if known and all_plain_arrays(leaves):
             tree.mark_checked()
         elif trusted:
             freeze(tree, "summaries")
         else:
+            # Rebuilt: its plain mappings frozen, its collections' summaries taken
+            # (another structure, flattened again).
             tree = freeze(_summaries_of(tree), "summaries")
+            leaves, treedef = jax.tree_util.tree_flatten(tree)
+            known, hashable = _known_structure(treedef)
     if not known:
         check_summary_names(tree, "", where=where)
         if hashable and len(_NAMES_CHECKED) < 1024:
@@ -613,6 +613,14 @@ def summary_tree_flat(
 
 
 _NAMES_CHECKED: set[TreeDef] = set()
+
+
+def _known_structure(treedef: TreeDef) -> tuple[bool, bool]:
+    """Whether `treedef` passed every check before, and whether it is hashable."""
+    try:
+        return treedef in _NAMES_CHECKED, True
+    except TypeError:  # a node with unhashable aux data: check every time
+        return False, False
 
 
 def _summaries_of(tree: Tree) -> Tree:
