@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given
 
 import eqxctx
+import eqxctx._batches as batches_module
 import eqxctx._collection as collection_module
 import eqxctx._iterations as iterations_module
 import eqxctx.writers._base as writers_base
@@ -25,6 +26,7 @@ from eqxctx import (
     IterationSummaries,
     OutputCollection,
     OutputConflictError,
+    Summary,
     SummaryAccumulator,
     WeightedSummary,
     functional,
@@ -799,6 +801,42 @@ def test_jit_outputs_of_a_known_structure_check_only_their_leaves(
         with pytest.raises(TypeError, match=r"at '(summaries/)?a'"):
             writer.write(0, replaced)
     writer.close()
+
+
+class _Concat(Summary):
+    """Keeps every value (its shape grows with each accumulation)."""
+
+    values: jax.Array
+
+    def value(self) -> jax.Array:
+        return self.values
+
+    def accumulate(self, other: Any) -> "_Concat":
+        return _Concat(jnp.concatenate([self.values, other.values]))
+
+
+def test_a_summary_that_changes_shape_costs_no_failed_trace_per_update(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A shape that differs from the accumulated one falls back to the path-by-path
+    # accumulation; the jitted step is tried (and its trace fails) at most once.
+    failed: list[int] = []
+    real = batches_module._ShapeChanged  # pyright: ignore[reportPrivateUsage]
+
+    class Counted(real):
+        def __init__(self) -> None:
+            failed.append(1)
+            super().__init__()
+
+    monkeypatch.setattr(batches_module, "_ShapeChanged", Counted)
+    batches_module._step.cache_clear()  # pyright: ignore[reportPrivateUsage]
+    step = {"c": _Concat(jnp.ones(1)), "x": jnp.float32(1)}
+    acc = SummaryAccumulator().update(step)
+    for _ in range(5):
+        acc = acc.update(step)
+    assert acc.flatten()["x"] == 6.0
+    np.testing.assert_array_equal(acc.flatten()["c"].values, np.ones(6))
+    assert len(failed) <= 1
 
 
 def test_a_rebuilt_structure_is_the_one_remembered() -> None:

@@ -195,12 +195,21 @@ def _accumulate_same_layout(
         return None
     # Only JAX arrays: NumPy and Python values are added as they are, on the host
     # (a jitted step would turn int64 into int32 and `True + True` into `True`).
-    # A step's outputs are JAX arrays: only the new leaves are tested then.
-    for leaves in (leaves_b,) if a.step is not None else (a.leaves, leaves_b):
-        for x in leaves:
+    step = a.step
+    if step is not None:
+        # After a step: its outputs are JAX arrays, and a shape that changes makes
+        # the step's trace raise (once: the fallback's result has no step).
+        for x in leaves_b:
             if not is_jax_array_type(type(x)):
                 return None
-    step = a.step if a.step is not None else _step(treedef)
+    else:
+        for x, y in zip(a.leaves, leaves_b, strict=True):
+            if (
+                not (is_jax_array_type(type(x)) and is_jax_array_type(type(y)))
+                or x.shape != y.shape
+            ):
+                return None
+        step = _step(treedef)
     try:
         out = step(a.leaves, leaves_b)
     except _ShapeChanged:
