@@ -861,6 +861,43 @@ def test_a_rebuilt_structure_is_the_one_remembered() -> None:
         np.testing.assert_array_equal(fetch_summaries(raw())["loss/c/s"], 1.0)
 
 
+def _levels(tree: FrozenMapping) -> list[FrozenMapping]:
+    out = [tree]
+    for _, value in tree.items_list():
+        if isinstance(value, FrozenMapping):
+            out += _levels(value)
+    return out
+
+
+def test_a_frozen_mapping_is_checked_only_where_its_leaves_were(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # `FrozenMapping(items)` claims nothing of its leaves: `freeze` checks them,
+    # naming the path (it once claimed them checked and was returned unchecked).
+    # Levels rebuilt from checked ones (a materialized or pruned collection) stay
+    # checked, so nothing is walked again.
+    with pytest.raises(TypeError, match=r"summaries/c/a"):
+        iterations_module.freeze(
+            FrozenMapping({"c": FrozenMapping({"a": "text"})}), "summaries"
+        )
+    coll = OutputCollection(scanned(3, 2).summaries, {}, {})  # checked here
+    for view in (coll.materialize(), coll.prune(lambda path: path.endswith("/s1"))):
+        assert all(level.checked for level in _levels(view.summaries))
+    calls: list[str] = []
+    check = iterations_module.check_leaf
+    monkeypatch.setattr(
+        iterations_module,
+        "check_leaf",
+        lambda value, path: calls.append(path) or check(value, path),
+    )
+    flat = coll.materialize().flatten("summaries")
+    iterations_module.freeze(coll.materialize().summaries, "summaries")
+    assert calls == []
+    assert [float(flat[f"iter{i}/s1"]) for i in range(3)] == [0.0, 2.0, 4.0]
+    # Unflattened (a jitted function's output): not checked, checked where it enters.
+    assert not scanned(3, 2).materialize().summaries.checked
+
+
 # -- deep chains ---------------------------------------------------------------------
 
 

@@ -569,17 +569,15 @@ def summary_tree_flat(
     summaries: object, *, where: str
 ) -> tuple[FrozenMapping, list[Leaf], TreeDef]:
     """`summary_tree`, with the tree's leaves and structure (flattened once)."""
-    # Whether `tree.checked` can be trusted: a collection's levels, or a mapping
-    # just frozen here. A `FrozenMapping` passed as it is may be a level rebuilt
-    # from another's values (a writer's host copy, a materialized view), which
-    # says nothing of its leaves.
-    trusted = True
+    # An unchecked `FrozenMapping` passed as it is (made by unflattening, as
+    # `jax.tree_util.tree_map` does) may hold plain mappings: rebuilt if need be.
+    rebuild = False
     if isinstance(summaries, OutputCollection):
         tree = summaries.summaries
     elif isinstance(summaries, FrozenMapping) and not any(
         isinstance(value, OutputCollection) for _, value in summaries.items_list()
     ):
-        tree, trusted = summaries, False
+        tree, rebuild = summaries, True
     elif isinstance(summaries, Mapping):
         tree = freeze(_summaries_of(summaries), "summaries")
     else:
@@ -591,13 +589,13 @@ def summary_tree_flat(
     # accumulators see the same structure every step).
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     known, hashable = _known_structure(treedef)
-    if not (trusted and tree.checked):
+    if not tree.checked:
         # A known structure passed every check but the leaves'; arrays of numeric
         # dtypes are valid leaves wherever they are. Else each leaf is checked by
         # its path.
         if known and all_plain_arrays(leaves):
             tree.mark_checked()
-        elif trusted:
+        elif not rebuild:
             freeze(tree, "summaries")
         else:
             # Rebuilt: its plain mappings frozen, its collections' summaries taken

@@ -286,7 +286,7 @@ def freeze(tree: object, path: str) -> FrozenMapping:
         elif not isinstance(value, IterationSummaries):
             check_leaf(value, sub)
         pairs.append((key, value))
-    out = FrozenMapping(pairs)
+    out = FrozenMapping(pairs, checked=True)
     _check_reserved(out, path)
     return out
 
@@ -507,19 +507,25 @@ def has_leaf(tree: Tree) -> bool:
 # -- materialize ---------------------------------------------------------------------
 
 
-def materialize_tree(tree: Tree) -> FrozenMapping:
-    """Return `tree`, each entry expanded into `{prefix}`, `{prefix}{i}` children."""
+def materialize_tree(tree: Tree, checked: bool | None = None) -> FrozenMapping:
+    """Return `tree`, each entry expanded into `{prefix}`, `{prefix}{i}` children.
+
+    `checked`: whether `tree`'s leaves are checked (default: `tree.checked` for a
+    `FrozenMapping`, else False); an iteration's values are slices of its entry's.
+    """
+    if checked is None:
+        checked = isinstance(tree, FrozenMapping) and tree.checked
     pairs: list[tuple[str, Leaf]] = []
     for key, value in _items(tree):
         if isinstance(value, IterationSummaries):
             pairs.append((key, EMPTY))
             for i, it in enumerate(IterationSummaries.iterations(value)):
-                pairs.append((f"{key}{i}", materialize_tree(it)))
+                pairs.append((f"{key}{i}", materialize_tree(it, checked)))
         elif isinstance(value, Mapping):
-            pairs.append((key, materialize_tree(value)))
+            pairs.append((key, materialize_tree(value, checked)))
         else:
             pairs.append((key, value))
-    return FrozenMapping(pairs)
+    return FrozenMapping(pairs, checked=checked)
 
 
 # -- prune ---------------------------------------------------------------------------
@@ -570,7 +576,10 @@ def _prune(
                 pairs.append((key, sub))
         elif not drop(path):
             pairs.append((key, value))
-    return FrozenMapping(pairs)
+    # A subset of `tree`'s entries: checked where `tree` was.
+    return FrozenMapping(
+        pairs, checked=isinstance(tree, FrozenMapping) and tree.checked
+    )
 
 
 def _prune_entry(

@@ -297,9 +297,14 @@ class FrozenMapping(Mapping[str, Entry]):
     # and for logs made by unflattening, which are in key order already.
     __slots__ = ("_flat", "_log", "_n", "_sorted")
 
-    def __init__(self, items: Mapping[str, Entry] | Pairs = ()):
+    def __init__(
+        self, items: Mapping[str, Entry] | Pairs = (), *, checked: bool = False
+    ):
+        # `checked`: whether every leaf of `items` is known to be a valid collection
+        # leaf (`freeze` checked them, or they come from a level that was); else
+        # `freeze` checks them where the mapping enters a collection.
         index: dict[str, int] = {}
-        log = _Log(index, [], index)
+        log = _Log(index, [], index, checked=checked)
         pairs = items.items() if isinstance(items, Mapping) else items
         for key, value in pairs:
             if key in index:
@@ -384,7 +389,8 @@ class FrozenMapping(Mapping[str, Entry]):
         import copy
 
         return FrozenMapping(
-            [(k, copy.deepcopy(v, memo)) for k, v in self.items_list()]
+            [(k, copy.deepcopy(v, memo)) for k, v in self.items_list()],
+            checked=self.checked,
         )
 
     @property

@@ -115,13 +115,15 @@ def _owned(summaries: object) -> object:
         mapping = cast(Mapping[object, object], summaries)
         return {k: _owned(v) for k, v in mapping.items()}
     if kind == _FROZEN:
+        frozen = cast(FrozenMapping, summaries)
         new: list[tuple[str, object]] = []
         changed = False
-        for k, v in cast(FrozenMapping, summaries).items():
+        for k, v in frozen.items():
             owned = v if _kind(type(v)) == _KEEP else _owned(v)
             changed = changed or owned is not v
             new.append((k, owned))
-        return FrozenMapping(new) if changed else summaries
+        # Copies of its leaves: checked where `summaries` was.
+        return FrozenMapping(new, checked=frozen.checked) if changed else summaries
     if kind == _COLLECTION:  # read-only: kept if nothing is copied
         levels = cast(OutputCollection, summaries).summaries
         trees = _owned(levels)

@@ -560,11 +560,13 @@ def summary_trees(summaries: object) -> object:
 def _in_order(host: ArrayTree, like: ArrayTree) -> ArrayTree:
     """`host` with its mappings in the key order of `like` (`to_host` sorts keys).
 
-    A `FrozenMapping` (a collection's level, checked when it was made) stays one.
+    A `FrozenMapping` stays one, checked where `like` was (host copies of its leaves).
     """
     if isinstance(like, Mapping) and isinstance(host, Mapping):
         items = [(k, _in_order(host[k], v)) for k, v in like.items()]
-        return FrozenMapping(items) if isinstance(like, FrozenMapping) else dict(items)
+        if isinstance(like, FrozenMapping):
+            return FrozenMapping(items, checked=like.checked)
+        return dict(items)
     return host
 
 
