@@ -54,13 +54,17 @@ hand-written program's, whose count XLA may change by a few instructions with th
 trip count); a summary table closes the run. Usage:
 
     .venv/bin/python benchmarks/bench_trace.py [--quick] [--max-k K] [--row-budget S]
-        [--shapes flat deep] [--trace-only] [--gc on|off]
+        [--shapes flat deep] [--trace-only] [--gc on|off] [--result-paths on|off]
 
 Part 1's excess is a tenth of the trace or less, so its two-point slopes between
 K = 1000 and 2000 move with the machine's noise and the collector (shown, not a
 target); `trace_instructions.py table` counts the same traces exactly (callgrind),
 with the collector off. `--gc off` disables the collector during each part-1 trace
 (after the `gc.collect()`), as that count does.
+`--result-paths off` is a diagnostic: it stubs out JAX's spelling of every output
+leaf's path at the end of a trace (twice per trace, O(depth) characters per leaf: in a
+deep chain most of the trace at K = 2000) in all three variants, through a private
+JAX helper.
 `--max-k` caps part 1's K (default 2000); `--row-budget` (seconds, default 60) stops
 adding rounds to a part-1 row once it has run that long (every row runs at least one
 round), so the slow rows of old internals finish in a few minutes. `--shapes` picks
@@ -179,13 +183,14 @@ def make_flat_hand(k: int, s: int, scoped: bool = False) -> Fn:
         summaries: dict[str, Any] = {}
         outputs: dict[str, Any] = {}
         for i in range(k):
+            name = f"c{i}"  # made before the child runs, as `ctx.call` is given it
             if scoped:  # as `ctx.call`: the child runs in `jax.named_scope(name)`
-                with jax.named_scope(f"c{i}"):
+                with jax.named_scope(name):
                     x, sums = _child_values(x, s)
             else:
                 x, sums = _child_values(x, s)
-            summaries[f"c{i}"] = {f"s{j}": v for j, v in enumerate(sums)}
-            outputs[f"c{i}"] = {"h": x}
+            summaries[name] = {f"s{j}": v for j, v in enumerate(sums)}
+            outputs[name] = {"h": x}
         coll = {"summaries": summaries, "state_updates": {}, "module_outputs": outputs}
         return x, coll
 
@@ -229,13 +234,14 @@ def make_deep_hand(k: int, s: int, scoped: bool = False) -> Fn:
         summaries: dict[str, Any] = {f"s{j}": v for j, v in enumerate(sums)}
         outputs: dict[str, Any] = {"h": h}
         if i + 1 < k:
+            name = f"c{i + 1}"  # made before the child runs, as `ctx.call` is given it
             if scoped:
-                with jax.named_scope(f"c{i + 1}"):
+                with jax.named_scope(name):
                     h, sub_s, sub_o = node(h, i + 1)
             else:
                 h, sub_s, sub_o = node(h, i + 1)
-            summaries[f"c{i + 1}"] = sub_s
-            outputs[f"c{i + 1}"] = sub_o
+            summaries[name] = sub_s
+            outputs[name] = sub_o
         return h, summaries, outputs
 
     def run(x: jax.Array, key: jax.Array) -> Any:
@@ -862,6 +868,21 @@ def bench_nested_drop() -> dict[str, Any]:
 # ------------------------------------------------------------------------ main
 
 
+def _stub_result_paths() -> None:
+    """Make JAX spell every result path as "" (a diagnostic for part 1, all variants).
+
+    When a trace ends, JAX spells each output leaf's path twice (debug information;
+    O(depth) characters each, so O(K^2) in a deep chain). `--result-paths off`
+    replaces the private helper that spells one, to show what the traces cost
+    without it. Not a supported use of JAX.
+    """
+    from jax._src import linear_util  # private: diagnostics only
+
+    if not hasattr(linear_util, "_clean_keystr_arg_names"):
+        raise SystemExit("--result-paths off: this JAX has no helper to stub")
+    linear_util._clean_keystr_arg_names = lambda path: ""  # pyright: ignore[reportPrivateUsage]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="host-side cost of eqxctx")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and rounds")
@@ -888,7 +909,15 @@ def main() -> None:
         default="on",
         help="off: part 1 disables Python's collector during each trace",
     )
+    parser.add_argument(
+        "--result-paths",
+        choices=("on", "off"),
+        default="on",
+        help="off: a diagnostic, JAX's spelling of result paths stubbed out",
+    )
     opts = parser.parse_args()
+    if opts.result_paths == "off":
+        _stub_result_paths()
     ks = tuple(k for k in (10, 100, 1000, 2000) if k <= opts.max_k)
     if opts.quick:
         ks = tuple(k for k in ks if k <= 100)
@@ -897,6 +926,7 @@ def main() -> None:
     print(
         f"jax {jax.__version__}, {jax.devices()[0].platform}, "
         f"{'quick' if opts.quick else 'full'} run, collector {opts.gc} in part 1"
+        + (", JAX's result paths stubbed" if opts.result_paths == "off" else "")
     )
     trace_rows = bench_trace(
         ks, rounds, opts.row_budget, tuple(opts.shapes), opts.gc == "on"
