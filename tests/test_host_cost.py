@@ -874,15 +874,24 @@ def test_a_frozen_mapping_is_checked_only_where_its_leaves_were(
 ) -> None:
     # `FrozenMapping(items)` claims nothing of its leaves: `freeze` checks them,
     # naming the path (it once claimed them checked and was returned unchecked).
-    # Levels rebuilt from checked ones (a materialized or pruned collection) stay
-    # checked, so nothing is walked again.
+    # Levels rebuilt from checked ones (materialized, pruned, sliced, deep-copied)
+    # stay checked, so nothing is walked again.
     with pytest.raises(TypeError, match=r"summaries/c/a"):
         iterations_module.freeze(
             FrozenMapping({"c": FrozenMapping({"a": "text"})}), "summaries"
         )
     coll = OutputCollection(scanned(3, 2).summaries, {}, {})  # checked here
-    for view in (coll.materialize(), coll.prune(lambda path: path.endswith("/s1"))):
-        assert all(level.checked for level in _levels(view.summaries))
+    uniform = coll.prune(lambda path: path.endswith("/s1"))
+    sliced = coll.prune(lambda path: path == "summaries/iter1/s0")
+    assert isinstance(uniform.summaries["iter"], IterationSummaries)
+    assert sorted(sliced.summaries) == ["iter", "iter0", "iter1", "iter2"]
+    for view in (coll.materialize(), uniform, sliced):
+        levels = _levels(view.summaries)
+        assert levels
+        assert all(level.checked for level in levels)
+    copied = copy.deepcopy(coll.summaries)
+    assert copied is not coll.summaries
+    assert copied.checked
     calls: list[str] = []
     check = iterations_module.check_leaf
     monkeypatch.setattr(
@@ -892,10 +901,37 @@ def test_a_frozen_mapping_is_checked_only_where_its_leaves_were(
     )
     flat = coll.materialize().flatten("summaries")
     iterations_module.freeze(coll.materialize().summaries, "summaries")
+    iterations_module.freeze(sliced.summaries, "summaries")
     assert calls == []
     assert [float(flat[f"iter{i}/s1"]) for i in range(3)] == [0.0, 2.0, 4.0]
+    assert sorted(sliced.flatten("summaries")) == sorted(
+        k for k in flat if k != "iter1/s0"
+    )
     # Unflattened (a jitted function's output): not checked, checked where it enters.
     assert not scanned(3, 2).materialize().summaries.checked
+    # A scan's entry made by `tree_map` is checked where a mapping holding it enters.
+    bad = jax.tree_util.tree_map(lambda x: np.array(["t"] * 3), coll.summaries["iter"])
+    with pytest.raises(TypeError, match=r"'summaries/it/s0' has dtype <U1"):
+        OutputCollection({"it": bad}, {}, {})
+
+
+def test_values_inserted_into_a_level_are_checked_where_they_are_written(
+    tmp_path: Path,
+) -> None:
+    # `inserted` / `updated` leave checking to their callers (an add checks first);
+    # a level grown by them directly is not trusted by writers and accumulators.
+    coll = OutputCollection({"x": 1.0}, {}, {})
+    for bad, message in (
+        ("hello", r"'summaries/s' has type str"),
+        (jax.random.key(0), r"summary at 'summaries/s' is a typed PRNG key"),
+        (np.array(["t"]), r"'summaries/s' has dtype <U1"),
+    ):
+        grown = coll.summaries.updated([("s", bad)])
+        with pytest.raises(TypeError, match=message):
+            SummaryAccumulator().update(grown)
+        with pytest.raises(TypeError, match=message):
+            fetch_summaries(grown)
+    assert fetch_summaries(coll.summaries.inserted("s", 2.0)) == {"x": 1.0, "s": 2.0}
 
 
 # -- deep chains ---------------------------------------------------------------------

@@ -569,15 +569,18 @@ def summary_tree_flat(
     summaries: object, *, where: str
 ) -> tuple[FrozenMapping, list[Leaf], TreeDef]:
     """`summary_tree`, with the tree's leaves and structure (flattened once)."""
-    # An unchecked `FrozenMapping` passed as it is (made by unflattening, as
-    # `jax.tree_util.tree_map` does) may hold plain mappings: rebuilt if need be.
-    rebuild = False
+    # Whether `tree.checked` can be trusted: a collection's levels, or a mapping
+    # just frozen here. A `FrozenMapping` passed as it is is checked by its leaves
+    # (its `inserted` and `updated` add values unchecked: their callers check them)
+    # and, if it holds plain mappings (made by unflattening, as
+    # `jax.tree_util.tree_map` does), rebuilt.
+    trusted = True
     if isinstance(summaries, OutputCollection):
         tree = summaries.summaries
     elif isinstance(summaries, FrozenMapping) and not any(
         isinstance(value, OutputCollection) for _, value in summaries.items_list()
     ):
-        tree, rebuild = summaries, True
+        tree, trusted = summaries, False
     elif isinstance(summaries, Mapping):
         tree = freeze(_summaries_of(summaries), "summaries")
     else:
@@ -589,13 +592,13 @@ def summary_tree_flat(
     # accumulators see the same structure every step).
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     known, hashable = _known_structure(treedef)
-    if not tree.checked:
+    if not (trusted and tree.checked):
         # A known structure passed every check but the leaves'; arrays of numeric
         # dtypes are valid leaves wherever they are. Else each leaf is checked by
         # its path.
         if known and all_plain_arrays(leaves):
             tree.mark_checked()
-        elif not rebuild:
+        elif trusted:
             freeze(tree, "summaries")
         else:
             # Rebuilt: its plain mappings frozen, its collections' summaries taken

@@ -259,8 +259,10 @@ def _items(tree: Tree) -> Pairs:
 def freeze(tree: object, path: str) -> FrozenMapping:
     """Return `tree` as a `FrozenMapping`, checking every key and leaf once.
 
-    A `FrozenMapping` is returned as it is: its leaves were checked where they
-    entered. Nothing of `tree` is aliased into the result except its leaves.
+    A `FrozenMapping` is returned as it is, its leaves checked first unless they were
+    where they entered (`checked`); so are the stacked values of an
+    `IterationSummaries` entry. Nothing of `tree` is aliased into the result except
+    its leaves and entries.
 
     Raises:
         TypeError: if `tree` is not a mapping, a key is not a `str`, or a leaf is not
@@ -283,7 +285,9 @@ def freeze(tree: object, path: str) -> FrozenMapping:
             )
         if isinstance(value, Mapping):
             value = freeze(value, sub)
-        elif not isinstance(value, IterationSummaries):
+        elif isinstance(value, IterationSummaries):
+            freeze(value.stacked, sub)  # made by unflattening: not checked yet
+        else:
             check_leaf(value, sub)
         pairs.append((key, value))
     out = FrozenMapping(pairs, checked=True)
@@ -563,23 +567,31 @@ def prune_kinds(
 
 
 def _prune(
-    tree: Tree, drop: PathPredicate, prefix: str, *, slots: bool
+    tree: Tree,
+    drop: PathPredicate,
+    prefix: str,
+    *,
+    slots: bool,
+    checked: bool | None = None,
 ) -> FrozenMapping:
+    # `checked`: as for `materialize_tree` (an iteration's values are slices of its
+    # entry's, checked where the entry's level was).
+    if checked is None:
+        checked = isinstance(tree, FrozenMapping) and tree.checked
     pairs: list[tuple[str, Leaf]] = []
     for key, value in _items(tree):
         path = prefix + key
         if isinstance(value, IterationSummaries):
-            pairs.extend(_prune_entry(key, value, drop, prefix, slots=slots))
+            pairs.extend(
+                _prune_entry(key, value, drop, prefix, slots=slots, checked=checked)
+            )
         elif isinstance(value, Mapping):
-            sub = _prune(value, drop, path + "/", slots=slots)
+            sub = _prune(value, drop, path + "/", slots=slots, checked=checked)
             if not drop(path):
                 pairs.append((key, sub))
         elif not drop(path):
             pairs.append((key, value))
-    # A subset of `tree`'s entries: checked where `tree` was.
-    return FrozenMapping(
-        pairs, checked=isinstance(tree, FrozenMapping) and tree.checked
-    )
+    return FrozenMapping(pairs, checked=checked)
 
 
 def _prune_entry(
@@ -589,6 +601,7 @@ def _prune_entry(
     prefix: str,
     *,
     slots: bool,
+    checked: bool = False,
 ) -> Pairs:
     """Prune one entry: stacked where every iteration keeps the same, else sliced.
 
@@ -624,7 +637,8 @@ def _prune_entry(
     pairs += [
         (f"{key}{i}", it) for i, it in enumerate(IterationSummaries.iterations(entry))
     ]
-    return _prune(FrozenMapping(pairs), drop, prefix, slots=False).items_list()
+    sliced = FrozenMapping(pairs, checked=checked)
+    return _prune(sliced, drop, prefix, slots=False, checked=checked).items_list()
 
 
 __all__ = [
