@@ -915,9 +915,7 @@ def test_a_frozen_mapping_is_checked_only_where_its_leaves_were(
         OutputCollection({"it": bad}, {}, {})
 
 
-def test_values_inserted_into_a_level_are_checked_where_they_are_written(
-    tmp_path: Path,
-) -> None:
+def test_values_inserted_into_a_level_are_checked_where_they_are_written() -> None:
     # `inserted` / `updated` leave checking to their callers (an add checks first);
     # a level grown by them directly is not trusted by writers and accumulators.
     coll = OutputCollection({"x": 1.0}, {}, {})

@@ -259,10 +259,10 @@ def _items(tree: Tree) -> Pairs:
 def freeze(tree: object, path: str) -> FrozenMapping:
     """Return `tree` as a `FrozenMapping`, checking every key and leaf once.
 
-    A `FrozenMapping` is returned as it is, its leaves checked first unless they were
-    where they entered (`checked`); so are the stacked values of an
-    `IterationSummaries` entry. Nothing of `tree` is aliased into the result except
-    its leaves and entries.
+    A `FrozenMapping` is returned as it is, after checking its leaves if they were not
+    checked where they entered (`checked`). The stacked values of an
+    `IterationSummaries` entry are checked like leaves. Nothing of `tree` is aliased
+    into the result except its leaves and entries.
 
     Raises:
         TypeError: if `tree` is not a mapping, a key is not a `str`, or a leaf is not
@@ -285,10 +285,8 @@ def freeze(tree: object, path: str) -> FrozenMapping:
             )
         if isinstance(value, Mapping):
             value = freeze(value, sub)
-        elif isinstance(value, IterationSummaries):
-            freeze(value.stacked, sub)  # made by unflattening: not checked yet
         else:
-            check_leaf(value, sub)
+            _check_value(value, sub)
         pairs.append((key, value))
     out = FrozenMapping(pairs, checked=True)
     _check_reserved(out, path)
@@ -300,12 +298,18 @@ def _check_frozen(tree: FrozenMapping, path: str) -> None:
         sub = f"{path}/{key}"
         if isinstance(value, FrozenMapping):
             freeze(value, sub)
-        elif isinstance(value, IterationSummaries):
-            freeze(value.stacked, sub)
         else:
-            check_leaf(value, sub)
+            _check_value(value, sub)
     _check_reserved(tree, path)
     tree.mark_checked()
+
+
+def _check_value(value: object, path: str) -> None:
+    """Check a level's entry that is not a mapping: a leaf, or a scan's entry."""
+    if isinstance(value, IterationSummaries):
+        freeze(value.stacked, path)  # one made by unflattening is not checked yet
+    else:
+        check_leaf(value, path)
 
 
 def _check_reserved(out: FrozenMapping, path: str) -> None:
