@@ -28,6 +28,7 @@ from ._collection import (
 from ._errors import CALL_TWICE_HINT, PREFIX_HINT, OutputConflictError
 from ._frozen import TreeEquality
 from ._leaves import validate_leaf_name
+from ._scope import child_scope
 from ._typing import ArrayTree, Children, Leaf, MaybeKey, Names, PRNGKey, R
 
 
@@ -449,8 +450,10 @@ class Context(TreeEquality):
         """Run `fn(*args, child_ctx, **kwargs)` in child context `name`.
 
         `fn` returns `(out, child_ctx)`; its collection is attached under `name`.
-        Runs inside `jax.named_scope(name)`, so profiles show the model tree. Costs
-        O(1) besides `fn` itself, whatever the context already holds.
+        Runs in a named scope with `jax.named_scope(name)`'s op names, so profiles
+        show the model tree (a scope whose cost does not grow with the nesting
+        depth, `_scope.py`). Costs O(1) besides `fn` itself, whatever the context
+        already holds.
 
         Args:
             name: the child's name, matching `^[a-z][a-z0-9_]*$`.
@@ -480,7 +483,7 @@ class Context(TreeEquality):
         at = _child_frame(frame, name, frame.is_training)
         # The child context is made in the call: the call's argument tuple holds the
         # empty child until `fn` returns (nothing that grows while `fn` runs).
-        with jax.named_scope(name):
+        with child_scope(name):
             try:
                 result = fn(*args, _make(at, _EMPTY), **kwargs)
             except TypeError as e:

@@ -20,6 +20,7 @@ from ._context import (
     iteration_context,
 )
 from ._reconcile import fill_collection, union_collections
+from ._scope import child_scope
 from ._typing import ArrayTree, R
 
 
@@ -77,7 +78,7 @@ def _run_branches(
 
             return branch
 
-        with jax.named_scope(child_name):
+        with child_scope(child_name):
             out, coll = dispatch([wrapped(j) for j in range(len(branches))])
     return out, OutputCollection.empty().add_child(child_name, coll)
 
