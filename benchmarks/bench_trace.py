@@ -11,10 +11,11 @@ same values, measured in one run with the variants interleaved; times are the mi
    with a `jax.named_scope` per child, as `ctx.call` runs its child (*scoped*: the
    same program, op names included). Two shapes: *flat*
    (the root calls K siblings in turn) and *deep* (each child calls the next).
-   K in {10, 100, 1000, 2000}, S in {1, 4}; the table gives ours/hand, ours/scoped
-   and the log-log slopes of the excess times (ours - hand, ours - scoped) against
-   K: between consecutive K, from the smallest to the largest K, and fitted by
-   least squares over all K (the slope target's measure). A deep chain of
+   K in {10, 100, 1000, 2000}, S in {1, 4}; each round traces the three variants,
+   each one first in turn (the order rotates every round); the table gives ours/hand,
+   ours/scoped and the log-log slopes of the excess times (ours - hand, ours -
+   scoped) against K: between consecutive K, from the smallest to the largest K, and
+   fitted by least squares over all K (the slope target's measure). A deep chain of
    2000 children nests several Python frames per child (beyond Python's default
    limit of 1000), so the script raises `sys.setrecursionlimit` and runs in a thread
    with a 512 MiB stack.
@@ -376,8 +377,8 @@ def bench_trace(
                 }
                 leaves: dict[str, int] = {}
                 start = time.perf_counter()
-                for _ in range(rounds):  # interleaved
-                    for name, make in variants:
+                for r in range(rounds):  # interleaved, each variant first in turn
+                    for name, make in variants[r % 3 :] + variants[: r % 3]:
                         t, leaves[name], col = _trace_time(make(k, s), args, collect)
                         times[name].append(t)
                         runs[name].append((t, t - col.seconds, col.seconds, col.full))

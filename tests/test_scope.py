@@ -190,3 +190,22 @@ def test_child_scope_is_a_context_manager_restoring_the_stack() -> None:
         fail()
     assert inside == [f"{before}/a/b" if len(before) else "a/b"]
     assert source_info_util.current_name_stack() is before
+
+
+def test_child_scope_falls_back_to_jax_named_scope_where_jax_differs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from eqxctx import _scope
+
+    assert _scope._joining_scope() is not None  # pyright: ignore[reportPrivateUsage]
+
+    def arrows(self: source_info_util.NameStack) -> str:
+        return ">".join(entry.name for entry in self.stack)
+
+    # A JAX whose name stack prints entries otherwise than joined by "/".
+    monkeypatch.setattr(source_info_util.NameStack, "__str__", arrows)
+    assert _scope._joining_scope() is None  # pyright: ignore[reportPrivateUsage]
+    # A JAX whose `named_scope` does more than extend the stack.
+    monkeypatch.undo()
+    monkeypatch.setattr(jax, "named_scope", lambda name: child_scope(name))
+    assert _scope._joining_scope() is None  # pyright: ignore[reportPrivateUsage]
