@@ -53,7 +53,7 @@ from eqxctx import Context
 def calls(s: int, k: int) -> None:
     """Count K `ctx.call` children (S summaries and a module output each) in a trace.
 
-    No JAX operation but `ctx.call`'s `jax.named_scope`: every child adds the same
+    No JAX operation but `ctx.call`'s named scope: every child adds the same
     input tracer, so the count is eqxctx's own work per child (divide by K).
     """
     names = [f"c{i}" for i in range(k)]
