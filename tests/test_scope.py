@@ -49,12 +49,13 @@ def _chain(depth: int) -> Callable[[jax.Array, Context], tuple[jax.Array, Contex
     return model
 
 
-def _run(model: Callable[..., tuple[jax.Array, Context]]) -> Callable[[jax.Array], Any]:
+def _run(
+    model: Callable[..., tuple[jax.Array, Context]], keyed: bool = True
+) -> Callable[[jax.Array], Any]:
     def run(x: jax.Array) -> jax.Array:
-        y, _ = functional(
-            model, prng_key=jax.random.key(0), is_training=True, args=(x,)
-        )
-        return jnp.sum(y)
+        key = jax.random.key(0) if keyed else None
+        y, _ = functional(model, prng_key=key, is_training=True, args=(x,))
+        return jnp.sum(y * x)
 
     return run
 
@@ -118,6 +119,50 @@ def _count_and_chain(
     return (c[0] + 1, x), ctx
 
 
+def _transposed(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+    """`jax.linear_transpose` of a function running children, inside children."""
+
+    def inner(v: jax.Array, ctx: Context, *, k: int) -> tuple[jax.Array, Context]:
+        if k < 2:
+            return ctx.call(f"r{k + 1}", inner, v, k=k + 1)
+        return jax.lax.mul(v, jnp.full_like(v, 3.0)), ctx
+
+    def node(x: jax.Array, ctx: Context, *, i: int) -> tuple[jax.Array, Context]:
+        if i < 2:
+            return ctx.call(f"c{i + 1}", node, x, i=i + 1)
+
+        def linear(v: jax.Array) -> jax.Array:  # its children are the node's
+            return ctx.call("r0", inner, v, k=0)[0]
+
+        (y,) = jax.linear_transpose(linear, x)(x)
+        return y, ctx
+
+    return ctx.call("c0", node, x, i=0)
+
+
+def _custom_jvp_rule(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+    """A `jax.custom_jvp` rule that runs a child, two children deep."""
+
+    def leaf(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+        @jax.custom_jvp
+        def f(x: jax.Array) -> jax.Array:
+            return jnp.sin(x)
+
+        @f.defjvp
+        def f_jvp(
+            primals: tuple[jax.Array], tangents: tuple[jax.Array]
+        ) -> tuple[jax.Array, jax.Array]:
+            ((x,), (dx,)) = primals, tangents
+            g, _ = ctx.call(
+                "rule", lambda x, ctx: (jax.lax.mul(jnp.cos(x), dx), ctx), x
+            )
+            return jnp.sin(x), g
+
+        return f(x), ctx
+
+    return ctx.call("c0", lambda x, ctx: ctx.call("c1", leaf, x), x)
+
+
 MODELS: dict[str, Callable[..., tuple[jax.Array, Context]]] = {
     "chain": _chain(6),
     "user_scopes": _in_user_scopes,
@@ -125,33 +170,62 @@ MODELS: dict[str, Callable[..., tuple[jax.Array, Context]]] = {
     "scan_and_vmap": _scanned,
     "cond_and_fori": _branched,
     "while": _looped,  # (not differentiable)
+    "linear_transpose": _transposed,
+    "custom_jvp_rule": _custom_jvp_rule,
+}
+#: Op names each model must show, beyond `c0/c1/` (where a scope is easy to lose):
+#: these run children in a trace that names its equations relative to the stack it
+#: began under (linear transposition, a custom JVP rule), which a closed-over key
+#: would change (so they run without one).
+EXPECTED = {
+    "linear_transpose": r"c0\)*/c1/c2/transpose\(r0\)/r1/r2/mul",
+    "custom_jvp_rule": r"c0\)*/c1/rule/",
 }
 
 
-@pytest.mark.parametrize("transform", ["jit", "grad", "grad_of_jit"])
+def _transformed(model: str, transform: str) -> Callable[[jax.Array], Any]:
+    run = _run(MODELS[model], keyed=model not in EXPECTED)
+    return {
+        "jit": run,
+        "grad": jax.grad(run),
+        "grad_of_jit": jax.grad(jax.jit(run)),
+        "linearize": lambda x: jax.linearize(run, x)[1](x),
+        "vmap_of_grad": lambda x: jax.vmap(jax.grad(run))(jnp.stack([x, -x])),
+    }[transform]
+
+
+def _observed(fn: Callable[[jax.Array], Any], x: jax.Array) -> tuple[list[str], str]:
+    """Op names of the lowered program, and the jaxpr printed with its name stacks."""
+    jaxpr = jax.make_jaxpr(fn)(x).pretty_print(source_info=True, name_stack=True)
+    return _op_names(fn, x), str(jaxpr)
+
+
+@pytest.mark.parametrize(
+    "transform", ["jit", "grad", "grad_of_jit", "linearize", "vmap_of_grad"]
+)
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_op_names_are_those_of_nested_named_scopes(
     model: str, transform: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if model == "while" and transform != "jit":
         pytest.skip("jax.lax.while_loop has no reverse-mode derivative")
-    run = _run(MODELS[model])
-    fn: Callable[[jax.Array], Any] = {
-        "jit": run,
-        "grad": jax.grad(run),
-        "grad_of_jit": jax.grad(jax.jit(run)),
-    }[transform]
     x = jnp.linspace(-1.0, 1.0, 4)
-    ours = _op_names(fn, x)
+    # Fresh functions and no cached traces: each side traces with its own scopes.
+    jax.clear_caches()
+    ours, ours_jaxpr = _observed(_transformed(model, transform), x)
     for module in _SCOPED_MODULES:
         monkeypatch.setattr(module, "child_scope", jax.named_scope)
-    reference = _op_names(fn, x)
+    jax.clear_caches()
+    reference, reference_jaxpr = _observed(_transformed(model, transform), x)
     assert ours == reference
+    assert ours_jaxpr == reference_jaxpr
     # The comparison sees the scopes: nested children's ops are named by the tree
     # (`c0/c1/sin`, `jvp(c0)/c1/sin`).
     assert any(re.search(r"c0\)*/c1/", name) for name in ours)
-    if transform != "jit":
+    if transform not in ("jit", "linearize") or model == "linear_transpose":
         assert any("transpose(" in name for name in ours)
+    if model in EXPECTED and (transform != "jit" or model != "custom_jvp_rule"):
+        assert any(re.search(EXPECTED[model], name) for name in ours), ours
 
 
 def test_the_name_stack_does_not_grow_with_depth() -> None:

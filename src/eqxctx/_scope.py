@@ -5,19 +5,26 @@ show the model tree (`c0/c1/tanh`). `jax.named_scope(name)` appends one entry to
 JAX's name stack by copying it, and lowering concatenates stacks per equation, so in
 a chain of D children each scope and each equation costs O(D). `child_scope(name)`
 gives the same op names with a stack that does not grow with eqxctx's nesting: a run
-of eqxctx scopes is kept as two entries, the first scope and the rest joined
-(`"c0"`, `"c1/c2/c3"`), which JAX prints as it prints the four. The first stays
-alone because a transformation wraps the entry after it, also when JAX puts the
-transformation in front of a stack recorded earlier (`jvp(c0)/c1/c2`, not
-`jvp(c0/c1/c2)`), and a scope that is not eqxctx's (a user's `jax.named_scope`)
-keeps its own entry.
+of eqxctx scopes entered under one JAX trace is kept as two entries, the first scope
+and the rest joined (`"c0"`, `"c1/c2/c3"`), which JAX prints as it prints the four.
 
-This needs JAX's private `source_info_util`; where that is missing or behaves
-otherwise than checked below, `child_scope` is `jax.named_scope`.
+Why only that run:
+- A transformation wraps the entry after it, also when JAX puts it in front of a
+  stack recorded earlier (`jvp(c0)/c1/c2`, not `jvp(c0/c1/c2)`): the first stays alone.
+- A trace that records names relative to the stack it started under (partial
+  evaluation, linearization: `current_name_stack()[len(prefix):]`) must find every
+  scope entered under it in entries of its own: an entry joins only entries made
+  under the same current trace.
+- A scope that is not eqxctx's (a user's `jax.named_scope`) keeps its own entry.
+
+This needs JAX's private `source_info_util` and current trace; where they are missing
+or behave otherwise than checked below, `child_scope` is `jax.named_scope`.
 """
 
+import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from typing import Any
 
 import jax
 
@@ -26,52 +33,64 @@ ScopeFactory = Callable[[str], AbstractContextManager[object]]
 
 
 def _joining_scope() -> ScopeFactory | None:
-    """The joining context manager, or None if JAX's name stack is not as expected."""
+    """The joining context manager, or None if JAX is not as expected."""
     try:
-        from jax._src import source_info_util as siu
+        from jax._src import core, source_info_util as siu
 
         state = siu._source_info_context  # pyright: ignore[reportPrivateUsage]
+        trace_ctx = core.trace_ctx
         Scope, Transform, NameStack = siu.Scope, siu.Transform, siu.NameStack
         extend = siu.ExtendNameStackContextManager
-    except (ImportError, AttributeError):
-        return None
 
-    class _ChildScope(Scope):
-        """A name-stack entry made by eqxctx: later eqxctx scopes may join it."""
+        class _ChildScope(Scope):
+            """A name-stack entry made by eqxctx, and the trace it was made under."""
 
-        __slots__ = ()
+            # (A tuple subclass cannot add slots: the trace goes in its `__dict__`.)
+            trace: "weakref.ref[Any]"
 
-    class _JoiningScope:
-        __slots__ = ("name", "prev")
+            def __reduce__(self) -> tuple[type, tuple[str]]:
+                return Scope, (self.name,)  # pickles as JAX's own entry
 
-        def __init__(self, name: str) -> None:
-            self.name = name
+        def entry(name: str, trace: "weakref.ref[Any]") -> Any:
+            e = _ChildScope(name)
+            e.trace = trace
+            return e
 
-        def __enter__(self) -> None:
-            prev = self.prev = state.context
-            stack = prev.name_stack.stack
-            if (
-                len(stack) > 1
-                and type(stack[-1]) is _ChildScope
-                and type(stack[-2]) is _ChildScope
-            ):
-                last = stack[-1]
-                stack = (*stack[:-1], _ChildScope(f"{last.name}/{self.name}"))
-            else:
-                stack = (*stack, _ChildScope(self.name))
-            state.context = prev.replace(name_stack=NameStack(stack))
+        class _JoiningScope:
+            __slots__ = ("name", "prev")
 
-        def __exit__(self, *exc: object) -> None:
-            state.context = self.prev
+            def __init__(self, name: str) -> None:
+                self.name = name
 
-    # Only where JAX's own scope is the plain stack extension, and prints a joined
-    # entry as the entries it joins, transformations included.
-    try:
+            def __enter__(self) -> object:
+                prev = self.prev = state.context
+                stack = prev.name_stack.stack
+                trace = trace_ctx.trace._weakref
+                if (
+                    len(stack) > 1
+                    and type(last := stack[-1]) is _ChildScope
+                    and type(first := stack[-2]) is _ChildScope
+                    and last.trace is trace
+                    and first.trace is trace
+                ):
+                    new = (*stack[:-1], entry(f"{last.name}/{self.name}", trace))
+                else:
+                    new = (*stack, entry(self.name, trace))
+                name_stack = NameStack(new)
+                state.context = prev.replace(name_stack=name_stack)
+                return name_stack
+
+            def __exit__(self, *exc: object) -> None:
+                state.context = self.prev
+
+        # Only where JAX's own scope is the plain stack extension, prints a joined
+        # entry as the entries it joins (transformations included), and has a
+        # current trace with a weak reference.
         if type(jax.named_scope("probe")) is not extend:
             return None
         for head in [(), (Scope("user"),), (Transform("jvp"),)]:
             nested = NameStack((*head, Scope("a"), Scope("b"), Scope("c")))
-            joined = NameStack((*head, _ChildScope("a"), _ChildScope("b/c")))
+            joined = NameStack((*head, Scope("a"), _ChildScope("b/c")))
             if str(joined) != str(nested):
                 return None
         with _JoiningScope("a"), _JoiningScope("b"), _JoiningScope("c"):
