@@ -452,8 +452,8 @@ class Context(TreeEquality):
         `fn` returns `(out, child_ctx)`; its collection is attached under `name`.
         Runs in a named scope with `jax.named_scope(name)`'s op names, so profiles
         show the model tree (a scope whose cost does not grow with the nesting
-        depth, `_scope.py`). Costs O(1) besides `fn` itself, whatever the context
-        already holds.
+        depth). Costs O(1) besides `fn` itself, whatever the context already
+        holds.
 
         Args:
             name: the child's name, matching `^[a-z][a-z0-9_]*$`.
