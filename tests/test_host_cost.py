@@ -1046,3 +1046,33 @@ def test_a_deep_chain_names_its_levels_in_fewer_bytes_than_nested_named_scopes(
         sys.setrecursionlimit(limit)
     # Levels 200-299: about 1.3 kB per level against 2.1 kB.
     assert per_level["child_scope"] < 0.7 * per_level["named_scope"], per_level
+
+
+def test_inserted_and_updated_refuse_a_key_already_present() -> None:
+    # A level holds each key once: growing it by a present key (or a key twice) would
+    # give a mapping whose length disagrees with its keys.
+    coll = OutputCollection({"x": 1.0, "c": {"y": 2.0}}, {}, {})
+    level = coll.summaries
+    for bad in ("x", "c"):
+        with pytest.raises(ValueError, match=rf"`FrozenMapping.inserted`: '{bad}' is"):
+            level.inserted(bad, 3.0)
+    with pytest.raises(ValueError, match=r"`FrozenMapping.updated`: 'x' is already"):
+        level.updated([("z", 3.0), ("x", 4.0)])
+    with pytest.raises(ValueError, match=r"`FrozenMapping.updated`: 'z' is already"):
+        level.updated([("z", 3.0), ("z", 4.0)])
+    with pytest.raises(TypeError, match=r"keys are non-empty strings, got ''"):
+        level.inserted("", 3.0)
+    for key in (1, None):  # (refused by the checks of the tests' type checker too)
+        with pytest.raises(TypeError):
+            level.inserted(key, 3.0)  # pyright: ignore[reportArgumentType]
+    # Nothing was added by the refused calls, and the accepted ones add in order.
+    assert list(level) == ["x", "c"]
+    assert len(level) == 2
+    grown = level.updated([("z", 3.0), ("w", 4.0)])
+    assert list(grown) == ["x", "c", "z", "w"]
+    assert len(grown) == 4
+    assert grown["z"] == 3.0
+    assert grown["w"] == 4.0
+    assert list(level) == ["x", "c"]
+    assert len(level) == 2
+    assert list(level.inserted("v", 5.0)) == ["x", "c", "v"]

@@ -37,6 +37,8 @@ from ._mapping import (
     EMPTY,
     FrozenMapping,
     Levels,
+    insert,
+    insert_all,
     inserted_child,
     key_in_any,
     leaf_clashes,
@@ -219,7 +221,7 @@ class OutputCollection(TreeEquality):
         _check_merge(self, other)
         return _make(
             *(
-                mine.updated(theirs.items_list())
+                insert_all(mine, theirs.items_list())
                 for mine, theirs in zip(_trees(self), _trees(other), strict=True)
             )
         )
@@ -457,7 +459,7 @@ def add_leaf(
     target = s if kind == "summaries" else su if kind == "state_updates" else mo
     if leaf_clashes(name, target, (s, su, mo), _CHILD_TYPES):
         _raise_leaf_clash(kind, name, target)
-    new = target.inserted(name, value)
+    new = insert(target, name, value)
     out = _new(OutputCollection)
     if kind == "summaries":
         _set_summaries(out, new)

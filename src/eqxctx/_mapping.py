@@ -18,7 +18,7 @@ that are `prefix` followed by a number.
 import itertools
 import threading
 import typing
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import Any, TypeAlias
 
 import jax
@@ -447,17 +447,58 @@ class FrozenMapping(Mapping[str, Entry]):
     def inserted(self, key: str, value: Entry) -> "FrozenMapping":
         """Return a new version with `key: value` added; `self` is unchanged.
 
-        O(1) amortized. The caller has checked that `key` is not present.
+        O(1) amortized. Only the key is checked, not the value (an add through
+        `Context` or `OutputCollection` checks both).
+
+        Raises:
+            TypeError: if `key` is not a non-empty `str`.
+            ValueError: if `key` is already a key here (a mapping holds each key
+                once).
         """
-        with _LOCK:
-            return _insert(self, key, value)
+        _check_new_key(self, key, (), "inserted")
+        return insert(self, key, value)
 
     def updated(self, pairs: Pairs) -> "FrozenMapping":
-        """Return a new version with every pair added (keys checked by the caller)."""
-        out = self
+        """Return a new version with every `(key, value)` pair of `pairs` added.
+
+        Raises:
+            TypeError: if a key is not a non-empty `str`.
+            ValueError: if a key is already a key here or comes twice in `pairs`.
+        """
+        pairs = list(pairs)
+        seen: set[str] = set()
+        for key, _ in pairs:
+            _check_new_key(self, key, seen, "updated")
+            seen.add(key)
+        return insert_all(self, pairs)
+
+
+def _check_new_key(
+    m: FrozenMapping, key: object, seen: Collection[str], where: str
+) -> None:
+    if not isinstance(key, str) or not key:
+        raise TypeError(
+            f"`FrozenMapping.{where}`: keys are non-empty strings, got {key!r}."
+        )
+    if key in m or key in seen:
+        raise ValueError(
+            f"`FrozenMapping.{where}`: {key!r} is already a key; a mapping holds "
+            "each key once (use a new name, or build a dict from it)."
+        )
+
+
+def insert(m: FrozenMapping, key: str, value: Entry) -> FrozenMapping:
+    """`m.inserted(key, value)` for callers that have checked `key` (unchecked)."""
+    with _LOCK:
+        return _insert(m, key, value)
+
+
+def insert_all(m: FrozenMapping, pairs: Pairs) -> FrozenMapping:
+    """`m.updated(pairs)` for callers that have checked the keys (unchecked)."""
+    with _LOCK:
         for key, value in pairs:
-            out = out.inserted(key, value)
-        return out
+            m = _insert(m, key, value)
+    return m
 
 
 #: Types whose values are PyTree leaves, not tracers, levels nor scan entries (arrays,
