@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given
+from jax.core import Tracer
 
 import eqxctx
 import eqxctx._batches as batches_module
@@ -677,6 +678,103 @@ def test_a_derived_key_is_remembered_outside_traces(
         np.testing.assert_array_equal(jax.tree_util.tree_leaves(ctx)[0], first)
         np.testing.assert_array_equal(ctx.prng_key, first)
     assert len(folds) == 2  # derived once, remembered
+
+
+def _chain_reading_keys(depth: int) -> Callable[[jax.Array, jax.Array], Any]:
+    """A chain of `depth` nested children, each adding noise from its key."""
+
+    def node(x: jax.Array, ctx: Context, *, i: int) -> tuple[jax.Array, Context]:
+        x = x + jax.random.normal(ctx.prng_key, x.shape)
+        if i + 1 < depth:
+            x, ctx = ctx.call(f"c{i + 1}", node, x, i=i + 1)
+        return x, ctx.add_module_output("key", jax.random.key_data(ctx.prng_key))
+
+    def model(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+        return ctx.call("c0", node, x, i=0)
+
+    def run(x: jax.Array, key: jax.Array) -> Any:
+        return functional(
+            model,
+            prng_key=key,
+            is_training=True,
+            args=(x,),
+            drop_output_collections=(),
+        )
+
+    return run
+
+
+def _reference_keys(key: jax.Array, depth: int) -> list[jax.Array]:
+    """`fold_in` by each level's seed, from the root down (AXLearn's derivation)."""
+    keys: list[jax.Array] = []
+    for i in range(depth):
+        key = jax.random.fold_in(key, eqxctx._context.child_seed(f"c{i}"))  # pyright: ignore[reportPrivateUsage]
+        keys.append(key)
+    return keys
+
+
+@pytest.mark.parametrize("depth", [3, 12, 40])
+def test_traced_keys_cost_one_fold_per_level(depth: int) -> None:
+    # Each level reads its key twice: under a trace every frame derives its key once
+    # per trace from its parent's (kept with the trace), not once per ancestor per
+    # read (depth * (depth + 1) folds before).
+    key = jax.random.PRNGKey(3)
+    x = jnp.zeros(4)
+    jaxpr = jax.make_jaxpr(_chain_reading_keys(depth))(x, key)
+    folds = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "random_fold_in"]
+    if not folds:  # a JAX that stages `fold_in` as threefry on raw keys
+        folds = [e for e in jaxpr.jaxpr.eqns if "threefry" in e.primitive.name]
+        assert len(folds) == 2 * depth + depth  # a fold and a draw per level
+    else:
+        assert len(folds) == depth
+    # The keys are the eager derivation's, under jit and without it.
+    want = np.stack([jax.random.key_data(k) for k in _reference_keys(key, depth)])
+    for run in (_chain_reading_keys(depth), jax.jit(_chain_reading_keys(depth))):
+        _, coll = run(x, key)
+        got, level = [], coll.module_outputs
+        for i in range(depth):
+            level = level[f"c{i}"]
+            got.append(np.asarray(level["key"]))
+        np.testing.assert_array_equal(np.stack(got), want)
+
+
+def test_a_traced_key_is_reused_only_under_its_trace() -> None:
+    key = jax.random.PRNGKey(5)
+    want = _reference_keys(key, 3)
+    escaped: list[Context] = []
+
+    def make(escape: bool) -> Callable[[jax.Array], jax.Array]:
+        def f(x: jax.Array) -> jax.Array:
+            # From a concrete key inside the trace: the keys derived here are tracers
+            # of this trace.
+            ctx = Context.root(prng_key=key).child("c0").child("c1").child("c2")
+            x = x + jax.random.normal(ctx.prng_key, ())
+            if escape:
+                escaped.append(ctx)
+
+            # Read under an inner transformation, then again under this trace.
+            def g(y: jax.Array) -> jax.Array:
+                return y + jax.random.normal(ctx.prng_key, ())
+
+            x = x + jax.vmap(g)(jnp.arange(2.0)).sum()
+            return x + jax.random.normal(ctx.prng_key, ())
+
+        return f
+
+    noise = float(jax.random.normal(want[2], ()))
+    with jax.checking_leaks():  # nothing of eqxctx keeps a tracer past its trace
+        out = jax.jit(make(escape=False))(jnp.zeros(()))
+    np.testing.assert_allclose(out, 4 * noise + 1.0, rtol=1e-6)  # 0 + 1 from arange
+    # A context that outlives its trace (a leak, on purpose) derives its key again,
+    # concretely, equal to the reference: no tracer of the finished trace comes back.
+    jax.jit(make(escape=True))(jnp.zeros(()))
+    ctx = escaped[0]
+    assert not isinstance(ctx.prng_key, Tracer)
+    np.testing.assert_array_equal(ctx.prng_key, want[2])
+    np.testing.assert_array_equal(
+        ctx.child("c3").prng_key,
+        jax.random.fold_in(want[2], eqxctx._context.child_seed("c3")),  # pyright: ignore[reportPrivateUsage]
+    )
 
 
 def count_own_calls(fn: Callable[[], Any]) -> int:

@@ -396,7 +396,8 @@ def test_versions_of_one_context_derive_keys_and_paths_from_two_threads(
     read: str,
 ) -> None:
     # Every version of a context shares its frame. Thread B is paused inside the walk
-    # up to the nearest known ancestor, between its two reads of a frame; thread A
+    # up to the nearest known ancestor (`_walk_up` for a path, `_derive_key` for a
+    # key), between its two reads of a frame; thread A
     # then derives the key and path of its own version (which drops the parent link
     # of the shared frame). B must still find them.
     import inspect
@@ -406,7 +407,11 @@ def test_versions_of_one_context_derive_keys_and_paths_from_two_threads(
     import eqxctx._context as context_module
 
     # (`inspect.unwrap`: the test suite's runtime type checks wrap it.)
-    walk = inspect.unwrap(context_module._walk_up)  # pyright: ignore[reportPrivateUsage]
+    walk = inspect.unwrap(
+        context_module._walk_up  # pyright: ignore[reportPrivateUsage]
+        if read == "path"
+        else context_module._derive_key  # pyright: ignore[reportPrivateUsage]
+    )
     lines, first = inspect.getsourcelines(walk)
     # Pause between the loop's first two statements (its two reads of the frame).
     loop = next(i for i, line in enumerate(lines) if line.strip().startswith("while"))

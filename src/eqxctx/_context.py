@@ -32,6 +32,12 @@ from ._scope import child_scope
 from ._typing import ArrayTree, Children, Leaf, MaybeKey, Names, PRNGKey, R
 
 
+try:
+    from jax.extend.core import get_opaque_trace_state as _opaque_trace_state
+except ImportError:  # JAX < 0.9 has it only in `jax.core`
+    from jax.core import get_opaque_trace_state as _opaque_trace_state
+
+
 class _Unset:
     def __repr__(self) -> str:
         return "<unset>"
@@ -191,17 +197,17 @@ class Context(TreeEquality):
 
     @property
     def prng_key(self) -> MaybeKey:
-        """The context's key (derived from its ancestors' names when first needed)."""
+        """The context's key (derived from its ancestors' names when first needed).
+
+        A child's key is `jax.random.fold_in(parent_key, seed(name))`, derived once
+        per frame (and once per JAX trace for a traced key), or None in a keyless
+        context.
+        """
         frame = self._frame
         key = frame.base_key
         if key is not _DERIVED:
             return key
-        key = _derive_key(frame)
-        if not isinstance(key, Tracer):  # concrete: remember it (a tracer would leak)
-            frame.base_key = key
-            if frame.path is not None:  # both known: the parent is not needed
-                frame.up = None
-        return key
+        return _derive_key(frame)
 
     @property
     def is_training(self) -> bool:
@@ -528,6 +534,7 @@ class _Frame:
         "path",
         "shape_only",
         "summary_level",
+        "traced",
         "up",
     )
 
@@ -553,6 +560,11 @@ class _Frame:
         self.gradients = gradients
         self.up = up
         self.name = name
+        # `(trace, key)`: a derived key that is a tracer, and the JAX trace it was
+        # derived under, reused only under that same trace (`_derive_key`). One
+        # tuple, so that threads tracing at once never see one's key with the
+        # other's trace.
+        self.traced: tuple[object, MaybeKey] | None = None
 
 
 _new = object.__new__
@@ -624,11 +636,48 @@ def _derive_path(frame: _Frame) -> tuple[str, ...]:
     return path
 
 
+def _trace_state() -> object:
+    """The current JAX trace, opaquely (`==` tells whether two reads saw the same)."""
+    return _opaque_trace_state(convention="eqxctx")
+
+
 def _derive_key(frame: _Frame) -> MaybeKey:
-    """Fold in the names from the nearest ancestor whose key is known."""
-    key, names = _walk_up(frame, "base_key", _DERIVED)
-    for name in reversed(names):
-        key = fold_in_name(key, name)
+    """Fold in the names from the nearest ancestor whose key is known.
+
+    Every frame on the way down remembers its key: a concrete key for good (and its
+    parent is dropped once its path is known too), a tracer together with the
+    current JAX trace, to be reused only under that trace (a tracer kept for a
+    later trace would leak). So reading keys costs one `fold_in` per frame per
+    trace, however deep the frames (not one per ancestor per read).
+    """
+    state: object = None
+    below: list[_Frame] = []
+    node = frame
+    while True:
+        up = node.up  # first: see `_walk_up`
+        key = node.base_key
+        if key is not _DERIVED:
+            break
+        if (traced := node.traced) is not None:
+            if state is None:
+                state = _trace_state()
+            if traced[0] == state:
+                key = traced[1]
+                break
+        assert up is not None  # (a child's frame has both)
+        below.append(node)
+        node = up
+    for node in reversed(below):
+        assert node.name is not None
+        key = fold_in_name(key, node.name)
+        if isinstance(key, Tracer):
+            if state is None:
+                state = _trace_state()
+            node.traced = (state, key)
+        else:  # concrete: remember it
+            node.base_key = key
+            if node.path is not None:  # both known: the parent is not needed
+                node.up = None
     return key
 
 
