@@ -5,10 +5,13 @@ A diagnostic for part 1's deep rows: for each depth K, the minimum over rounds o
 S summaries per child, each variant first in turn, the collector off during each
 trace), ours/hand, our excess per level, and the minor page faults of each variant's
 last trace (`resource.getrusage`). `--body` traces a function that runs the chain and
-returns only `x` (no output paths to spell). Usage:
+returns only `x` (no output paths to spell). `--keys` traces instead a chain whose
+every level draws noise from its key (ours: `ctx.prng_key`; hand: the parent's key
+`fold_in` the level's seed, passed down; scoped: hand in `jax.named_scope`s) and also
+counts each jaxpr's equations. Usage:
 
     .venv/bin/python benchmarks/trace_depth.py [--s 1] [--ks 10 20 30 40 60 100]
-        [--rounds 7] [--body]
+        [--rounds 7] [--body | --keys]
 
 On CPython 3.11 to 3.13.x before the fix of python/cpython#142183, a thread's frames
 live in 16 KiB chunks, and a chunk is unmapped as soon as the frame at its start
@@ -28,11 +31,56 @@ import bench_trace
 import jax
 import jax.numpy as jnp
 
+from eqxctx import Context, functional
+from eqxctx._context import child_seed
+
 
 VARIANTS = ("ours", "hand", "scoped")
 
 
-def _make(variant: str, k: int, s: int, body: bool) -> bench_trace.Fn:
+def _keys_ours(k: int) -> bench_trace.Fn:
+    def node(x: jax.Array, ctx: Context, *, i: int) -> tuple[jax.Array, Context]:
+        x = x + jax.random.normal(ctx.prng_key, x.shape)
+        if i + 1 < k:
+            x, ctx = ctx.call(f"c{i + 1}", node, x, i=i + 1)
+        return x, ctx
+
+    def model(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+        return ctx.call("c0", node, x, i=0)
+
+    def run(x: jax.Array, key: jax.Array) -> Any:
+        return functional(model, prng_key=key, is_training=True, args=(x,))[0]
+
+    return run
+
+
+def _keys_hand(k: int, scoped: bool) -> bench_trace.Fn:
+    def node(x: jax.Array, key: jax.Array, i: int) -> jax.Array:
+        key = jax.random.fold_in(key, child_seed(f"c{i}"))
+        x = x + jax.random.normal(key, x.shape)
+        if i + 1 < k:
+            if scoped:
+                with jax.named_scope(f"c{i + 1}"):
+                    return node(x, key, i + 1)
+            return node(x, key, i + 1)
+        return x
+
+    def run(x: jax.Array, key: jax.Array) -> Any:
+        if scoped:
+            with jax.named_scope("c0"):
+                return node(x, key, 0)
+        return node(x, key, 0)
+
+    return run
+
+
+def _make(
+    variant: str, k: int, s: int, body: bool, keys: bool = False
+) -> bench_trace.Fn:
+    if keys:
+        return (
+            _keys_ours(k) if variant == "ours" else _keys_hand(k, variant == "scoped")
+        )
     ours, hand = bench_trace.SHAPES["deep"]
     make = {"ours": ours, "hand": hand, "scoped": bench_trace.SCOPED["deep"]}[variant]
     fn = make(k, s)
@@ -58,28 +106,32 @@ def main() -> None:
     parser.add_argument("--ks", type=int, nargs="+", default=[10, 20, 30, 40, 60, 100])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--body", action="store_true", help="return x only")
+    parser.add_argument("--keys", action="store_true", help="every level reads its key")
     opts = parser.parse_args()
+    if opts.body and opts.keys:
+        parser.error("--body and --keys are exclusive")
     args = (
         jnp.linspace(-1.0, 1.0, bench_trace.WIDTH, dtype=jnp.float32),
         jax.random.PRNGKey(0),
     )
     for variant in VARIANTS:  # warm up JAX's caches
-        jax.jit(_make(variant, 10, opts.s, opts.body)).trace(*args)
+        jax.jit(_make(variant, 10, opts.s, opts.body, opts.keys)).trace(*args)
     print(
         f"jax {jax.__version__}, Python {sys.version.split()[0]}, deep, S = {opts.s}"
         + (", body only" if opts.body else "")
+        + (", every level reads its key" if opts.keys else "")
     )
     print(
         "\n| K | ours ms | hand ms | scoped ms | ours/hand | excess per level µs "
-        "| page faults (ours / hand / scoped) |"
+        "| page faults (ours / hand / scoped) | jaxpr equations (ours / hand) |"
     )
-    print("|--:|--:|--:|--:|--:|--:|--:|")
+    print("|--:|--:|--:|--:|--:|--:|--:|--:|")
     for k in opts.ks:
         times: dict[str, list[float]] = {v: [] for v in VARIANTS}
         faults: dict[str, int] = {}
         for r in range(opts.rounds):
             for variant in VARIANTS[r % 3 :] + VARIANTS[: r % 3]:
-                fn = _make(variant, k, opts.s, opts.body)
+                fn = _make(variant, k, opts.s, opts.body, opts.keys)
                 gc.collect()
                 gc.disable()
                 before, start = _faults(), time.perf_counter()
@@ -88,11 +140,16 @@ def main() -> None:
                 faults[variant] = _faults() - before
                 gc.enable()
         best = {v: min(t) for v, t in times.items()}
+        eqns = [
+            len(jax.make_jaxpr(_make(v, k, opts.s, opts.body, opts.keys))(*args).eqns)
+            for v in ("ours", "hand")
+        ]
         print(
             f"| {k} | {best['ours'] * 1e3:.1f} | {best['hand'] * 1e3:.1f} "
             f"| {best['scoped'] * 1e3:.1f} | {best['ours'] / best['hand']:.2f}x "
             f"| {(best['ours'] - best['hand']) / k * 1e6:.0f} "
-            f"| {faults['ours']} / {faults['hand']} / {faults['scoped']} |",
+            f"| {faults['ours']} / {faults['hand']} / {faults['scoped']} "
+            f"| {eqns[0]} / {eqns[1]} |",
             flush=True,
         )
 
