@@ -42,3 +42,21 @@ def test_branch_and_loop_names_are_exported() -> None:
         "fori_in_context",
     ):
         assert name in public_names()
+
+
+def test_importing_eqxctx_starts_no_jax_backend() -> None:
+    # Programs set device flags (XLA_FLAGS, `jax.config`) after their imports; the
+    # import-time checks of JAX's internals (`_scope.py`, `_context.py`) trace
+    # abstractly and must not start a backend.
+    import subprocess
+    import sys
+
+    code = (
+        "import eqxctx, eqxctx.writers, eqxctx.testing\n"
+        "from jax._src import xla_bridge\n"
+        "print(sorted(xla_bridge._backends))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -7,6 +7,7 @@ thread-local stack: a `Context` is passed in and returned explicitly.
 import dataclasses
 import functools
 import hashlib
+import weakref
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeAlias
 
@@ -36,6 +37,51 @@ try:
     from jax.extend.core import get_opaque_trace_state as _opaque_trace_state
 except ImportError:  # JAX < 0.9 has it only in `jax.core`
     from jax.core import get_opaque_trace_state as _opaque_trace_state
+
+
+def _current_trace_public() -> object:
+    """The current JAX trace, opaquely: `==` tells whether two reads saw the same."""
+    return _opaque_trace_state(convention="eqxctx")
+
+
+def _current_trace_getter() -> Callable[[], object]:
+    """`_current_trace_public`, or the same identity read directly where possible.
+
+    JAX's opaque state is a new object per call (about 0.5 µs); the weak reference
+    it wraps is the trace's own (about 0.1 µs, no allocation: a child's frame keeps
+    one). JAX-private, so it is checked here and any difference falls back.
+    """
+    try:
+        from jax._src import core
+
+        trace_ctx = core.trace_ctx
+
+        def read() -> object:
+            return trace_ctx.trace._weakref
+
+        outer = read()
+        inner: list[object] = []
+
+        def probe(x: jax.Array) -> jax.Array:
+            inner.extend((read(), read()))
+            return x
+
+        # (Abstract: importing eqxctx must not start a JAX backend.)
+        jax.make_jaxpr(probe)(jax.ShapeDtypeStruct((), jnp.float32))
+        if not (
+            isinstance(outer, weakref.ref)
+            and len(inner) == 2
+            and inner[0] is inner[1]
+            and inner[0] != outer
+            and read() is outer
+        ):
+            return _current_trace_public
+    except Exception:  # any change in JAX's internals: the public function
+        return _current_trace_public
+    return read
+
+
+_current_trace = _current_trace_getter()
 
 
 class _Unset:
@@ -534,7 +580,8 @@ class _Frame:
         "path",
         "shape_only",
         "summary_level",
-        "traced",
+        "trace",
+        "traced_key",
         "up",
     )
 
@@ -560,11 +607,10 @@ class _Frame:
         self.gradients = gradients
         self.up = up
         self.name = name
-        # `(trace, key)`: a derived key that is a tracer, and the JAX trace it was
-        # derived under, reused only under that same trace (`_derive_key`). One
-        # tuple, so that threads tracing at once never see one's key with the
-        # other's trace.
-        self.traced: tuple[object, MaybeKey] | None = None
+        # A child's frame: the JAX trace it was made under, and its key derived as a
+        # tracer of that trace, kept and reused only under it (`_derive_key`).
+        self.trace: object = None
+        self.traced_key: MaybeKey = _DERIVED
 
 
 _new = object.__new__
@@ -594,7 +640,7 @@ def _child_frame(parent: _Frame, name: str, is_training: bool) -> _Frame:
     path tuple built per level would make a chain K deep cost O(K^2)). The parent
     frame stays alive while the child's does.
     """
-    return _Frame(
+    frame = _Frame(
         None,
         _DERIVED if parent.base_key is not None else None,
         is_training,
@@ -604,6 +650,8 @@ def _child_frame(parent: _Frame, name: str, is_training: bool) -> _Frame:
         parent,
         name,
     )
+    frame.trace = _current_trace()
+    return frame
 
 
 def _walk_up(frame: _Frame, field: str, unknown: object) -> tuple[Any, list[str]]:
@@ -636,21 +684,20 @@ def _derive_path(frame: _Frame) -> tuple[str, ...]:
     return path
 
 
-def _trace_state() -> object:
-    """The current JAX trace, opaquely (`==` tells whether two reads saw the same)."""
-    return _opaque_trace_state(convention="eqxctx")
-
-
 def _derive_key(frame: _Frame) -> MaybeKey:
     """Fold in the names from the nearest ancestor whose key is known.
 
     Every frame on the way down remembers its key: a concrete key for good (and its
-    parent is dropped once its path is known too), a tracer together with the
-    current JAX trace, to be reused only under that trace (a tracer kept for a
-    later trace would leak). So reading keys costs one `fold_in` per frame per
-    trace, however deep the frames (not one per ancestor per read).
+    parent is dropped once its path is known too); a tracer only if the frame was
+    made under the current JAX trace, and then for that trace only. Such a frame
+    normally ends with its trace, so no tracer outlives its trace in a frame made
+    before it (`jax.checking_leaks`). So a chain of children reading their keys
+    costs one `fold_in` per frame per trace, however deep (not one per ancestor per
+    read). Inside `jax.ensure_compile_time_eval` no tracer is reused or kept (a key
+    derived there from a concrete one is concrete).
     """
-    state: object = None
+    trace: object = None
+    folding = getattr(jax.config, "eager_constant_folding", False)  # (no stub)
     below: list[_Frame] = []
     node = frame
     while True:
@@ -658,11 +705,11 @@ def _derive_key(frame: _Frame) -> MaybeKey:
         key = node.base_key
         if key is not _DERIVED:
             break
-        if (traced := node.traced) is not None:
-            if state is None:
-                state = _trace_state()
-            if traced[0] == state:
-                key = traced[1]
+        if node.traced_key is not _DERIVED and not folding:
+            if trace is None:
+                trace = _current_trace()
+            if node.trace == trace:
+                key = node.traced_key
                 break
         assert up is not None  # (a child's frame has both)
         below.append(node)
@@ -670,14 +717,15 @@ def _derive_key(frame: _Frame) -> MaybeKey:
     for node in reversed(below):
         assert node.name is not None
         key = fold_in_name(key, node.name)
-        if isinstance(key, Tracer):
-            if state is None:
-                state = _trace_state()
-            node.traced = (state, key)
-        else:  # concrete: remember it
+        if not isinstance(key, Tracer):  # concrete: remember it
             node.base_key = key
             if node.path is not None:  # both known: the parent is not needed
                 node.up = None
+        elif not folding:
+            if trace is None:
+                trace = _current_trace()
+            if node.trace == trace:
+                node.traced_key = key
     return key
 
 
