@@ -62,17 +62,22 @@ def _current_trace_getter() -> Callable[[], object]:
         outer = read()
         inner: list[object] = []
 
+        def same_as_public() -> bool:  # JAX's opaque state wraps exactly this
+            return getattr(_current_trace_public(), "_trace_ref", None) is read()
+
         def probe(x: jax.Array) -> jax.Array:
-            inner.extend((read(), read()))
+            inner.extend((read(), read(), same_as_public()))
             return x
 
         # (Abstract: importing eqxctx must not start a JAX backend.)
         jax.make_jaxpr(probe)(jax.ShapeDtypeStruct((), jnp.float32))
         if not (
             isinstance(outer, weakref.ref)
-            and len(inner) == 2
+            and same_as_public()
+            and len(inner) == 3
             and inner[0] is inner[1]
             and inner[0] != outer
+            and inner[2] is True
             and read() is outer
         ):
             return _current_trace_public
