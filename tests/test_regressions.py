@@ -1,5 +1,6 @@
 """Regression tests for problems found by trying eqxctx as a new user would."""
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -504,3 +505,69 @@ def test_an_empty_traced_scan_does_not_extend_a_concrete_collection_in_place() -
     with jax.checking_leaks():
         f(jnp.zeros((0,), jnp.float32))
     assert list(outer.collection.summaries) == ["pre"]
+
+
+def _block(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+    y = jnp.tanh(x)
+    return y, ctx.add_summary("rms", jnp.sqrt(jnp.mean(y**2)))
+
+
+def _nested_checkpoint(x: jax.Array) -> jax.Array:
+    # A context holding a tracer of the outer trace, extended inside `jax.checkpoint`
+    # (rematerializing one block): the outer log must not keep the inner tracers.
+    def model(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+        ctx = ctx.add_summary("in_mean", jnp.mean(x))
+        return jax.checkpoint(lambda x: ctx.call("blk", _block, x))(x)
+
+    out, coll = functional(model, prng_key=None, is_training=True, args=(x,))
+    assert coll.flatten("summaries").keys() == {"in_mean", "blk/rms"}
+    return out.sum()
+
+
+def _nested_vmap(x: jax.Array) -> jax.Array:
+    ctx = Context.root().add_summary("x", x)
+    ys = jax.vmap(lambda v: ctx.add_summary("y", v).collection.summaries["y"])(
+        jnp.arange(3.0)
+    )
+    ctx = ctx.add_summary("z", x)
+    assert list(ctx.collection.summaries) == ["x", "z"]
+    return ys.sum() + x
+
+
+def _nested_scan(x: jax.Array) -> jax.Array:
+    ctx = Context.root().add_summary("x", x)
+
+    def body(c: float, v: jax.Array) -> tuple[float, jax.Array]:
+        return c, ctx.add_summary("y", v).collection.summaries["y"]
+
+    _, ys = jax.lax.scan(body, 0.0, jnp.arange(3.0))
+    return ys.sum() + x
+
+
+def _nested_jit(x: jax.Array) -> jax.Array:  # under `jax.grad`: a JVP trace outside
+    ctx = Context.root().add_summary("x", x)
+    return jax.jit(lambda z: ctx.add_summary("y", z).collection.summaries["y"] * 2)(x)
+
+
+@pytest.mark.parametrize(
+    ("fn", "transform", "want"),
+    [
+        (_nested_checkpoint, lambda f: jax.jit(jax.grad(f)), 1 - np.tanh(1) ** 2),
+        (_nested_vmap, jax.jit, 4.0),
+        (_nested_scan, jax.jit, 4.0),
+        (_nested_jit, jax.grad, 2.0),
+    ],
+    ids=["checkpoint", "vmap", "scan", "jit_under_grad"],
+)
+def test_a_nested_trace_does_not_extend_an_outer_traced_collection_in_place(
+    fn: Callable[[jax.Array], jax.Array],
+    transform: Callable[[Callable[..., Any]], Callable[..., Any]],
+    want: float,
+) -> None:
+    # A level whose log holds tracers of one trace was appended to in place with
+    # tracers of a trace nested in it; the outer version kept the inner tracers
+    # alive past their trace (`jax.checking_leaks` raised). Found by a review helper.
+    x = jnp.ones(3) if fn is _nested_checkpoint else jnp.float32(1.0)
+    with jax.checking_leaks():
+        got = transform(fn)(x)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)

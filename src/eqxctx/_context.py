@@ -7,7 +7,6 @@ thread-local stack: a `Context` is passed in and returned explicitly.
 import dataclasses
 import functools
 import hashlib
-import weakref
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeAlias
 
@@ -17,6 +16,7 @@ import numpy as np
 from jax.core import Tracer
 from jaxtyping import Array
 
+from . import _traces
 from ._checks import note_missing_key
 from ._collection import (
     OutputCollection,
@@ -31,62 +31,6 @@ from ._frozen import TreeEquality
 from ._leaves import validate_leaf_name
 from ._scope import child_scope
 from ._typing import ArrayTree, Children, Leaf, MaybeKey, Names, PRNGKey, R
-
-
-try:
-    from jax.extend.core import get_opaque_trace_state as _opaque_trace_state
-except ImportError:  # JAX < 0.9 has it only in `jax.core`
-    from jax.core import get_opaque_trace_state as _opaque_trace_state
-
-
-def _current_trace_public() -> object:
-    """The current JAX trace, opaquely: `==` tells whether two reads saw the same."""
-    return _opaque_trace_state(convention="eqxctx")
-
-
-def _current_trace_getter() -> Callable[[], object]:
-    """`_current_trace_public`, or the same identity read directly where possible.
-
-    JAX's opaque state is a new object per call (about 0.5 µs); the weak reference
-    it wraps is the trace's own (about 0.1 µs, no allocation: a child's frame keeps
-    one). JAX-private, so it is checked here and any difference falls back.
-    """
-    try:
-        from jax._src import core
-
-        trace_ctx = core.trace_ctx
-
-        def read() -> object:
-            return trace_ctx.trace._weakref
-
-        outer = read()
-        inner: list[object] = []
-
-        def same_as_public() -> bool:  # JAX's opaque state wraps exactly this
-            return getattr(_current_trace_public(), "_trace_ref", None) is read()
-
-        def probe(x: jax.Array) -> jax.Array:
-            inner.extend((read(), read(), same_as_public()))
-            return x
-
-        # (Abstract: importing eqxctx must not start a JAX backend.)
-        jax.make_jaxpr(probe)(jax.ShapeDtypeStruct((), jnp.float32))
-        if not (
-            isinstance(outer, weakref.ref)
-            and same_as_public()
-            and len(inner) == 3
-            and inner[0] is inner[1]
-            and inner[0] != outer
-            and inner[2] is True
-            and read() is outer
-        ):
-            return _current_trace_public
-    except Exception:  # any change in JAX's internals: the public function
-        return _current_trace_public
-    return read
-
-
-_current_trace = _current_trace_getter()
 
 
 class _Unset:
@@ -655,7 +599,7 @@ def _child_frame(parent: _Frame, name: str, is_training: bool) -> _Frame:
         parent,
         name,
     )
-    frame.trace = _current_trace()
+    frame.trace = _traces.current_trace()
     return frame
 
 
@@ -712,7 +656,7 @@ def _derive_key(frame: _Frame) -> MaybeKey:
             break
         if node.traced_key is not _DERIVED and not folding:
             if trace is None:
-                trace = _current_trace()
+                trace = _traces.current_trace()
             if node.trace == trace:
                 key = node.traced_key
                 break
@@ -728,7 +672,7 @@ def _derive_key(frame: _Frame) -> MaybeKey:
                 node.up = None
         elif not folding:
             if trace is None:
-                trace = _current_trace()
+                trace = _traces.current_trace()
             if node.trace == trace:
                 node.traced_key = key
     return key

@@ -24,6 +24,7 @@ from typing import Any, TypeAlias
 import jax
 from jax.core import Tracer
 
+from . import _traces
 from ._typing import Children, Names
 
 
@@ -77,6 +78,7 @@ class _Log(list[Any]):
         "numbered_upto",
         "positions",
         "spans",
+        "trace",
         "traced",
     )
 
@@ -97,6 +99,13 @@ class _Log(list[Any]):
     # None: not known yet (frozen logs, and logs opened or copied from them, until
     # a traced value is inserted).
     traced: bool | None
+    # The JAX trace (`_traces.current_trace()`) this log was made under, if it was
+    # made holding tracers (or maybe holding them, copied from a frozen log); None
+    # otherwise and for frozen logs. Tracers are appended in place only under it: a
+    # log of an outer trace is not extended in place under a nested one (a closed-
+    # over context extended inside `jax.checkpoint`, `vmap` or a `scan` body), so
+    # the outer versions keep no tracer of the nested trace past its end.
+    trace: object
     # Whether every leaf was checked where it entered (see `freeze`); logs built by
     # unflattening are not.
     checked: bool
@@ -119,6 +128,7 @@ class _Log(list[Any]):
         self.numbered = None
         self.numbered_upto = 0
         self.traced = traced
+        self.trace = _traces.current_trace() if traced is not False else None
         self.checked = checked
 
     def add(self, key: str, value: Entry, span: int) -> None:
@@ -130,6 +140,7 @@ class _Log(list[Any]):
             self._add_span(key, pos, span)
         if not self.traced and _holds_tracer(value):
             self.traced = True
+            self.trace = _traces.current_trace()  # (a log is added to as it is made)
 
     def _add_span(self, key: str, pos: int, span: int) -> None:
         if self.spans is None:
@@ -568,8 +579,16 @@ def _insert(m: FrozenMapping, key: str, value: Entry) -> FrozenMapping:
         keys = log.open()
     # (`traced` first: the log's own flag may need a walk of its levels, which only
     # a traced value needs.)
-    if len(keys) == n and (not traced or log.traced or log.holds_tracer()):
-        # The newest version: append in place (`keys` is the index).
+    if len(keys) == n and (
+        not traced
+        or (
+            log.trace is not None
+            and (log.traced or log.holds_tracer())
+            and log.trace == _traces.current_trace()
+        )
+    ):
+        # The newest version: append in place (`keys` is the index). A tracer only
+        # to a log of tracers made under the current trace (see `_Log.trace`).
         log.append(value)
         keys[key] = n
         if type(value) not in _no_span and (span := _span_of(value)):
@@ -784,6 +803,7 @@ def _unflatten(keys: Keys, children: Children) -> FrozenMapping:
     log.numbered = None
     log.numbered_upto = 0
     log.traced = None
+    log.trace = None  # (not known: a traced insertion copies it first)
     log.checked = False  # leaves of any kind; `freeze` checks them when they enter
     out = _new(FrozenMapping)
     out._log = log
