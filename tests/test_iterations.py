@@ -107,7 +107,10 @@ def test_abstract_views_keep_the_sharding_of_a_slice(axis_type: AxisType) -> Non
     sharded = NamedSharding(mesh, P("data"))
     entry = _abstract_entry(jax.ShapeDtypeStruct((2, 4), jnp.float32, sharding=sharded))
     assert entry.iteration(1)["x"] == jax.ShapeDtypeStruct((4,), jnp.float32)
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    make = getattr(jax.sharding, "make_single_device_sharding", None)  # JAX >= 0.10
+    if make is None:
+        make = jax.sharding.SingleDeviceSharding
+    one = make(jax.devices()[0])
     entry = _abstract_entry(jax.ShapeDtypeStruct((2, 4), jnp.int8, sharding=one))
     assert entry.iteration(0)["x"] == jax.ShapeDtypeStruct((4,), jnp.int8, sharding=one)
 

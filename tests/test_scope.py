@@ -283,3 +283,31 @@ def test_child_scope_falls_back_to_jax_named_scope_where_jax_differs(
     monkeypatch.undo()
     monkeypatch.setattr(jax, "named_scope", lambda name: child_scope(name))
     assert _scope._joining_scope() is None  # pyright: ignore[reportPrivateUsage]
+
+
+def test_child_scope_stacks_equal_and_pickle_as_jax_stacks() -> None:
+    import pickle
+
+    seen: list[Any] = []
+
+    def leaf(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+        seen.append(source_info_util.current_name_stack())
+        return x, ctx
+
+    def model(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+        return ctx.call(
+            "a", lambda x, c: c.call("b", lambda x, c: c.call("c", leaf, x), x), x
+        )
+
+    jax.jit(_run(model)).trace(jnp.ones(2))
+    [stack] = seen
+    assert str(stack) == "a/b/c"
+    assert [entry.name for entry in stack.stack] == ["a", "b/c"]
+    plain = source_info_util.NameStack(stack.stack)
+    assert stack == plain
+    assert plain == stack
+    assert hash(stack) == hash(plain)
+    again = pickle.loads(pickle.dumps(stack))
+    assert type(again) is source_info_util.NameStack
+    assert again == stack
+    assert str(again) == "a/b/c"

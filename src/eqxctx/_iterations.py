@@ -217,6 +217,17 @@ def _unstack(x: Leaf, axis: int) -> list[Leaf]:
     return [x[(*index, i)] for i in range(np.shape(x)[axis])]
 
 
+def _is_single_device(sharding: object) -> bool:
+    """Whether `sharding` places an array on one device (any JAX version)."""
+    # JAX 0.11 deprecates the class in favour of this function (pyproject allows 0.8).
+    check: Callable[[object], bool] | None = getattr(
+        jax.sharding, "is_single_device_sharding", None
+    )
+    if check is not None:
+        return check(sharding)
+    return isinstance(sharding, jax.sharding.SingleDeviceSharding)
+
+
 def _slice_struct(x: jax.ShapeDtypeStruct, axis: int) -> jax.ShapeDtypeStruct:
     """Return the abstract value of one slice of `x` along `axis` (`x[..., i]`).
 
@@ -237,7 +248,7 @@ def _slice_struct(x: jax.ShapeDtypeStruct, axis: int) -> jax.ShapeDtypeStruct:
             sharding = jax.sharding.NamedSharding(
                 sharding.mesh, spec, memory_kind=sharding.memory_kind
             )
-    elif not isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    elif not _is_single_device(sharding):
         sharding = None
     # `manual_axis_type` exists from JAX 0.9 (pyproject allows 0.8).
     manual: Any = getattr(x, "manual_axis_type", None)

@@ -17,6 +17,12 @@ Why only that run:
   under the same current trace.
 - A scope that is not eqxctx's (a user's `jax.named_scope`) keeps its own entry.
 
+The entries are JAX's own `Scope`s; the stacks eqxctx makes are a subclass of JAX's
+(equal to JAX's stack of the same entries, and pickled as one) that also notes the
+trace it was made under and whether it already holds the run's joined entry. A run
+goes on only from such a stack made under the current trace: any stack JAX makes
+(a user's scope, a transformation, a slice) starts a new one.
+
 This needs JAX's private `source_info_util` and current trace; where they are missing
 or behave otherwise than checked below, `child_scope` is `jax.named_scope`.
 """
@@ -42,19 +48,27 @@ def _joining_scope() -> ScopeFactory | None:
         Scope, Transform, NameStack = siu.Scope, siu.Transform, siu.NameStack
         extend = siu.ExtendNameStackContextManager
 
-        class _ChildScope(Scope):
-            """A name-stack entry made by eqxctx, and the trace it was made under."""
+        class _RunStack(NameStack):
+            """A name stack made by eqxctx: its trace, and whether it is joining.
 
-            # (A tuple subclass cannot add slots: the trace goes in its `__dict__`.)
+            `joined`: its last entry already joins scopes (the run's second one).
+            """
+
+            __slots__ = ("joined", "trace")
+            joined: bool
             trace: "weakref.ref[Any]"
 
-            def __reduce__(self) -> tuple[type, tuple[str]]:
-                return Scope, (self.name,)  # pickles as JAX's own entry
+            # Equal to JAX's own stack of the same entries, and pickled as one.
+            def __eq__(self, other: object) -> bool:
+                return isinstance(other, NameStack) and self.stack == other.stack
 
-        def entry(name: str, trace: "weakref.ref[Any]") -> Any:
-            e = _ChildScope(name)
-            e.trace = trace
-            return e
+            __hash__ = NameStack.__hash__
+
+            def __reduce__(self) -> tuple[type, tuple[Any]]:
+                return NameStack, (self.stack,)
+
+        set_joined = _RunStack.__dict__["joined"].__set__
+        set_trace = _RunStack.__dict__["trace"].__set__
 
         class _JoiningScope:
             __slots__ = ("name", "prev")
@@ -64,21 +78,22 @@ def _joining_scope() -> ScopeFactory | None:
 
             def __enter__(self) -> object:
                 prev = self.prev = state.context
-                stack = prev.name_stack.stack
+                name_stack = prev.name_stack
+                stack = name_stack.stack
                 trace = trace_ctx.trace._weakref
-                if (
-                    len(stack) > 1
-                    and type(last := stack[-1]) is _ChildScope
-                    and type(first := stack[-2]) is _ChildScope
-                    and last.trace is trace
-                    and first.trace is trace
-                ):
-                    new = (*stack[:-1], entry(f"{last.name}/{self.name}", trace))
-                else:
-                    new = (*stack, entry(self.name, trace))
-                name_stack = NameStack(new)
-                state.context = prev.replace(name_stack=name_stack)
-                return name_stack
+                if type(name_stack) is _RunStack and name_stack.trace is trace:
+                    if name_stack.joined:
+                        last = f"{stack[-1].name}/{self.name}"
+                        new = _RunStack((*stack[:-1], Scope(last)))
+                    else:
+                        new = _RunStack((*stack, Scope(self.name)))
+                    set_joined(new, True)
+                else:  # the first scope of a run stays alone
+                    new = _RunStack((*stack, Scope(self.name)))
+                    set_joined(new, False)
+                set_trace(new, trace)
+                state.context = prev.replace(name_stack=new)
+                return new
 
             def __exit__(self, *exc: object) -> None:
                 state.context = self.prev
@@ -90,12 +105,17 @@ def _joining_scope() -> ScopeFactory | None:
             return None
         for head in [(), (Scope("user"),), (Transform("jvp"),)]:
             nested = NameStack((*head, Scope("a"), Scope("b"), Scope("c")))
-            joined = NameStack((*head, Scope("a"), _ChildScope("b/c")))
-            if str(joined) != str(nested):
+            joined = _RunStack((*head, Scope("a"), Scope("b/c")))
+            if (
+                str(joined) != str(nested)
+                or str(nested + joined) != f"{nested}/{nested}"
+            ):
                 return None
         with _JoiningScope("a"), _JoiningScope("b"), _JoiningScope("c"):
             inner = siu.current_name_stack()
-        if inner.stack[-2:] != (Scope("a"), Scope("b/c")):
+        if inner.stack[-2:] != (Scope("a"), Scope("b/c")) or inner != NameStack(
+            inner.stack
+        ):
             return None
     except Exception:  # any change in JAX's internals: fall back to its public scope
         return None
