@@ -453,3 +453,34 @@ def test_python_numbers_become_arrays(kind: Any) -> None:
         eqx.filter_jit(lambda a: a.accumulate(a))(s).value(),
         kind(1).accumulate(kind(1)).value(),
     )
+
+
+def test_writers_and_accumulators_name_themselves_for_a_bad_leaf(
+    tmp_path: Any,
+) -> None:
+    # A bad leaf in the summaries passed to a writer or accumulator was reported as
+    # `OutputCollection`'s, at a 'summaries/...' path the caller never wrote, with a
+    # hint about `ctx.call` (found by a review helper).
+    from eqxctx.writers import JsonlWriter
+
+    writer = JsonlWriter(tmp_path / "s.jsonl")
+    cases: list[tuple[Callable[[], object], str]] = [
+        (
+            lambda: writer.write(0, {"s": "hello"}),
+            r"^`JsonlWriter.write`: the value at 's' has type str; leaves must be",
+        ),
+        (
+            lambda: SummaryAccumulator().update({"x": {"y": "s"}}),
+            r"^`SummaryAccumulator.update`: the value at 'x/y' has type str;",
+        ),
+        (
+            lambda: writer.write(0, {"t": np.array(["a"])}),
+            r"^`JsonlWriter.write`: the array at 't' has dtype <U1; leaves must be",
+        ),
+    ]
+    for call, message in cases:
+        with pytest.raises(TypeError, match=message) as info:
+            call()
+        assert "ctx.call" not in str(info.value)
+    writer.close()
+    assert (tmp_path / "s.jsonl").read_text() == ""

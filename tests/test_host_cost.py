@@ -1160,14 +1160,16 @@ def test_values_inserted_into_a_level_are_checked_where_they_are_written() -> No
     # a level grown by them directly is not trusted by writers and accumulators.
     coll = OutputCollection({"x": 1.0}, {}, {})
     for bad, message in (
-        ("hello", r"'summaries/s' has type str"),
-        (jax.random.key(0), r"summary at 'summaries/s' is a typed PRNG key"),
-        (np.array(["t"]), r"'summaries/s' has dtype <U1"),
-    ):
+        ("hello", r"the value at 's' has type str"),
+        (jax.random.key(0), r"the summary at 's' is a typed PRNG key"),
+        (np.array(["t"]), r"the array at 's' has dtype <U1"),
+    ):  # (at the path in what was passed, by the function it was passed to)
         grown = coll.summaries.updated([("s", bad)])
-        with pytest.raises(TypeError, match=message):
+        with pytest.raises(
+            TypeError, match=rf"^`SummaryAccumulator.update`: {message}"
+        ):
             SummaryAccumulator().update(grown)
-        with pytest.raises(TypeError, match=message):
+        with pytest.raises(TypeError, match=rf"^`fetch_summaries`: {message}"):
             fetch_summaries(grown)
     assert fetch_summaries(coll.summaries.inserted("s", 2.0)) == {"x": 1.0, "s": 2.0}
 

@@ -567,6 +567,25 @@ def summary_tree(summaries: object, *, where: str) -> FrozenMapping:
     return summary_tree_flat(summaries, where=where)[0]
 
 
+_LEAF_ERROR = "`OutputCollection`: the "
+_ADD_HINT = " Add one output per leaf, or use `ctx.call` to nest them."
+
+
+def _freeze_summaries(tree: object, where: str) -> FrozenMapping:
+    """`freeze(tree, "summaries")`, its leaf errors naming `where` and the path given.
+
+    (A writer's or accumulator's caller passed the summaries, not a collection.)
+    """
+    try:
+        return freeze(tree, "summaries")
+    except TypeError as e:
+        msg = str(e)
+        if not msg.startswith(_LEAF_ERROR):
+            raise
+        msg = msg[len(_LEAF_ERROR) :].replace(" at 'summaries/", " at '", 1)
+        raise TypeError(f"`{where}`: the {msg.replace(_ADD_HINT, '')}") from None
+
+
 def summary_tree_flat(
     summaries: object, *, where: str
 ) -> tuple[FrozenMapping, list[Leaf], TreeDef]:
@@ -584,7 +603,7 @@ def summary_tree_flat(
     ):
         tree, trusted = summaries, False
     elif isinstance(summaries, Mapping):
-        tree = freeze(_summaries_of(summaries), "summaries")
+        tree = _freeze_summaries(_summaries_of(summaries), where)
     else:
         raise TypeError(
             f"`{where}`: summaries must be an `OutputCollection` or a nested mapping "
@@ -600,12 +619,12 @@ def summary_tree_flat(
         # its path.
         if known and all_plain_arrays(leaves):
             tree.mark_checked()
-        elif trusted:
+        elif trusted:  # a collection's summaries: its own paths
             freeze(tree, "summaries")
         else:
             # Rebuilt: its plain mappings frozen, its collections' summaries taken
             # (another structure, flattened again).
-            tree = freeze(_summaries_of(tree), "summaries")
+            tree = _freeze_summaries(_summaries_of(tree), where)
             leaves, treedef = jax.tree_util.tree_flatten(tree)
             known, hashable = _known_structure(treedef)
     if not known:

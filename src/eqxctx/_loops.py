@@ -294,7 +294,11 @@ def fori_in_context(
     `child_name`; the options are `scan_in_context`'s. With traced bounds it is
     `while_in_context` (summaries always accumulated, no module outputs or state
     updates; `drop_output` prunes each iteration's collection; `unroll` and
-    `remat_kwargs` must keep their defaults).
+    `remat_kwargs` must keep their defaults). So the collections differ where the
+    loop runs no iteration: static bounds give no summaries (as a scan of length
+    0), traced bounds give each summary's identity (`SumSummary(0)`, ...), as
+    `while_in_context` does; pass traced bounds to get the same structure whatever
+    the bounds.
 
     Args:
         lower: the first `i`: static (a Python int, NumPy integer or concrete JAX
