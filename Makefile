@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-min lint docs check
+.PHONY: demo test test-min test-latest lint docs check
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,32 @@ $(MIN_VENV)/bin/.installed: pyproject.toml .ci/min-versions.txt
 
 test-min: $(MIN_VENV)/bin/.installed
 	$(MIN_VENV)/bin/python -m pytest --hypothesis-profile=ci -p no:cacheprovider $(ARGS)
+
+# The tests of what eqxctx takes from JAX's internals (name scopes, the trace identity,
+# shardings) on the newest JAX pip gives, which needs a newer Python than 3.11 (JAX
+# 0.11 on): run with the newest Python 3.12+ found here, or skipped with a note.
+LATEST_VENV := .venv-latest
+LATEST_PYTHON := $(shell .ci/latest-python)
+LATEST_TESTS := tests/test_scope.py tests/test_host_cost.py tests/test_iterations.py \
+	tests/test_regressions.py tests/test_sharding.py tests/test_context.py \
+	tests/test_public_api.py
+
+$(LATEST_VENV)/bin/.installed: pyproject.toml
+	$(LATEST_PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade "pip>=25.1"
+	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade -e ".[demo,tensorboard]" \
+		--group test
+	touch $@
+
+test-latest:
+ifeq ($(LATEST_PYTHON),)
+	@echo "test-latest: skipped, no Python 3.12 or newer here (the newest JAX needs one)"
+else
+	$(MAKE) $(LATEST_VENV)/bin/.installed
+	$(LATEST_VENV)/bin/python -c "import sys, jax; print('test-latest:', sys.version.split()[0], 'jax', jax.__version__)"
+	$(LATEST_VENV)/bin/python -m pytest --hypothesis-profile=ci -p no:cacheprovider \
+		$(LATEST_TESTS) $(ARGS)
+endif
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff format --check .
