@@ -637,7 +637,9 @@ def _prune_entry(
             kept.append(None if drop(at) else sub)
     except _NonUniform:
         uniform = False
-    first = jax.tree_util.tree_flatten(kept[0]) if uniform and kept[0] else None
+    first = (
+        jax.tree_util.tree_flatten(kept[0]) if uniform and kept[0] is not None else None
+    )
     if first is not None and all(
         k is not None and jax.tree_util.tree_flatten(k) == first for k in kept
     ):
