@@ -217,15 +217,15 @@ def _unstack(x: Leaf, axis: int) -> list[Leaf]:
     return [x[(*index, i)] for i in range(np.shape(x)[axis])]
 
 
-def _is_single_device(sharding: object) -> bool:
-    """Whether `sharding` places an array on one device (any JAX version)."""
-    # JAX 0.11 deprecates the class in favour of this function (pyproject allows 0.8).
-    check: Callable[[object], bool] | None = getattr(
-        jax.sharding, "is_single_device_sharding", None
-    )
-    if check is not None:
-        return check(sharding)
+def _is_single_device_class(sharding: object) -> bool:
     return isinstance(sharding, jax.sharding.SingleDeviceSharding)
+
+
+#: Whether a sharding places an array on one device. JAX 0.12 deprecates the class
+#: in favour of this function, which 0.10 lacks (pyproject allows 0.8): chosen once.
+_is_single_device: Callable[[object], bool] = (
+    getattr(jax.sharding, "is_single_device_sharding", None) or _is_single_device_class
+)
 
 
 def _slice_struct(x: jax.ShapeDtypeStruct, axis: int) -> jax.ShapeDtypeStruct:
