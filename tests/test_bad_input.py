@@ -44,6 +44,7 @@ from eqxctx import (
     vmap_in_context,
     while_in_context,
 )
+from eqxctx._errors import PREFIX_HINT
 from eqxctx.writers import JsonlWriter
 
 
@@ -484,3 +485,79 @@ def test_writers_and_accumulators_name_themselves_for_a_bad_leaf(
         assert "ctx.call" not in str(info.value)
     writer.close()
     assert (tmp_path / "s.jsonl").read_text() == ""
+
+
+def test_summaries_passed_are_checked_as_the_callers(tmp_path: Any) -> None:
+    # `freeze` is told who was passed the summaries: every error names the caller and
+    # the path in what it was passed (the messages were once rewritten after the
+    # fact, which left a non-str key's and a reserved child's naming
+    # `OutputCollection` and 'summaries/...').
+    from eqxctx.writers import fetch_summaries
+
+    writer = JsonlWriter(tmp_path / "s.jsonl")
+    key = jax.random.key(0)
+    # Made by unflattening: not checked where they were made.
+    unflattened = jax.tree_util.tree_map(
+        lambda x: "text", IterationSummaries(2, {"s": np.ones(2)})
+    )
+    grown = jax.tree_util.tree_map(
+        lambda x: "text", OutputCollection.empty().add_summary("a", 1.0)
+    )
+    leaf = "; leaves must be JAX or NumPy arrays, Python bool/int/float, or `Summary` "
+    name = ". Names are non-empty strings without '/'; nest mappings instead "
+    name += "(`{'a': {'b': x}}` is written as 'a/b')."
+    reserved = "is also a per-iteration child of the scan's per-iteration summaries at"
+    cases: list[tuple[Callable[[], object], type[Exception], str]] = [
+        (
+            lambda: writer.write(0, {"a": {"k": key}}),
+            TypeError,
+            "`JsonlWriter.write`: the summary at 'a/k' is a typed PRNG key "
+            "(key<fry>); writers log numbers. Add it as a module output, or "
+            "summarize `jax.random.key_data(key)`.",
+        ),
+        (
+            lambda: SummaryAccumulator().update({"k": key}),
+            TypeError,
+            "`SummaryAccumulator.update`: the summary at 'k' is a typed PRNG key "
+            "(key<fry>); writers log numbers. Add it as a module output, or "
+            "summarize `jax.random.key_data(key)`.",
+        ),
+        (
+            lambda: writer.write(0, {1: 2.0}),  # pyright: ignore[reportArgumentType]
+            ValueError,
+            f"`JsonlWriter.write`: invalid summary name 1 at the top level{name}",
+        ),
+        (
+            lambda: fetch_summaries({"a": {2: 1.0}}),
+            ValueError,
+            f"`fetch_summaries`: invalid summary name 2 under 'a'{name}",
+        ),
+        (
+            lambda: writer.write(0, {"train": grown}),
+            TypeError,
+            f"`JsonlWriter.write`: the value at 'train/a' has type str{leaf}objects.",
+        ),
+        (
+            lambda: writer.write(0, {"a": {"loop": unflattened}}),
+            TypeError,
+            f"`JsonlWriter.write`: the value at 'a/loop/s' has type str{leaf}objects.",
+        ),
+        (
+            lambda: writer.write(
+                0, {"a": {"iter": IterationSummaries(2, {}), "iter1": {"s": 1.0}}}
+            ),
+            OutputConflictError,
+            f"`JsonlWriter.write`: the entry at 'a/iter1' {reserved} 'a/iter'. "
+            + PREFIX_HINT,
+        ),
+    ]
+    for call, error, message in cases:
+        with unchecked(), pytest.raises(error) as info:
+            call()
+        assert str(info.value) == message
+    writer.close()
+    assert (tmp_path / "s.jsonl").read_text() == ""
+    # A collection's own keys keep their paths and `OutputCollection`'s messages.
+    with unchecked(), pytest.raises(TypeError) as info:
+        OutputCollection({1: 1.0}, {}, {})  # pyright: ignore[reportArgumentType]
+    assert str(info.value) == "`OutputCollection`: key 1 at 'summaries' is not a str."

@@ -1013,9 +1013,9 @@ def test_jit_outputs_of_a_known_structure_check_only_their_leaves(
     calls: list[str] = []
     check = iterations_module.check_leaf
 
-    def counted(value: object, path: str) -> int:
+    def counted(value: object, path: str, where: str | None = None) -> int:
         calls.append(path)
-        return check(value, path)
+        return check(value, path, where)
 
     monkeypatch.setattr(iterations_module, "check_leaf", counted)
 
@@ -1137,7 +1137,7 @@ def test_a_frozen_mapping_is_checked_only_where_its_leaves_were(
     monkeypatch.setattr(
         iterations_module,
         "check_leaf",
-        lambda value, path: calls.append(path) or check(value, path),
+        lambda value, path, where=None: calls.append(path) or check(value, path, where),
     )
     flat = coll.materialize().flatten("summaries")
     iterations_module.freeze(coll.materialize().summaries, "summaries")

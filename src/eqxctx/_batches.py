@@ -288,9 +288,9 @@ class SummaryAccumulator(TreeEquality):
                 array's shape differs from the accumulated one, if a name is invalid
                 or two entries get the same path (see `eqxctx.writers`), or if a
                 `Summary` cannot be accumulated with the last one (naming the path).
-            TypeError: if a leaf's kind differs from the accumulated one (a `Summary`
-                of another class, or a raw array where a `Summary` was), naming the
-                path.
+            TypeError: if a leaf is not a valid summary leaf, or its kind differs
+                from the accumulated one (a `Summary` of another class, or a raw
+                array where a `Summary` was), naming the path.
         """
         tree, leaves, treedef = summary_tree_flat(
             summaries, where="SummaryAccumulator.update"

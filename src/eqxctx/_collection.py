@@ -30,6 +30,7 @@ from ._leaves import (
     Kind,
     all_plain_arrays,
     check_leaf,
+    check_summary_name,
     validate_child_name,
     validate_leaf_name,
 )
@@ -567,25 +568,6 @@ def summary_tree(summaries: object, *, where: str) -> FrozenMapping:
     return summary_tree_flat(summaries, where=where)[0]
 
 
-_LEAF_ERROR = "`OutputCollection`: the "
-_ADD_HINT = " Add one output per leaf, or use `ctx.call` to nest them."
-
-
-def _freeze_summaries(tree: object, where: str) -> FrozenMapping:
-    """`freeze(tree, "summaries")`, its leaf errors naming `where` and the path given.
-
-    (A writer's or accumulator's caller passed the summaries, not a collection.)
-    """
-    try:
-        return freeze(tree, "summaries")
-    except TypeError as e:
-        msg = str(e)
-        if not msg.startswith(_LEAF_ERROR):
-            raise
-        msg = msg[len(_LEAF_ERROR) :].replace(" at 'summaries/", " at '", 1)
-        raise TypeError(f"`{where}`: the {msg.replace(_ADD_HINT, '')}") from None
-
-
 def summary_tree_flat(
     summaries: object, *, where: str
 ) -> tuple[FrozenMapping, list[Leaf], TreeDef]:
@@ -603,7 +585,7 @@ def summary_tree_flat(
     ):
         tree, trusted = summaries, False
     elif isinstance(summaries, Mapping):
-        tree = _freeze_summaries(_summaries_of(summaries), where)
+        tree = freeze(_summaries_of(summaries), "", where)
     else:
         raise TypeError(
             f"`{where}`: summaries must be an `OutputCollection` or a nested mapping "
@@ -624,7 +606,7 @@ def summary_tree_flat(
         else:
             # Rebuilt: its plain mappings frozen, its collections' summaries taken
             # (another structure, flattened again).
-            tree = _freeze_summaries(_summaries_of(tree), where)
+            tree = freeze(_summaries_of(tree), "", where)
             leaves, treedef = jax.tree_util.tree_flatten(tree)
             known, hashable = _known_structure(treedef)
     if not known:
@@ -654,18 +636,6 @@ def _summaries_of(tree: Tree) -> Tree:
         else value
         for key, value in tree.items()
     }
-
-
-def check_summary_name(key: object, prefix: str, *, where: str) -> str:
-    """Return `key` if it is a valid summary path component, else raise `ValueError`."""
-    if not isinstance(key, str) or not key or "/" in key:
-        at = f"under {prefix.rstrip('/')!r}" if prefix else "at the top level"
-        raise ValueError(
-            f"`{where}`: invalid summary name {key!r} {at}. Names are non-empty "
-            "strings without '/'; nest mappings instead (`{'a': {'b': x}}` is "
-            "written as 'a/b')."
-        )
-    return key
 
 
 def check_summary_names(tree: SummaryTree, prefix: str, *, where: str) -> None:

@@ -21,7 +21,7 @@ import numpy as np
 from jax.core import Tracer
 
 from ._errors import PREFIX_HINT, OutputConflictError
-from ._leaves import check_leaf
+from ._leaves import check_leaf, check_summary_name, owner
 from ._mapping import EMPTY, Entry, FrozenMapping, Pairs
 from ._summary import Summary
 from ._typing import Leaf, PathPredicate, SummaryTree, Tree, TreeDef
@@ -267,7 +267,7 @@ def _items(tree: Tree) -> Pairs:
     return list(tree.items())
 
 
-def freeze(tree: object, path: str) -> FrozenMapping:
+def freeze(tree: object, path: str, where: str | None = None) -> FrozenMapping:
     """Return `tree` as a `FrozenMapping`, checking every key and leaf once.
 
     A `FrozenMapping` is returned as it is, after checking its leaves if they were not
@@ -275,63 +275,82 @@ def freeze(tree: object, path: str) -> FrozenMapping:
     `IterationSummaries` entry are checked like leaves. Nothing of `tree` is aliased
     into the result except its leaves and entries.
 
+    `path` and `where` are as for `check_leaf`: `tree`'s path in a collection (e.g.
+    `"summaries"`), errors naming `OutputCollection`; or, with `where`, summaries
+    passed to `where`, at `path` in what was passed (`""` for all of it).
+
     Raises:
-        TypeError: if `tree` is not a mapping, a key is not a `str`, or a leaf is not
-            a valid collection leaf (the message names the path).
+        TypeError: if `tree` is not a mapping, a key is not a `str` (without `where`),
+            or a leaf is not a valid collection leaf (the message names the path).
+        ValueError: with `where`, for a key that is not a `str` (an invalid summary
+            name, as `check_summary_name` words it).
         OutputConflictError: if an entry is also a per-iteration child of a scan's
             `IterationSummaries` entry in the same mapping.
     """
     if isinstance(tree, FrozenMapping):
         if not tree.checked:  # made by unflattening: any leaves, checked once here
-            _check_frozen(tree, path)
+            _check_frozen(tree, path, where)
         return tree
     if not isinstance(tree, Mapping):
-        raise TypeError(f"`OutputCollection`: {path!r} must be a mapping, got {tree!r}")
+        raise TypeError(f"`{owner(where)}`: {path!r} must be a mapping, got {tree!r}")
+    prefix = f"{path}/" if path else ""
     pairs: list[tuple[str, Entry]] = []
     for key, value in list(tree.items()):
-        sub = f"{path}/{key}"
         if not isinstance(key, str):
+            if where is not None:  # a summary name, refused as the caller's others
+                check_summary_name(key, prefix, where=where)
             raise TypeError(
                 f"`OutputCollection`: key {key!r} at {path!r} is not a str."
             )
+        sub = prefix + key
         if isinstance(value, Mapping):
-            value = freeze(value, sub)
+            value = freeze(value, sub, where)
         else:
-            _check_value(value, sub)
+            _check_value(value, sub, where)
         pairs.append((key, value))
     out = FrozenMapping(pairs, checked=True)
-    _check_reserved(out, path)
+    _check_reserved(out, path, where)
     return out
 
 
-def _check_frozen(tree: FrozenMapping, path: str) -> None:
+def _check_frozen(tree: FrozenMapping, path: str, where: str | None) -> None:
+    prefix = f"{path}/" if path else ""
     for key, value in tree.items_list():
-        sub = f"{path}/{key}"
+        sub = f"{prefix}{key}"  # (its keys are not checked: any key formats)
         if isinstance(value, FrozenMapping):
-            freeze(value, sub)
+            freeze(value, sub, where)
         else:
-            _check_value(value, sub)
-    _check_reserved(tree, path)
+            _check_value(value, sub, where)
+    _check_reserved(tree, path, where)
     tree.mark_checked()
 
 
-def _check_value(value: object, path: str) -> None:
+def _check_value(value: object, path: str, where: str | None) -> None:
     """Check a level's entry that is not a mapping: a leaf, or a scan's entry."""
     if isinstance(value, IterationSummaries):
-        freeze(value.stacked, path)  # one made by unflattening is not checked yet
+        # One made by unflattening is not checked yet.
+        freeze(value.stacked, path, where)
     else:
-        check_leaf(value, path)
+        check_leaf(value, path, where)
 
 
-def _check_reserved(out: FrozenMapping, path: str) -> None:
+def _check_reserved(out: FrozenMapping, path: str, where: str | None) -> None:
     for key, span in out.spans():
         clash = out.numbered_below(key, span)
-        if clash is not None:
+        if clash is None:
+            continue
+        if where is None:
             raise OutputConflictError(
                 f"`OutputCollection`: {path}/{clash} is both an entry and a "
                 f"per-iteration child of a scan's per-iteration summaries at {path}. "
                 + PREFIX_HINT
             )
+        prefix = f"{path}/" if path else ""
+        raise OutputConflictError(
+            f"`{where}`: the entry at {prefix + clash!r} is also a per-iteration "
+            f"child of the scan's per-iteration summaries at {prefix + key!r}. "
+            + PREFIX_HINT
+        )
 
 
 # -- flatten -------------------------------------------------------------------------

@@ -45,6 +45,18 @@ def validate_leaf_name(name: object, *, where: str) -> str:
     return name
 
 
+def check_summary_name(key: object, prefix: str, *, where: str) -> str:
+    """Return `key` if it is a valid summary path component, else raise `ValueError`."""
+    if not isinstance(key, str) or not key or "/" in key:
+        at = f"under {prefix.rstrip('/')!r}" if prefix else "at the top level"
+        raise ValueError(
+            f"`{where}`: invalid summary name {key!r} {at}. Names are non-empty "
+            "strings without '/'; nest mappings instead (`{'a': {'b': x}}` is "
+            "written as 'a/b')."
+        )
+    return key
+
+
 _NUMERIC_KINDS = (jnp.number, jnp.bool_, jax.dtypes.prng_key)
 _numeric_cache: dict[DType, bool] = {}
 
@@ -140,14 +152,19 @@ def all_plain_arrays(values: list[Leaf]) -> bool:
     return True
 
 
-def check_leaf(value: object, path: str) -> int:
+def check_leaf(value: object, path: str, where: str | None = None) -> int:
     """Return `value`'s `leaf_type`; raise `TypeError` naming `path` if it is invalid.
 
     Valid leaves are JAX and NumPy arrays of numeric dtypes (bool, integer,
     floating, complex, typed PRNG keys), Python `bool`/`int`/`float`, and `Summary`
-    objects; typed PRNG keys are refused as summaries (under a `path` starting with
-    `summaries` or `IterationSummaries`: writers log numbers). Called once per leaf,
-    where it enters a collection.
+    objects; typed PRNG keys are refused as summaries (writers log numbers). Called
+    once per leaf, where it enters a collection.
+
+    `where` is None for a collection's leaf: `path` is its path in the collection,
+    a summary's starting with `summaries` or `IterationSummaries`, and the error
+    names `OutputCollection`. Else it is the function whose caller passed summaries
+    (e.g. `"JsonlWriter.write"`): the leaf is a summary, `path` its path in what was
+    passed, and the error names `where`.
     """
     cls = type(value)
     kind = _leaf_types.get(cls)
@@ -166,20 +183,26 @@ def check_leaf(value: object, path: str) -> int:
         if known == _PLAIN:
             return kind
         if known == _KEY:
-            if path.startswith(_SUMMARY_PATHS):
+            if where is not None or path.startswith(_SUMMARY_PATHS):
                 raise TypeError(
-                    f"`OutputCollection`: the summary at {path!r} is a typed PRNG key "
+                    f"`{owner(where)}`: the summary at {path!r} is a typed PRNG key "
                     f"({dtype}); writers log numbers. Add it as a module output, or "
                     "summarize `jax.random.key_data(key)`."
                 )
             return kind
         raise TypeError(
-            f"`OutputCollection`: the array at {path!r} has dtype {dtype}; leaves must "
+            f"`{owner(where)}`: the array at {path!r} has dtype {dtype}; leaves must "
             "be numeric (bool, int, float, complex). Log text with a "
             "`CallbackSummary`."
         )
+    hint = " Add one output per leaf, or use `ctx.call` to nest them."
     raise TypeError(
-        f"`OutputCollection`: the value at {path!r} has type {type(value).__name__}; "
+        f"`{owner(where)}`: the value at {path!r} has type {type(value).__name__}; "
         "leaves must be JAX or NumPy arrays, Python bool/int/float, or `Summary` "
-        "objects. Add one output per leaf, or use `ctx.call` to nest them."
+        f"objects.{hint if where is None else ''}"  # summaries passed are not added
     )
+
+
+def owner(where: str | None) -> str:
+    """Who a leaf's or a key's error names (see `check_leaf`)."""
+    return "OutputCollection" if where is None else where

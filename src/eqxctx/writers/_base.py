@@ -12,8 +12,9 @@ import jax
 import numpy as np
 
 from eqxctx._checks import is_jax_array_type
-from eqxctx._collection import OutputCollection, check_summary_name, summary_tree
+from eqxctx._collection import OutputCollection, summary_tree
 from eqxctx._iterations import flatten_into
+from eqxctx._leaves import check_summary_name
 from eqxctx._mapping import FrozenMapping
 from eqxctx._statistics import HistogramSummary, MomentsSummary
 from eqxctx._summary import (
