@@ -101,6 +101,26 @@ def test_add_and_flatten_nested() -> None:
     assert coll.child("enc").flatten("summaries") == {"acc": 0.5}
 
 
+def test_flatten_refuses_a_separator_that_would_merge_two_paths() -> None:
+    child = OutputCollection.empty().add_summary("acc", 0.5)
+    coll = (
+        OutputCollection.empty().add_summary("enc.acc", 1.0).add_child("enc", child)
+    )
+    # '/' never merges two paths: no name contains it.
+    assert coll.flatten("summaries") == {"enc.acc": 1.0, "enc/acc": 0.5}
+    with pytest.raises(ValueError, match=r"both spelled 'enc\.acc' with sep='\.'"):
+        coll.flatten("summaries", sep=".")
+    assert coll.flatten("summaries", sep="::") == {"enc.acc": 1.0, "enc::acc": 0.5}
+    with pytest.raises(ValueError, match="`flatten`: sep must be a non-empty str"):
+        coll.flatten("summaries", sep="")
+    # Per-iteration paths are checked too: 'l.iter0.s' is a leaf's own name here.
+    stacked = IterationSummaries(2, {"s": jnp.arange(2.0)})
+    scanned = OutputCollection({"l.iter0.s": 1.0, "l": {"iter": stacked}}, {}, {})
+    assert scanned.flatten("summaries")["l/iter0/s"] == 0.0
+    with pytest.raises(ValueError, match=r"both spelled 'l\.iter0\.s'"):
+        scanned.flatten("summaries", sep=".")
+
+
 def test_same_name_in_different_kinds_is_allowed() -> None:
     coll = (
         OutputCollection.empty()

@@ -278,12 +278,29 @@ class OutputCollection(TreeEquality):
         are.
 
         Raises:
-            ValueError: if `kind` is not one of the three kinds.
+            ValueError: if `kind` is not one of the three kinds, if `sep` is not a
+                non-empty `str`, or if two entries would get the same path (a name
+                contains `sep`; names never contain the default `'/'`).
         """
         if kind not in KINDS:
             raise ValueError(f"`flatten`: kind must be one of {KINDS}, got {kind!r}.")
+        if type(sep) is not str or not sep:
+            raise ValueError(f"`flatten`: sep must be a non-empty str, got {sep!r}.")
         out: dict[str, Leaf] = {}
-        flatten_into(out.__setitem__, getattr(self, kind), "", sep)
+        if sep == "/":  # no name contains '/': no two paths are spelled alike
+            flatten_into(out.__setitem__, getattr(self, kind), "", sep)
+            return out
+
+        def put(path: str, leaf: Leaf) -> None:
+            if path in out:
+                raise ValueError(
+                    f"`flatten`: two entries of {kind!r} are both spelled {path!r} "
+                    f"with sep={sep!r} (a name contains {sep!r}). Use a separator "
+                    "that no name contains, such as the default '/'."
+                )
+            out[path] = leaf
+
+        flatten_into(put, getattr(self, kind), "", sep)
         return out
 
     def prune(self, drop: PathPredicate) -> "OutputCollection":
