@@ -127,6 +127,33 @@ def test_async_background_error_raises_on_flush_and_close(where: str) -> None:
     w.close()
 
 
+def test_async_close_raises_the_background_error_when_the_writer_close_fails() -> None:
+    class FailsToClose(Recorder):
+        def close(self) -> None:
+            super().close()
+            raise OSError("close failed")
+
+    inner = FailsToClose(fail_at=1)
+    w = AsyncWriter(inner)
+    for step in range(3):
+        w.write(step, {"x": float(step)})
+    # The background error lost steps 1 and 2: it is the one raised, the close
+    # error noted on it.
+    with pytest.raises(OSError, match="disk full at 1") as info:
+        w.close()
+    notes = "".join(info.value.__notes__)
+    assert "failed writing step 1 with FailsToClose" in notes
+    assert "OSError('close failed')" in notes
+    assert inner.steps == [0] and inner.closed
+    w.close()  # closed: nothing more to raise
+
+    # With no background error, the close error is raised as it is.
+    w = AsyncWriter(FailsToClose())
+    w.write(0, {"x": 0.0})
+    with pytest.raises(OSError, match="close failed"):
+        w.close()
+
+
 def test_async_bounded_queue_blocks_instead_of_growing() -> None:
     gate = threading.Event()
     inner = Recorder(gate=gate)

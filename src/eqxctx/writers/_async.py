@@ -385,7 +385,8 @@ class AsyncWriter(AbstractWriter):
     def close(self) -> None:
         """Write everything pending, stop the thread and close the wrapped writer.
 
-        Closing twice is allowed. Raises a background error not raised before.
+        Closing twice is allowed. Raises a background error not raised before (with
+        a note naming the wrapped writer's `close` error, if that raised too).
         """
         if self._closed:
             return
@@ -396,7 +397,15 @@ class AsyncWriter(AbstractWriter):
         finally:
             self._queue.put((_STOP, None))
             self._thread.join()
-            self.writer.close()
+            try:
+                self.writer.close()
+            except BaseException as e:
+                if self._error is None or self._reported:
+                    raise
+                # Steps were lost in the background: that error is raised below.
+                self._error.add_note(
+                    f"Closing {type(self.writer).__name__} then raised {e!r}."
+                )
         if not self._reported:
             self._raise_if_failed("AsyncWriter.close")
 
