@@ -103,9 +103,7 @@ def test_add_and_flatten_nested() -> None:
 
 def test_flatten_refuses_a_separator_that_would_merge_two_paths() -> None:
     child = OutputCollection.empty().add_summary("acc", 0.5)
-    coll = (
-        OutputCollection.empty().add_summary("enc.acc", 1.0).add_child("enc", child)
-    )
+    coll = OutputCollection.empty().add_summary("enc.acc", 1.0).add_child("enc", child)
     # '/' never merges two paths: no name contains it.
     assert coll.flatten("summaries") == {"enc.acc": 1.0, "enc/acc": 0.5}
     with pytest.raises(ValueError, match=r"both spelled 'enc\.acc' with sep='\.'"):

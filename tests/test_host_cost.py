@@ -27,6 +27,7 @@ import eqxctx._traces as traces_module
 import eqxctx.writers._base as writers_base
 from eqxctx import (
     Context,
+    ImageSummary,
     IterationSummaries,
     OutputCollection,
     OutputConflictError,
@@ -647,6 +648,33 @@ def test_accumulating_host_values_is_exact() -> None:
     assert SummaryAccumulator().update({"n": 2**31}).update({"n": 1}).flatten()[
         "n"
     ] == (2**31 + 1)
+
+
+def test_accumulating_copies_the_callers_numpy_arrays() -> None:
+    # A host buffer refilled for every batch: each update counts what it held then.
+    buf = np.zeros(2, np.float32)
+    image = np.zeros((1, 2, 2, 1), np.uint8)
+    acc = SummaryAccumulator()
+    kept = []
+    for values in ([1.0, 2.0], [10.0, 20.0], [100.0, 200.0]):
+        buf[:] = values
+        image[:] = int(values[0]) % 256
+        summaries = {"x": buf, "w": WeightedSummary(buf, 2.0), "i": ImageSummary(image)}
+        acc = acc.update(summaries)
+        kept.append(acc)
+    np.testing.assert_array_equal(acc.flatten()["x"], [111.0, 222.0])
+    weighted = acc.flatten()["w"]
+    assert isinstance(weighted, WeightedSummary)
+    np.testing.assert_allclose(weighted.value(), [37.0, 74.0])
+    # The first image is kept (media summaries are not averaged), as it was.
+    first = acc.flatten()["i"]
+    assert isinstance(first, ImageSummary)
+    assert int(np.asarray(first.value()).max()) == 1
+    buf[:] = -1.0
+    np.testing.assert_array_equal(kept[0].flatten()["x"], [1.0, 2.0])
+    # JAX arrays are immutable: kept as they are, not copied.
+    y = jnp.arange(2.0)
+    assert SummaryAccumulator().update({"y": y}).flatten()["y"] is y
 
 
 def test_a_kept_version_keeps_no_later_values_alive() -> None:

@@ -144,7 +144,8 @@ def test_async_close_raises_the_background_error_when_the_writer_close_fails() -
     notes = "".join(info.value.__notes__)
     assert "failed writing step 1 with FailsToClose" in notes
     assert "OSError('close failed')" in notes
-    assert inner.steps == [0] and inner.closed
+    assert inner.steps == [0]
+    assert inner.closed
     w.close()  # closed: nothing more to raise
 
     # With no background error, the close error is raised as it is.

@@ -222,7 +222,9 @@ def _accumulate_same_layout(
 class SummaryAccumulator(TreeEquality):
     """Accumulates summaries across batches (AXLearn's `MetricAccumulator`).
 
-    Pure: `update` returns a new accumulator and leaves `self` unchanged. Leaves with
+    Pure: `update` returns a new accumulator and leaves `self` unchanged; the NumPy
+    arrays it is given are copied (a buffer refilled for the next batch does not
+    change what was accumulated), JAX arrays kept as they are. Leaves with
     the same path are combined with their `Summary.accumulate` (a `WeightedSummary`
     gives the weighted mean, `MinSummary` the minimum, ...), raw arrays with `+`.
     Per-iteration summaries of a scan (`IterationSummaries`) are accumulated in
@@ -295,6 +297,11 @@ class SummaryAccumulator(TreeEquality):
         tree, leaves, treedef = summary_tree_flat(
             summaries, where="SummaryAccumulator.update"
         )
+        if any(isinstance(x, np.ndarray) for x in leaves):
+            # The caller's host buffers (refilled for the next batch, say): copied,
+            # so that what is accumulated does not change with them.
+            leaves = [x.copy() if isinstance(x, np.ndarray) else x for x in leaves]
+            tree = treedef.unflatten(leaves)
         if self.accumulated is None:
             return SummaryAccumulator._of(tree, _Flat(leaves, treedef, None))
         flat_mine = self._flat_accumulated
