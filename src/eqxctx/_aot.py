@@ -66,7 +66,7 @@ def lower_runner(
     mask = None
     settings = step.settings
     if settings.pad_batches or settings.mask_kwarg is not None:
-        plan.lowered_rows = batch_rows(leaves, treedef, plan.ranks)
+        plan.lowered_rows = batch_rows(leaves, treedef, plan.ranks, settings.mask_kwarg)
         if settings.mask_kwarg is not None and plan.lowered_rows is not None:
             mask = jax.ShapeDtypeStruct(
                 (plan.lowered_rows,), np.bool_, sharding=plan.mask_sharding

@@ -236,15 +236,26 @@ def _cut(leaves: list[jax.Array], rows: int, mesh: Mesh) -> list[jax.Array]:
 
 
 def batch_rows(
-    leaves: list[ArrayLeaf], treedef: TreeDef, ranks: tuple[int, ...]
+    leaves: list[ArrayLeaf],
+    treedef: TreeDef,
+    ranks: tuple[int, ...],
+    mask_kwarg: str | None,
 ) -> int | None:
     """Return the common leading size of the leaves of rank >= 1 (None: no such leaf).
 
     Raises:
-        ValueError: if they differ (naming the leaves and their sizes).
+        ValueError: if they differ (naming the leaves and their sizes), or if there
+            is no such leaf and the runner passes a mask (`mask_kwarg`).
     """
     sizes = [np.shape(x)[0] for x, r in zip(leaves, ranks, strict=True) if r]
     if not sizes:
+        if mask_kwarg is not None:  # the method would miss its mask argument
+            raise ValueError(
+                f"`MethodRunner(mask_kwarg={mask_kwarg!r})`: the batch has no leaf "
+                "of rank >= 1, so no rows for the mask to cover. Give the batch's "
+                "leaves their batch axis first, or make the runner without "
+                "`mask_kwarg`."
+            )
         return None
     if any(n != sizes[0] for n in sizes):
         with_path = jax.tree_util.tree_flatten_with_path(treedef.unflatten(leaves))[0]

@@ -210,7 +210,7 @@ class MethodRunner(TreeEquality):
                 `**{mask_kwarg: mask}`, `mask` a `bool[padded_batch]` that is True for
                 real rows (all True for a batch that needs no padding), split like
                 the batch axis; use it to weight summaries (`WeightedSummary(mean,
-                weight=mask.sum())`).
+                weight=mask.sum())`). Every batch needs a leaf of rank >= 1.
             donate_batch: donate the placed batch's buffers to the step (JAX's
                 `donate_argnums`): XLA may reuse them for outputs of the same shape
                 and dtype, and such donated input arrays are deleted after the call
@@ -397,7 +397,7 @@ class MethodRunner(TreeEquality):
                 names an unknown mesh axis or has non-None entries beyond a leaf's
                 rank, or, with padding or a mask, if the leaves' leading sizes
                 differ or the batch is larger than the largest of `batch_sizes`
-                (naming the sizes).
+                (naming the sizes), or, with a mask, if no leaf has rank >= 1.
             TypeError: if the method does not return `(output_batch, ctx)` (a
                 method returning `(ctx, output)` is told to swap them), or a batch
                 leaf is not an array (a `jax.ShapeDtypeStruct`: use `lower`; an

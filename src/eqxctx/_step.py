@@ -231,7 +231,7 @@ class Step:
         padding = None
         rows = None
         if settings.pad_batches or settings.mask_kwarg is not None:
-            rows = batch_rows(leaves, treedef, ranks)
+            rows = batch_rows(leaves, treedef, ranks, settings.mask_kwarg)
         if rows is not None and settings.pad_batches:
             size = padded_size(rows, plan, settings.batch_sizes)
             if size != rows:
