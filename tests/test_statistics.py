@@ -253,6 +253,57 @@ def test_moments_non_finite_values_are_counted_and_propagate() -> None:
     assert (float(acc.max_), float(acc.min_)) == (np.inf, 1.0)
 
 
+@given(x=nonempty, data=st.data())
+def test_where_keeps_only_the_selected_values(x: np.ndarray, data: Any) -> None:
+    mask = data.draw(hnp.arrays(np.bool_, x.shape))
+    if x.dtype.kind == "f":  # values left out count nowhere, NaN included
+        x = x.copy()
+        x[~mask] = np.nan
+    selected = x[mask]
+
+    def both(v: Any, w: Any) -> tuple[MomentsSummary, HistogramSummary]:
+        return (
+            MomentsSummary(v, where=w),
+            HistogramSummary(v, bins=5, range=(-1000, 1000), where=w),
+        )
+
+    for moments, histogram in (both(x, mask), jax.jit(both)(x, mask)):
+        if selected.size:
+            check_moments(moments, selected)
+        else:
+            got = {k: float(v) for k, v in moments.value().items()}
+            want = {k: float(v) for k, v in MomentsSummary(selected).value().items()}
+            assert got == want
+        np.testing.assert_array_equal(
+            histogram.counts, np_histogram(selected, histogram.edges)
+        )
+
+
+def test_where_broadcasts_as_numpy_and_refuses_what_does_not() -> None:
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    rows = np.array([True, False, True, False])  # a padded batch's mask
+    check_moments(MomentsSummary(x, where=rows[:, None]), x[rows])
+    columns = np.array([True, False, True])  # broadcast over the rows
+    check_moments(MomentsSummary(x, where=columns), x[:, columns])
+    h = HistogramSummary(x, bins=3, range=(0, 12), where=rows[:, None])
+    np.testing.assert_array_equal(h.counts, np_histogram(x[rows], h.edges))
+    with pytest.raises(ValueError, match=r"shape \(4,\) does not broadcast.*\(4, 3\)"):
+        MomentsSummary(x, where=rows)
+    with pytest.raises(ValueError, match=r"`HistogramSummary\(value, where=...\)`"):
+        HistogramSummary(x, where=rows)
+    with pytest.raises(TypeError, match="must be a bool array, got dtype int32"):
+        MomentsSummary(x, where=rows.astype(np.int32))
+    # Under vmap (per example) and accumulated: as if only the kept values existed.
+    keep = rows[:, None] | (x > 9)
+    per_row = jax.vmap(lambda v, w: MomentsSummary(v, where=w))(x, keep)
+    assert per_row.count.tolist() == [3, 0, 3, 2]
+    assert per_row.max_.tolist() == [2.0, -np.inf, 8.0, 11.0]
+    total = MomentsSummary(x[:2], where=rows[:2, None]) + MomentsSummary(
+        x[2:], where=rows[2:, None]
+    )
+    check_moments(total, x[rows])
+
+
 # -- inside scan, vmap and the runner ----------------------------------------------
 
 

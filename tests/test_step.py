@@ -317,6 +317,12 @@ def test_padding_errors_name_the_sizes() -> None:
         MethodRunner.create(model, "evaluate", mask_kwarg="a b", **kw)
     with pytest.raises(ValueError, match=r"passes `mask` to the method itself"):
         bucketed({k: v[:8] for k, v in data.items()}, mask=jnp.ones(8, bool))
+    # A mask needs rows: a batch of scalars has none (the method would miss `mask`).
+    with pytest.raises(ValueError, match=r"mask_kwarg='mask'.*no leaf of rank >= 1"):
+        bucketed({"x": np.float32(1.0), "t": np.float32(2.0)})
+    scalars = jax.ShapeDtypeStruct((), np.float32)
+    with pytest.raises(ValueError, match=r"mask_kwarg='mask'.*no leaf of rank >= 1"):
+        bucketed.lower({"x": scalars, "t": scalars})
 
 
 def test_padding_on_a_2d_mesh_pads_to_the_data_axis_and_compiles_ahead() -> None:
@@ -406,8 +412,15 @@ def test_ragged_evaluation_page(capsys: pytest.CaptureFixture[str]) -> None:
     np.testing.assert_allclose(
         np.concatenate(ns["logits"]), logits, rtol=1e-4, atol=1e-5
     )
+    stats = ns["stats"]
+    assert int(stats["count"]) == logits.size
+    np.testing.assert_allclose(stats["mean"], logits.mean(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(stats["variance"], logits.var(), rtol=1e-4)
+    np.testing.assert_allclose(stats["min"], logits.min(), rtol=1e-5)
+    np.testing.assert_allclose(stats["max"], logits.max(), rtol=1e-5)
     assert capsys.readouterr().out.splitlines() == [
         f"accuracy over 1000 rows: {accuracy:.4f}",
+        f"logits: {logits.size} values, mean {float(stats['mean']):.4f}",
         "compilations: 1",
         "last batch: (40, 4)",
     ]

@@ -51,6 +51,24 @@ def _compare_dtype(dtype: DType) -> np.dtype[Any]:
     return jnp.dtype(jnp.float32)
 
 
+def _where(where: ArrayLike, x: Array, owner: str) -> Array:
+    """`where` as a bool array of `x`'s shape (NumPy's `where=` broadcasting)."""
+    keep = jnp.asarray(where)
+    if keep.dtype != jnp.bool_:
+        raise TypeError(
+            f"`{owner}(value, where=...)`: `where` must be a bool array, got dtype "
+            f"{keep.dtype}; compare to make one (e.g. `where=mask > 0`)."
+        )
+    try:
+        return jnp.broadcast_to(keep, x.shape)
+    except ValueError:
+        raise ValueError(
+            f"`{owner}(value, where=...)`: `where` of shape {keep.shape} does not "
+            f"broadcast to the value's shape {x.shape} (NumPy's rules: trailing axes "
+            "first; a row mask of a [batch, features] value is `mask[:, None]`)."
+        ) from None
+
+
 def _check_real(x: Array, where: str) -> None:
     if not (jnp.issubdtype(x.dtype, jnp.number) or x.dtype == jnp.bool_) or (
         jnp.issubdtype(x.dtype, jnp.complexfloating)
@@ -231,14 +249,18 @@ class HistogramSummary(Summary):
         edges: the `bins + 1` bucket edges, strictly increasing (static, a tuple
             of floats; an edge -0.0 is kept as 0.0, the same boundary).
 
-    Construct as `HistogramSummary(value, *, bins=None, range=None, edges=None)`:
-    `value` is an array of any shape and a real dtype.
+    Construct as `HistogramSummary(value, *, bins=None, range=None, edges=None,
+    where=None)`: `value` is an array of any shape and a real dtype; `where`, a bool
+    array that broadcasts to `value`'s shape (NumPy's `where=`), counts only the
+    elements where it is True (the real rows of a padded batch: `where=mask[:, None]`
+    for a `[batch, features]` value).
 
     Raises:
         ValueError: for `bins` without `range`, `edges` together with `bins` or
-            `range`, a non-finite or empty range, fewer than 2 edges, or edges that
-            are not strictly increasing (also in float32).
-        TypeError: for complex or non-numeric values.
+            `range`, a non-finite or empty range, fewer than 2 edges, edges that
+            are not strictly increasing (also in float32), or a `where` that does not
+            broadcast to `value`'s shape.
+        TypeError: for complex or non-numeric values, or a `where` that is not bool.
 
     Examples:
         >>> h = HistogramSummary(jnp.array([0.1, 0.5, 0.5, 2.0]), bins=2, range=(0, 1))
@@ -256,10 +278,15 @@ class HistogramSummary(Summary):
         bins: int | None = None,
         range: tuple[float | int, float | int] | None = None,  # numpy's name
         edges: Sequence[float | int] | np.ndarray | None = None,
+        where: ArrayLike | None = None,
     ):
         values = jnp.asarray(value)
         _check_real(values, "HistogramSummary")
         self.edges = _make_edges(bins, range, edges)
+        if where is not None:  # NaN is in no bucket
+            keep = _where(where, values, "HistogramSummary")
+            values = values.astype(_compare_dtype(values.dtype))
+            values = jnp.where(keep, values, jnp.nan)
         self.counts = _counts(values, self.edges)
 
     def __check_init__(self) -> None:
@@ -334,12 +361,16 @@ class MomentsSummary(Summary):
         max_: `[*batch]`, the maximum, in the values' dtype (bool as int32).
         nonfinite: `int32[*batch]`, the number of NaN and ±inf elements.
 
-    Construct as `MomentsSummary(value)` with `value` an array of any shape and a real
-    dtype; a leading `*batch` axis appears when summaries are stacked by a scan or
-    vmap.
+    Construct as `MomentsSummary(value, where=None)` with `value` an array of any
+    shape and a real dtype; a leading `*batch` axis appears when summaries are
+    stacked by a scan or vmap. `where`, a bool array that broadcasts to `value`'s
+    shape (NumPy's `where=`), keeps only the elements where it is True (the real rows
+    of a padded batch: `where=mask[:, None]` for a `[batch, features]` value); the
+    others count nowhere, not even in `nonfinite`.
 
     Raises:
-        TypeError: for complex or non-numeric values.
+        TypeError: for complex or non-numeric values, or a `where` that is not bool.
+        ValueError: for a `where` that does not broadcast to `value`'s shape.
 
     References:
         Chan, Golub and LeVeque, "Updating formulae and a pairwise algorithm for
@@ -359,13 +390,28 @@ class MomentsSummary(Summary):
     max_: Shaped[Array, "*batch"]
     nonfinite: Int[Array, "*batch"]
 
-    def __init__(self, value: ArrayLike):
+    def __init__(self, value: ArrayLike, where: ArrayLike | None = None):
         x = jnp.asarray(value)
         _check_real(x, "MomentsSummary")
+        keep = None if where is None else _where(where, x, "MomentsSummary")
         if x.dtype == jnp.bool_:
             x = x.astype(jnp.int32)
         dtype = _compare_dtype(x.dtype)
         xf = x.ravel().astype(dtype)
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            top, bottom = jnp.inf, -jnp.inf
+        else:
+            top, bottom = jnp.iinfo(x.dtype).max, jnp.iinfo(x.dtype).min
+        if keep is not None:
+            k = keep.ravel()
+            self.count = jnp.sum(k, dtype=jnp.int32)
+            total = jnp.sum(jnp.where(k, xf, 0))
+            self.mean = total / jnp.maximum(self.count, 1).astype(dtype)
+            self.m2 = jnp.sum(jnp.where(k, jnp.square(xf - self.mean), 0))
+            self.min_ = jnp.min(x, initial=top, where=keep).astype(x.dtype)
+            self.max_ = jnp.max(x, initial=bottom, where=keep).astype(x.dtype)
+            self.nonfinite = jnp.sum(~jnp.isfinite(xf) & k, dtype=jnp.int32)
+            return
         n = xf.size
         self.count = jnp.asarray(n, jnp.int32)
         if n == 0:
@@ -374,10 +420,6 @@ class MomentsSummary(Summary):
         else:
             self.mean = jnp.sum(xf) / jnp.asarray(n, dtype)
             self.m2 = jnp.sum(jnp.square(xf - self.mean))
-        if jnp.issubdtype(x.dtype, jnp.floating):
-            top, bottom = jnp.inf, -jnp.inf
-        else:
-            top, bottom = jnp.iinfo(x.dtype).max, jnp.iinfo(x.dtype).min
         self.min_ = jnp.min(x, initial=top).astype(x.dtype)
         self.max_ = jnp.max(x, initial=bottom).astype(x.dtype)
         self.nonfinite = jnp.sum(~jnp.isfinite(xf), dtype=jnp.int32)
