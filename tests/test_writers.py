@@ -424,8 +424,13 @@ def test_tensorboard_errors_and_close(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="step must be >= 0"):
         w.write(-2, {})
     w.flush()
+    path = w.path
+    assert path is not None
+    assert Path(path).parent == tmp_path
     w.close()
     w.close()
+    assert w.path == path  # the file written, for reading it back
+    assert Path(path).exists()
     with pytest.raises(ValueError, match="closed"):
         w.write(0, {"x": 1.0})
 

@@ -251,13 +251,15 @@ class TensorBoardWriter(AbstractWriter):
         self._last_flush = time.monotonic()
         self._closed = False
         self._file: _EventFile | None = None
+        self._path: str | None = None
         if is_writing_process():
             self._file = _EventFile(self.logdir, event_pb2, masked_crc32c)
+            self._path = self._file.path
 
     @property
     def path(self) -> str | None:
-        """The event file's path (None on processes other than 0)."""
-        return None if self._file is None else self._file.path
+        """The event file's path (None on processes other than 0), also once closed."""
+        return self._path
 
     def check(self, host: HostSummaries) -> None:
         """Refuse a closed writer and two paths that get one tag.
