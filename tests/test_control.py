@@ -424,6 +424,37 @@ def test_switch_errors() -> None:
         switch_in_context(0, [_adds()], 1.0, context=Context.root(), child_name="X")
 
 
+def test_branches_with_other_output_types_are_named_in_jaxs_error() -> None:
+    def as_int(x: Any, ctx: Context) -> tuple[Any, Context]:
+        return (x, x.astype(jnp.int32)), ctx
+
+    def as_float(x: Any, ctx: Context) -> tuple[Any, Context]:
+        return (x, x), ctx
+
+    with pytest.raises(TypeError, match="equal output types") as info:
+        cond_in_context(
+            jnp.array(True), as_int, as_float, jnp.ones(3), context=Context.root()
+        )
+    note = info.value.__notes__[-1]
+    assert note.startswith("`cond_in_context` at 'root/cond': false_fn (")
+    assert "as_float) returns ('float32[3]', 'float32[3]')" in note
+    assert "as_int) returns ('float32[3]', 'int32[3]')." in note
+    with pytest.raises(TypeError) as info:
+        switch_in_context(
+            1, [as_float, as_int], jnp.ones(3), context=Context.root(), child_name="s"
+        )
+    assert "at 'root/s': branches[0] (" in info.value.__notes__[-1]
+    # JAX's own rules still decide: a weak-typed Python float matches float32.
+    out, _ = cond_in_context(
+        True,
+        lambda x, ctx: (1.0, ctx),
+        lambda x, ctx: (x, ctx),
+        jnp.float32(2.0),
+        context=Context.root(),
+    )
+    assert float(out) == 1.0
+
+
 def test_branch_must_return_its_context() -> None:
     with pytest.raises(TypeError, match=r"true_fn must return"):
         cond_in_context(True, lambda x, ctx: x, _adds(), 1.0, context=Context.root())

@@ -65,11 +65,11 @@ def _run_branches(
     else:
         # The union's structure is needed before `jax.lax.switch`: one abstract
         # evaluation of each branch (no FLOPs, nothing in the program).
-        colls = [
-            jax.eval_shape(lambda *ops, j=j: run(j, ops, True)[1], *operands)
+        shapes = [
+            jax.eval_shape(lambda *ops, j=j: run(j, ops, True), *operands)
             for j in range(len(branches))
         ]
-        spec = union_collections(colls, names, path, where)
+        spec = union_collections([c for _, c in shapes], names, path, where)
 
         def wrapped(j: int) -> Callable[..., tuple[ArrayTree, OutputCollection]]:
             def branch(*ops: ArrayTree) -> tuple[ArrayTree, OutputCollection]:
@@ -78,9 +78,33 @@ def _run_branches(
 
             return branch
 
-        with child_scope(child_name):
-            out, coll = dispatch([wrapped(j) for j in range(len(branches))])
+        try:
+            with child_scope(child_name):
+                out, coll = dispatch([wrapped(j) for j in range(len(branches))])
+        except TypeError as e:
+            # JAX's own rules decide (weak types, ...); its message names eqxctx's
+            # wrapper for every branch, so name the user's and what each returns.
+            described = "; ".join(
+                f"{names[j]} ({_name(branches[j])}) returns {_types(o)}"
+                for j, (o, _) in enumerate(shapes)
+            )
+            e.add_note(f"{where} at {path!r}: {described}.")
+            raise
     return out, OutputCollection.empty().add_child(child_name, coll)
+
+
+def _name(fn: Callable[..., object]) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def _types(tree: ArrayTree) -> str:
+    """A branch's output as `jax.eval_shape` gives it, e.g. `(f32[3], i32[] weak)`."""
+
+    def short(x: jax.ShapeDtypeStruct) -> str:
+        weak = " weak" if getattr(x, "weak_type", False) else ""
+        return f"{x.dtype.name}{list(x.shape)}{weak}"
+
+    return str(jax.tree_util.tree_map(short, tree))
 
 
 def cond_in_context(
@@ -125,7 +149,8 @@ def cond_in_context(
             the branches (the message names the path and the branches, and the fix);
             a branch returning a context with another path.
         TypeError: if a branch does not return `(out, ctx)`, or the branches' `out`
-            differ in structure (`jax.lax.cond`'s error).
+            differ in structure or types (`jax.lax.cond`'s error, with a note giving
+            the construct's path and each branch's function and output types).
 
     References:
         `jax.lax.cond`.
