@@ -41,7 +41,8 @@ def run_batches(
     """Run `runner` on each batch in turn; yield each batch's output.
 
     AXLearn's `InferenceRunner.run`: the runner's key advances after every batch.
-    Calls do not block, so the next batch is prepared while earlier ones compute; only
+    Calls do not block, so the next batch is prepared while earlier ones compute (give
+    each batch its own arrays: see `MethodRunner` on reusing NumPy buffers); only
     when `max_in_flight` batches are still computing does the loop wait for the
     oldest. (Without a bound, XLA's CPU runtime can deadlock with many multi-device
     programs in flight, as on simulated CPU devices; the bound also caps the memory

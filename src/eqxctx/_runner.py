@@ -104,7 +104,10 @@ class MethodRunner(TreeEquality):
     static, and runners re-created from equal settings (equal static parts, the same
     method and mesh) share one compiled program. A call does not block: outputs are
     global arrays that may still be computing, so a loop can prepare the next batch
-    while the device works.
+    while the device works: in a new array, not by refilling the NumPy array just
+    passed. On the CPU, JAX reads a NumPy argument in place (no copy), possibly
+    after the call has returned, as `jax.jit` does; wait for the outputs
+    (`jax.block_until_ready`) before reusing such a buffer.
 
     Attributes:
         param_leaves: the model's array leaves, flattened once in `create` and placed
