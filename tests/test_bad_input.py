@@ -561,3 +561,66 @@ def test_summaries_passed_are_checked_as_the_callers(tmp_path: Any) -> None:
     with unchecked(), pytest.raises(TypeError) as info:
         OutputCollection({1: 1.0}, {}, {})  # pyright: ignore[reportArgumentType]
     assert str(info.value) == "`OutputCollection`: key 1 at 'summaries' is not a str."
+
+
+def test_an_add_error_notes_the_context_it_was_added_to() -> None:
+    def layer(x: Any, ctx: Context) -> tuple[Any, Context]:
+        return x, ctx.add_summary("loss", 1.0).add_summary("loss", 2.0)
+
+    def encoder(x: Any, ctx: Context) -> tuple[Any, Context]:
+        return ctx.call("layer", layer, x)
+
+    with pytest.raises(OutputConflictError, match="already has an entry 'loss'") as e:
+        Context.root().call("enc", encoder, 1.0)
+    assert e.value.__notes__ == ["In context 'root/enc/layer'."]
+
+    def bad_output(x: Any, ctx: Context) -> tuple[Any, Context]:
+        return x, ctx.add_module_output("h", "text")
+
+    with pytest.raises(TypeError, match="the value at 'module_outputs/h'") as e:
+        Context.root().call("enc", bad_output, 1.0)
+    assert e.value.__notes__ == ["In context 'root/enc'."]
+
+    def body(c: Any, x: Any, ctx: Context) -> tuple[Any, None, Context]:
+        return c, None, ctx.add_state_update("s", x).add_state_update("s", x)
+
+    with pytest.raises(OutputConflictError) as e:
+        scan_in_context(body, context=Context.root(), carry=0.0, xs=jnp.ones(2))
+    assert "In context 'root/iter'." in e.value.__notes__  # (JAX adds its own)
+
+
+def test_functional_args_must_be_a_tuple() -> None:
+    def f(x: Any, ctx: Context) -> tuple[Any, Context]:
+        return x * 2, ctx
+
+    import inspect
+
+    # As called without this suite's runtime type checks (which refuse arrays first).
+    unchecked = inspect.unwrap(functional)
+    for args in (jnp.array([3.0]), np.array([3.0]), 3.0, "ab"):
+        with pytest.raises(TypeError, match=r"args=\(x,\)` for one argument"):
+            unchecked(f, prng_key=None, is_training=False, args=args)
+    out, _ = functional(f, prng_key=None, is_training=False, args=[jnp.array([3.0])])
+    assert out.tolist() == [6.0]
+
+
+def test_merging_what_is_not_a_collection_names_the_call() -> None:
+    import inspect
+
+    # As called without this suite's runtime type checks (which refuse it first).
+    merge, replace = (
+        inspect.unwrap(Context.merge),
+        inspect.unwrap(Context.replace_collection),
+    )
+    coll_merge = inspect.unwrap(OutputCollection.merge)
+    add_child = inspect.unwrap(OutputCollection.add_child)
+    ctx = Context.root()
+    for value in ({"x": 1.0}, None):
+        with pytest.raises(TypeError, match=r"`Context.merge\(collection\)`: coll"):
+            merge(ctx, value)
+        with pytest.raises(TypeError, match=r"`OutputCollection.merge\(other\)`"):
+            coll_merge(ctx.collection, value)
+        with pytest.raises(TypeError, match=r"replace_collection\(collection\)`"):
+            replace(ctx, value)
+        with pytest.raises(TypeError, match=r"`add_child\('c', child\)`: child must"):
+            add_child(ctx.collection, "c", value)

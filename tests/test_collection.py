@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from eqxctx import (
+    Context,
     IterationSummaries,
     MaxSummary,
     OutputCollection,
@@ -586,3 +587,38 @@ def test_unflattened_iteration_entries_reserve_their_names() -> None:
         out.add_summary("iter1", 1.0)
     with pytest.raises(OutputConflictError, match="iter1"):
         OutputCollection.empty().add_summary("iter1", 1.0).merge(out)
+
+
+def test_numpy_leaves_are_copied_where_they_enter() -> None:
+    buf = np.zeros(2, np.float32)
+    stacked = np.zeros((3, 2), np.float32)
+    kept = []
+    for step in range(3):
+        buf[:] = step
+        stacked[:] = step
+        ctx = Context.root().add_summary("s", buf).add_state_update("u", buf)
+        ctx = ctx.add_module_output("o", buf)
+        coll = ctx.collection.merge(
+            OutputCollection(
+                {"p": {"iter": IterationSummaries(3, {"v": stacked})}}, {}, {}
+            )
+        )
+        kept.append(coll.merge(OutputCollection({}, {}, {"m": buf})))
+    for step, coll in enumerate(kept):
+        for kind, path in (
+            ("summaries", "s"),
+            ("state_updates", "u"),
+            ("module_outputs", "o"),
+            ("module_outputs", "m"),
+            ("summaries", "p/iter2/v"),
+        ):
+            value = coll.flatten(kind)[path]
+            np.testing.assert_array_equal(value, [step, step], err_msg=path)
+    # What flatten returns is read-only: it cannot change the collection.
+    view = kept[0].flatten("summaries")["p/iter0/v"]
+    assert isinstance(view, np.ndarray)
+    with pytest.raises(ValueError, match="read-only"):
+        view[0] = 5.0
+    # JAX arrays are immutable: kept as they are, not copied.
+    x = jnp.ones(2)
+    assert Context.root().add_summary("x", x).collection.summaries["x"] is x

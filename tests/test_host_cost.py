@@ -605,7 +605,7 @@ def test_the_shared_empty_mapping_keeps_nothing_alive() -> None:
     import gc
     import weakref
 
-    big = np.zeros(1000, np.float32)
+    big = jnp.zeros(1000, jnp.float32)  # (a NumPy array would be copied where added)
     ref = weakref.ref(big)
     coll = OutputCollection.empty().add_summary("x", big)
     ctx = Context.root().add_module_output("y", big).call("c", lambda c: (None, c))[1]

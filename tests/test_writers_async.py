@@ -294,9 +294,6 @@ def test_async_writes_the_values_at_the_time_of_write(
     field = np.zeros(())  # a NumPy field of a summary (built like a fetched one)
     host_sum = jax.tree_util.tree_map(lambda _: field, eqxctx.SumSummary(0.0))
     rows = np.zeros(2)
-    scan = eqxctx.OutputCollection(
-        {"iter": eqxctx.IterationSummaries(2, {"v": rows})}, {}, {}
-    )
     for step in range(3):
         summaries["loss"] = float(step)
         summaries["x"] = jnp.float32(10 * step)
@@ -308,7 +305,9 @@ def test_async_writes_the_values_at_the_time_of_write(
         summaries["eval"] = nested
         summaries["cb"] = eqxctx.CallbackSummary(np.sum, buf)  # NumPy args
         rows[:] = [step, -step]  # the stacked rows of a scan's iterations
-        summaries["scan"] = scan
+        # (A collection copies the NumPy arrays it is made of: `rows` is reused.)
+        iterations = eqxctx.IterationSummaries(2, {"v": rows})
+        summaries["scan"] = eqxctx.OutputCollection({"iter": iterations}, {}, {})
         w.write(step, summaries)
     summaries.clear()
     nested["acc"] = 99

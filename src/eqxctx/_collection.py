@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any, NoReturn
 
 import jax
+import numpy as np
 
 from ._errors import PREFIX_HINT, OutputConflictError
 from ._frozen import TreeEquality
@@ -25,6 +26,7 @@ from ._iterations import (
 )
 from ._leaves import (
     ADDERS,
+    ARRAY,
     KINDS,
     SUMMARY,
     Kind,
@@ -191,13 +193,7 @@ class OutputCollection(TreeEquality):
             OutputConflictError: if `name` is already a child or a leaf of any kind.
         """
         validate_child_name(name, where="add_child")
-        # Typed `OutputCollection`; checked for callers without a type checker.
-        if not isinstance(child, OutputCollection):  # pyright: ignore[reportUnnecessaryIsInstance]
-            raise TypeError(
-                f"`add_child({name!r}, child)`: child must be an `OutputCollection`, "
-                f"got {type(child).__name__}; build one with "
-                "`OutputCollection.empty().add_summary(...)` or pass `ctx.collection`."
-            )
+        check_is_collection(child, f"add_child({name!r}, child)", "child")
         _check_levels(child, name)
         if name_in_use(self, name):
             raise OutputConflictError(
@@ -217,7 +213,9 @@ class OutputCollection(TreeEquality):
                 kind of both, or a child name of one equals a leaf name of the other
                 (a scan's per-iteration children count as children). The message
                 names the path.
+            TypeError: if `other` is not an `OutputCollection`.
         """
+        check_is_collection(other, "OutputCollection.merge(other)", "other")
         _check_levels(other, "")
         _check_merge(self, other)
         return _make(
@@ -378,6 +376,17 @@ def _make(
 _new = object.__new__
 
 
+def check_is_collection(value: object, where: str, name: str) -> None:
+    """Raise `TypeError` unless `value` is an `OutputCollection` (untyped callers)."""
+    if not isinstance(value, OutputCollection):
+        raise TypeError(
+            f"`{where}`: {name} must be an `OutputCollection`, got "
+            f"{type(value).__name__}; build one with "
+            "`OutputCollection.empty().add_summary(...)`, or pass `ctx.collection` "
+            "or the collection a combinator returned."
+        )
+
+
 def _check_levels(coll: OutputCollection, path: str) -> None:
     """Check the leaves of a collection made by unflattening, once (else O(1))."""
     for kind, tree in zip(KINDS, _trees(coll), strict=True):
@@ -467,12 +476,15 @@ def add_leaf(
     """
     if type(name) is not str or not name or "/" in name:
         validate_leaf_name(name, where=ADDERS[kind])
-    if check_leaf(value, f"{kind}/{name}") == SUMMARY:
+    leaf = check_leaf(value, f"{kind}/{name}")
+    if leaf == SUMMARY:
         try:
             type(value).validate(value)  # not `value.validate`: see accumulate_leaf
         except ValueError as e:
             msg = f"`{ADDERS[kind]}`: the summary at {kind}/{name}: {e}"
             raise ValueError(msg) from e
+    elif leaf == ARRAY and isinstance(value, np.ndarray):
+        value = value.copy()  # the caller's: refilling it must not change `coll`
     s, su, mo = coll.summaries, coll.state_updates, coll.module_outputs
     target = s if kind == "summaries" else su if kind == "state_updates" else mo
     if leaf_clashes(name, target, (s, su, mo), _CHILD_TYPES):

@@ -22,6 +22,7 @@ from ._collection import (
     OutputCollection,
     add_leaf,
     check_collection,
+    check_is_collection,
     name_in_use,
     validate_child_name,
     with_child,
@@ -328,7 +329,11 @@ class Context(TreeEquality):
             self, name, level, "Context.add_summary"
         ):
             return self
-        return _with(self, add_leaf(self.collection, "summaries", name, value))
+        try:
+            return _with(self, add_leaf(self.collection, "summaries", name, value))
+        except (OutputConflictError, TypeError, ValueError) as e:
+            _note_context(e, self)
+            raise
 
     def add_state_update(self, name: str, value: Leaf) -> "Context":
         """Return a new context with state update `name` added.
@@ -336,7 +341,11 @@ class Context(TreeEquality):
         State updates have no level: they are the model's new state (e.g. batch
         norm statistics), not an observation of it, so no `summary_level` drops one.
         """
-        return _with(self, add_leaf(self.collection, "state_updates", name, value))
+        try:
+            return _with(self, add_leaf(self.collection, "state_updates", name, value))
+        except (OutputConflictError, TypeError, ValueError) as e:
+            _note_context(e, self)
+            raise
 
     def add_module_output(self, name: str, value: Leaf, level: int = 0) -> "Context":
         """Return a new context with module output `name` added.
@@ -348,7 +357,11 @@ class Context(TreeEquality):
             self, name, level, "Context.add_module_output"
         ):
             return self
-        return _with(self, add_leaf(self.collection, "module_outputs", name, value))
+        try:
+            return _with(self, add_leaf(self.collection, "module_outputs", name, value))
+        except (OutputConflictError, TypeError, ValueError) as e:
+            _note_context(e, self)
+            raise
 
     def add_gradient_summary(
         self,
@@ -414,9 +427,12 @@ class Context(TreeEquality):
         """Return a new context whose collection is `collection`.
 
         Raises:
-            TypeError: if a leaf of `collection` is not a valid leaf (a collection
-                made by `jax.tree_util` functions is checked here, once).
+            TypeError: if `collection` is not an `OutputCollection`, or a leaf of it
+                is not a valid leaf (a collection made by `jax.tree_util` functions
+                is checked here, once).
         """
+        where = "Context.replace_collection(collection)"
+        check_is_collection(collection, where, "collection")
         return _with(self, check_collection(collection))
 
     def merge(self, collection: OutputCollection) -> "Context":
@@ -429,7 +445,9 @@ class Context(TreeEquality):
                 the message names the context path and suggests another
                 `child_name_prefix` for scan results (`child_name` for branches
                 and loops).
+            TypeError: if `collection` is not an `OutputCollection`.
         """
+        check_is_collection(collection, "Context.merge(collection)", "collection")
         try:
             merged = self.collection.merge(collection)
         except OutputConflictError as e:
@@ -560,6 +578,11 @@ class _Frame:
         # tracer of that trace, kept and reused only under it (`_derive_key`).
         self.trace: object = None
         self.traced_key: MaybeKey = _DERIVED
+
+
+def _note_context(error: Exception, ctx: Context) -> None:
+    """Note on an add's `error` the context it was added to (its paths are local)."""
+    error.add_note(f"In context {'/'.join(ctx.path)!r}.")
 
 
 _new = object.__new__

@@ -57,7 +57,8 @@ def functional(
     Raises:
         ValueError: for an unknown kind in `drop_output_collections`, or if `fn`
             returns a context other than the one it was handed (naming both paths).
-        TypeError: if `fn` does not return `(outputs, Context)`, `is_training` is not
+        TypeError: if `args` is not a tuple or list (`args=(x,)` for one
+            argument), `fn` does not return `(outputs, Context)`, `is_training` is not
             a bool, `summary_level` is neither None nor an int, or `prng_key` is
             neither None, a raw `uint32[2]` key nor a typed key.
 
@@ -81,6 +82,11 @@ def functional(
                 f"`functional(drop_output_collections=...)`: unknown kind {kind!r}; "
                 f"expected some of {KINDS}."
             )
+    if not isinstance(args, (tuple, list)):  # an array would be unpacked by rows
+        raise TypeError(
+            "`functional(args=...)`: expected a tuple of positional arguments, got "
+            f"{type(args).__name__}; write `args=(x,)` for one argument."
+        )
     prng_key = check_prng_key(prng_key, "functional")
     is_training = check_is_training(is_training, "functional")
     level = check_summary_level(summary_level, "functional")

@@ -210,6 +210,9 @@ def _unstack(x: Leaf, axis: int) -> list[Leaf]:
     abstract slice, the same for every index.
     """
     if isinstance(x, np.ndarray):
+        if x.flags.writeable:  # a collection's own array: its views are read-only
+            x = x.view()
+            x.flags.writeable = False
         return list(np.moveaxis(x, axis, 0) if axis else x)
     if isinstance(x, jax.ShapeDtypeStruct):
         return [_slice_struct(x, axis)] * x.shape[axis]
@@ -273,7 +276,8 @@ def freeze(tree: object, path: str, where: str | None = None) -> FrozenMapping:
     A `FrozenMapping` is returned as it is, after checking its leaves if they were not
     checked where they entered (`checked`). The stacked values of an
     `IterationSummaries` entry are checked like leaves. Nothing of `tree` is aliased
-    into the result except its leaves and entries.
+    into the result except its immutable leaves and entries (a NumPy array is
+    copied, except for a `where` caller, which reads it at once).
 
     `path` and `where` are as for `check_leaf`: `tree`'s path in a collection (e.g.
     `"summaries"`), errors naming `OutputCollection`; or, with `where`, summaries
@@ -307,6 +311,8 @@ def freeze(tree: object, path: str, where: str | None = None) -> FrozenMapping:
             value = freeze(value, sub, where)
         else:
             _check_value(value, sub, where)
+            if where is None and isinstance(value, np.ndarray):
+                value = value.copy()  # the caller's: refilling it changes nothing
         pairs.append((key, value))
     out = FrozenMapping(pairs, checked=True)
     _check_reserved(out, path, where)
