@@ -56,6 +56,7 @@ trip count); a summary table closes the run. Usage:
 
     .venv/bin/python benchmarks/bench_trace.py [--quick] [--max-k K] [--row-budget S]
         [--shapes flat deep] [--trace-only] [--gc on|off] [--result-paths on|off]
+        [--chunk-cache]
 
 Part 1's excess is a tenth of the trace or less, so its two-point slopes between
 K = 1000 and 2000 move with the machine's noise and the collector (shown, not a
@@ -66,6 +67,11 @@ with the collector off. `--gc off` disables the collector during each part-1 tra
 leaf's path at the end of a trace (twice per trace, O(depth) characters per leaf: in a
 deep chain most of the trace at K = 2000) in all three variants, through a private
 JAX helper.
+`--chunk-cache` keeps one freed 16 KiB frame chunk for the next (`chunk_cache.py`),
+as CPython does since the fix of python/cpython#142183 (3.13 and 3.14 maintenance
+releases of March 2026): before it, a call depth that keeps crossing a chunk's start
+maps and unmaps a chunk each time, a cost that lands on the deep chains at depths
+that differ between variants (benchmarks/README.md, 1e).
 `--max-k` caps part 1's K (default 2000); `--row-budget` (seconds, default 60) stops
 adding rounds to a part-1 row once it has run that long (every row runs at least one
 round), so the slow rows of old internals finish in a few minutes. `--shapes` picks
@@ -86,6 +92,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import chunk_cache
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -916,7 +923,14 @@ def main() -> None:
         default="on",
         help="off: a diagnostic, JAX's spelling of result paths stubbed out",
     )
+    parser.add_argument(
+        "--chunk-cache",
+        action="store_true",
+        help="keep one freed frame chunk, as CPython's fix of #142183 does",
+    )
     opts = parser.parse_args()
+    if opts.chunk_cache:
+        chunk_cache.install()
     if opts.result_paths == "off":
         _stub_result_paths()
     ks = tuple(k for k in (10, 100, 1000, 2000) if k <= opts.max_k)
@@ -928,6 +942,8 @@ def main() -> None:
         f"jax {jax.__version__}, {jax.devices()[0].platform}, "
         f"{'quick' if opts.quick else 'full'} run, collector {opts.gc} in part 1"
         + (", JAX's result paths stubbed" if opts.result_paths == "off" else "")
+        + (", one frame chunk kept (chunk_cache.py)" if opts.chunk_cache else "")
+        + f", Python {sys.version.split()[0]}"
     )
     trace_rows = bench_trace(
         ks, rounds, opts.row_budget, tuple(opts.shapes), opts.gc == "on"

@@ -11,12 +11,16 @@ every level draws noise from its key (ours: `ctx.prng_key`; hand: the parent's k
 counts each jaxpr's equations. Usage:
 
     .venv/bin/python benchmarks/trace_depth.py [--s 1] [--ks 10 20 30 40 60 100]
-        [--rounds 7] [--body | --keys]
+        [--rounds 7] [--body | --keys] [--phases] [--chunk-cache]
 
 On CPython 3.11 to 3.13.x before the fix of python/cpython#142183, a thread's frames
 live in 16 KiB chunks, and a chunk is unmapped as soon as the frame at its start
 returns: a call depth that keeps crossing a chunk's start maps, faults in and unmaps
 a chunk each time. The page faults show where a chain's calls reach that depth.
+`--chunk-cache` keeps one freed chunk, as the fix does (`chunk_cache.py`).
+`--phases` adds a table that splits each trace where the traced function returns:
+the body (our code and JAX's tracing of each operation) and after it (JAX's handling
+of the output: flattening it, spelling its result paths, building the jaxpr).
 """
 
 import argparse
@@ -28,6 +32,7 @@ import time
 from typing import Any
 
 import bench_trace
+import chunk_cache
 import jax
 import jax.numpy as jnp
 
@@ -107,7 +112,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--body", action="store_true", help="return x only")
     parser.add_argument("--keys", action="store_true", help="every level reads its key")
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="also split each trace where the traced function returns",
+    )
+    parser.add_argument(
+        "--chunk-cache",
+        action="store_true",
+        help="keep one freed frame chunk, as CPython's fix of #142183 does",
+    )
     opts = parser.parse_args()
+    if opts.chunk_cache:
+        chunk_cache.install()
     if opts.body and opts.keys:
         parser.error("--body and --keys are exclusive")
     args = (
@@ -120,26 +137,32 @@ def main() -> None:
         f"jax {jax.__version__}, Python {sys.version.split()[0]}, deep, S = {opts.s}"
         + (", body only" if opts.body else "")
         + (", every level reads its key" if opts.keys else "")
+        + (", one frame chunk kept (chunk_cache.py)" if opts.chunk_cache else "")
     )
     print(
         "\n| K | ours ms | hand ms | scoped ms | ours/hand | excess per level µs "
         "| page faults (ours / hand / scoped) | jaxpr equations (ours / hand) |"
     )
     print("|--:|--:|--:|--:|--:|--:|--:|--:|")
+    phases: list[tuple[int, dict[str, list[float]], dict[str, list[float]]]] = []
     for k in opts.ks:
         times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        bodies: dict[str, list[float]] = {v: [] for v in VARIANTS}
         faults: dict[str, int] = {}
         for r in range(opts.rounds):
             for variant in VARIANTS[r % 3 :] + VARIANTS[: r % 3]:
-                fn = _make(variant, k, opts.s, opts.body, opts.keys)
+                fn, returned = _marked(_make(variant, k, opts.s, opts.body, opts.keys))
                 gc.collect()
                 gc.disable()
                 before, start = _faults(), time.perf_counter()
                 jax.jit(fn).trace(*args)
                 times[variant].append(time.perf_counter() - start)
+                bodies[variant].append(returned[0] - start)
                 faults[variant] = _faults() - before
                 gc.enable()
         best = {v: min(t) for v, t in times.items()}
+        if opts.phases:
+            phases.append((k, bodies, times))
         eqns = [
             len(jax.make_jaxpr(_make(v, k, opts.s, opts.body, opts.keys))(*args).eqns)
             for v in ("ours", "hand")
@@ -150,6 +173,50 @@ def main() -> None:
             f"| {(best['ours'] - best['hand']) / k * 1e6:.0f} "
             f"| {faults['ours']} / {faults['hand']} / {faults['scoped']} "
             f"| {eqns[0]} / {eqns[1]} |",
+            flush=True,
+        )
+    if phases:
+        _print_phases(phases)
+
+
+def _marked(fn: bench_trace.Fn) -> tuple[bench_trace.Fn, list[float]]:
+    """`fn`, noting the time when it returns (before JAX handles its output)."""
+    returned = [0.0]
+
+    def run(x: jax.Array, key: jax.Array) -> Any:
+        out = fn(x, key)
+        returned[0] = time.perf_counter()
+        return out
+
+    return run, returned
+
+
+def _print_phases(
+    phases: list[tuple[int, dict[str, list[float]], dict[str, list[float]]]],
+) -> None:
+    # The body: from the call of `trace` until the traced function returns (our code
+    # and JAX's tracing of each operation); after: JAX's handling of the output
+    # (flattening it, spelling its result paths, building the jaxpr). Minima over
+    # the rounds of each part separately.
+    print(
+        "\n| K | body ms (ours / hand / scoped) | its excess per level µs (over hand "
+        "/ scoped) | after ms (ours / hand / scoped) | its excess ms (over hand / "
+        "scoped) |"
+    )
+    print("|--:|--:|--:|--:|--:|")
+    for k, bodies, times in phases:
+        body = {v: min(b) for v, b in bodies.items()}
+        after = {
+            v: min(t - b for t, b in zip(times[v], bodies[v], strict=True))
+            for v in times
+        }
+        print(
+            f"| {k} | {' / '.join(f'{body[v] * 1e3:.1f}' for v in VARIANTS)} "
+            f"| {(body['ours'] - body['hand']) / k * 1e6:.0f} / "
+            f"{(body['ours'] - body['scoped']) / k * 1e6:.0f} "
+            f"| {' / '.join(f'{after[v] * 1e3:.1f}' for v in VARIANTS)} "
+            f"| {(after['ours'] - after['hand']) * 1e3:.1f} / "
+            f"{(after['ours'] - after['scoped']) * 1e3:.1f} |",
             flush=True,
         )
 
