@@ -624,3 +624,41 @@ def test_merging_what_is_not_a_collection_names_the_call() -> None:
             replace(ctx, value)
         with pytest.raises(TypeError, match=r"`add_child\('c', child\)`: child must"):
             add_child(ctx.collection, "c", value)
+
+
+def test_context_constructor_checks_its_arguments() -> None:
+    import inspect
+
+    # As called without this suite's runtime type checks (which refuse some first).
+    init = inspect.unwrap(Context.__init__)
+    empty = OutputCollection.empty()
+
+    def build(*args: Any) -> Context:
+        ctx = object.__new__(Context)
+        init(ctx, *args)
+        return ctx
+
+    cases: list[tuple[tuple[Any, ...], type[Exception], str]] = [
+        (("root", None, False, empty), TypeError, r"got str 'root'"),
+        (((), None, False, empty), TypeError, r"non-empty tuple of names"),
+        (
+            (("root", "Enc"), None, False, empty),
+            ValueError,
+            r"invalid child name 'Enc'",
+        ),
+        ((("root",), 3, False, empty), TypeError, r"`Context`"),
+        ((("root",), None, 1, empty), TypeError, r"is_training must be a bool"),
+        ((("root",), None, False, {}), TypeError, r"collection must be an `Output"),
+    ]
+    for args, error, message in cases:
+        with pytest.raises(error, match=message):
+            build(*args)
+    key = jax.random.PRNGKey(3)
+    ctx = build(["root", "enc"], key, np.bool_(True), empty, 2)
+    assert ctx.path == ("root", "enc")
+    assert ctx.is_training is True
+    assert ctx.summary_level == 2
+    assert ctx.prng_key is key
+    assert ctx == Context.root(prng_key=key, is_training=True, summary_level=2).child(
+        "enc", prng_key=key
+    )

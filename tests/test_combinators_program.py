@@ -508,6 +508,50 @@ def test_scan_errors_before_tracing(kwargs: dict[str, Any], match: str) -> None:
         scan_in_context(_never, context=Context.root(), carry=0, **kwargs)
 
 
+def test_per_iteration_keys_must_be_a_batch_of_keys() -> None:
+    for keys, given in (
+        (jnp.zeros((3, 2), jnp.float32), r"dtype float32 and shape \(3, 2\)"),
+        (jnp.zeros((3,), jnp.uint32), r"dtype uint32 and shape \(3,\)"),
+        (jax.random.PRNGKey(0), r"dtype uint32 and shape \(2,\)"),
+        (jax.random.key(0), r"shape \(\)"),
+        ([1, 2, 3], "got list"),
+    ):
+        with pytest.raises(TypeError, match=r"one key per iteration.*" + given):
+            scan_in_context(
+                _never,
+                context=Context.root(),
+                carry=0,
+                xs=None,
+                length=3,
+                per_iteration={"prng_key": keys},
+            )
+
+    def body(c: Any, x: Any, ctx: Context) -> tuple[Any, Any, Context]:
+        return c, jax.random.key_data(ctx.prng_key), ctx
+
+    # Typed keys per iteration give the same key data as the raw ones.
+    raw = jax.random.split(jax.random.PRNGKey(5), 3)
+    typed = jax.random.split(jax.random.key(5), 3)
+    _, ys_raw, _ = scan_in_context(
+        body,
+        context=Context.root(),
+        carry=0,
+        xs=None,
+        length=3,
+        per_iteration={"prng_key": raw},
+    )
+    _, ys_typed, _ = scan_in_context(
+        body,
+        context=Context.root(),
+        carry=0,
+        xs=None,
+        length=3,
+        per_iteration={"prng_key": typed},
+    )
+    np.testing.assert_array_equal(ys_raw, raw)
+    np.testing.assert_array_equal(ys_typed, raw)
+
+
 def test_remat_kwargs_not_mutated_and_read_only_mapping() -> None:
     remat = types.MappingProxyType({"policy": jax.checkpoint_policies.dots_saveable})
     h, ws = _args(3, width=4)

@@ -10,6 +10,7 @@ from typing import Any, SupportsIndex
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike, PyTree
 
 from ._checks import check_context, check_drop, check_in_axes, note_missing_key
@@ -125,6 +126,29 @@ def _check_per_iteration(per_iteration: object) -> dict[str, PRNGKeys]:
             f"`scan_in_context(per_iteration=...)`: unknown keys {unknown}; only "
             f"{list(_PER_ITERATION_KEYS)} can be overridden per iteration."
         )
+    keys = per_iteration.get("prng_key")
+    if keys is not None:
+        dtype = getattr(keys, "dtype", None)
+        shape = getattr(keys, "shape", None)
+        if (
+            dtype is None
+            or shape is None
+            or not (
+                (jnp.issubdtype(dtype, jax.dtypes.prng_key) and len(shape) == 1)
+                or (dtype == np.uint32 and len(shape) == 2 and shape[1] == 2)
+            )
+        ):
+            given = (
+                f"an array of dtype {dtype} and shape {tuple(shape)}"
+                if dtype is not None and shape is not None
+                else type(keys).__name__
+            )
+            raise TypeError(
+                "`scan_in_context(per_iteration=...)`: 'prng_key' must hold one key "
+                "per iteration: raw keys uint32[N, 2] (`jax.random.split(key, N)` of "
+                "a `jax.random.PRNGKey`) or typed keys key[N] (of a "
+                f"`jax.random.key`), got {given}."
+            )
     return dict(per_iteration)
 
 
@@ -242,9 +266,11 @@ def scan_in_context(
             (or `length`) that disagree (the message names the leaves and shapes), no
             `xs` leaves and no `length`, an invalid prefix, unknown `per_iteration`
             keys, `remat_kwargs` with `prevent_cse=True`.
-        TypeError: at trace time, if `fn` does not return `(carry, y, ctx)`, or
-            returns a carry of another structure, shape or dtype (beyond the weak
-            type rule above; the message names the carry leaf).
+        TypeError: before tracing `fn`, if `per_iteration["prng_key"]` is not a
+            batch of keys (uint32[N, 2] or key[N]); at trace time, if `fn` does not
+            return `(carry, y, ctx)`, or returns a carry of another structure, shape
+            or dtype (beyond the weak type rule above; the message names the carry
+            leaf).
         OutputConflictError: from `ctx.merge(collection)`, if the prefix's children
             collide with names already in the caller's collection.
 

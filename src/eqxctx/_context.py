@@ -100,6 +100,19 @@ def check_prng_key(key: object, where: str) -> MaybeKey:
     )
 
 
+def _check_path(path: object) -> tuple[str, ...]:
+    """Return `path` as a tuple of valid names, or raise naming `Context(path=...)`."""
+    if isinstance(path, str) or not isinstance(path, (tuple, list)) or not path:
+        raise TypeError(
+            "`Context(path=...)`: expected a non-empty tuple of names from the root, "
+            f"e.g. ('root',) or ('root', 'encoder'), got {type(path).__name__} "
+            f"{path!r}. `Context.root(...)` makes a root context."
+        )
+    for name in path:
+        validate_child_name(name, where="Context(path=...)")
+    return tuple(path)
+
+
 class Context(TreeEquality):
     """An invocation context: a path, a PRNG key, a training flag and outputs.
 
@@ -121,6 +134,13 @@ class Context(TreeEquality):
         is_training: training mode.
         collection: the context's outputs.
         summary_level: the summary level (see `Context.root`), or None.
+
+    Raises:
+        TypeError: if `path` is not a non-empty tuple (or list) of names, `prng_key`
+            is neither None, a raw `uint32[2]` key nor a typed key, `is_training` is
+            not a bool, `collection` is not an `OutputCollection`, or
+            `summary_level` is neither None nor an int.
+        ValueError: for an invalid name in `path` (names match `^[a-z][a-z0-9_]*$`).
 
     Attributes:
         path: the names from the root to this context, static (e.g.
@@ -155,8 +175,12 @@ class Context(TreeEquality):
         collection: OutputCollection,
         summary_level: int | None = None,
     ):
+        names = _check_path(path)
+        key = check_prng_key(prng_key, "Context")
+        training = check_is_training(is_training, "Context")
+        check_is_collection(collection, "Context", "collection")
         level = check_summary_level(summary_level, "Context")
-        frame = _Frame(tuple(path), prng_key, bool(is_training), False, level, None)
+        frame = _Frame(names, key, training, False, level, None)
         _set_frame(self, frame)
         _set_collection(self, collection)
 
