@@ -425,14 +425,20 @@ def test_vmap_merge_is_one_reduction_per_leaf() -> None:
         )[1]
 
     def hand(xs: jax.Array) -> Any:
-        # The same reductions, written by hand: a weighted mean safe at zero weight.
+        # The same reductions, written by hand: a weighted mean by
+        # `WeightedSummary.accumulate`'s rule (the weights scaled by the largest, NaN
+        # anywhere gives NaN, 0 at zero total weight).
         means = jnp.mean(xs, axis=1)
         weights = jnp.full(xs.shape[:1], jnp.float32(xs.shape[1]))
-        total = jnp.sum(weights)
-        num = jnp.sum(jnp.where(weights > 0, means, 0) * weights)
-        safe = jnp.where(total > 0, total, 1)
+        scale = jnp.max(weights)
+        r = jax.lax.rsqrt(jnp.where(scale > 0, scale, 1))
+        a = weights * r * r
+        num = jnp.sum(means * a)
+        den = jnp.where(scale > 0, jnp.sum(a), 1)
+        mean = jnp.where(scale > 0, num / den, 0)
+        mean = jnp.where(jnp.isnan(num) | jnp.isnan(scale), jnp.nan, mean)
         return {
-            "w": (jnp.where(total > 0, num / safe, 0), total),
+            "w": (mean, jnp.sum(weights)),
             "mx": jnp.max(jnp.max(xs, axis=1)),
             "sum": jnp.sum(jnp.sum(xs, axis=1)),
         }

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -241,3 +242,83 @@ def test_accumulate_under_jit_equals_eager(pairs: list[Any]) -> None:
     jitted = jax.jit(lambda xs: _fold(list(xs)))(items)
     np.testing.assert_allclose(jitted.value(), eager.value(), rtol=1e-6, atol=1e-6)
     assert jnp.shape(jitted.value()) == jnp.shape(eager.value())
+
+
+@given(
+    _weighted_sequences(),
+    st.sampled_from(["none", "nan mean", "nan weight", "near the maximum"]),
+    st.data(),
+)
+def test_one_reduction_over_stacked_equals_accumulate(
+    pairs: list[Any], case: str, data: st.DataObject
+) -> None:
+    """Merged vmaps, `merge_iterations` and merged gradient summaries reduce a stacked
+    `WeightedSummary` in one reduction; it follows `accumulate`'s rule: NaN anywhere
+    (a NaN mean at zero weight too) gives NaN, weights near the maximum do not
+    overflow."""
+    from eqxctx import Context, vmap_in_context
+    from eqxctx._repeat import fold_stacked
+
+    means = np.stack([m for m, _ in pairs])
+    weights = np.stack([w for _, w in pairs])
+    i = data.draw(st.integers(0, len(pairs) - 1))
+    if case == "nan mean":
+        means[i] = np.nan
+        weights[i] = data.draw(st.sampled_from([0.0, 1.0]))
+    elif case == "nan weight":
+        weights[i] = np.nan
+    elif case == "near the maximum":  # (their total still finite)
+        weights[...] = np.float32(3.2e38 / len(pairs))
+    want = _fold([WeightedSummary(m, w) for m, w in zip(means, weights, strict=True)])
+    assert isinstance(want, WeightedSummary)
+    got = fold_stacked({"s": WeightedSummary(means, weights)}, len(pairs))["s"]
+    np.testing.assert_allclose(got.value(), want.value(), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(got.weight, want.weight, rtol=1e-5)
+    if len(pairs) >= 2:  # a merged vmap (one example is returned as it is)
+
+        def body(x: Any, ctx: Context) -> tuple[None, Context]:
+            return None, ctx.add_summary("s", WeightedSummary(*x))
+
+        _, coll = vmap_in_context(
+            body, context=Context.root(), xs=(means, weights), merge_summaries=True
+        )
+        merged = coll.flatten("summaries")["iter/s"]
+        np.testing.assert_allclose(merged.value(), want.value(), rtol=1e-5, atol=1e-4)
+    if case in ("nan mean", "nan weight") and len(pairs) >= 2:
+        assert np.all(np.isnan(np.asarray(got.value())))
+
+
+def test_merged_weighted_means_agree_across_constructs() -> None:
+    """The reviewer's cases: a float16 mean with large integer weights, a NaN mean at
+    zero weight, a NaN weight, float32 weights near the maximum; a merged scan
+    (`accumulate`, pairwise), a merged vmap and `merge_iterations` (one reduction)
+    give `accumulate`'s answer."""
+    from eqxctx import Context, scan_in_context, vmap_in_context
+
+    cases = [
+        (np.array([1.0, 1.0], np.float16), np.array([40000, 40000], np.int32), 1.0),
+        (np.array([np.nan, 2.0], np.float32), np.array([0.0, 1.0], np.float32), None),
+        (np.array([1.0, 2.0], np.float32), np.array([np.nan, 1.0], np.float32), None),
+        (np.array([1.0, 3.0], np.float32), np.array([3e38, 3e38], np.float32), 2.0),
+    ]
+
+    def body(x: Any, ctx: Context) -> tuple[None, Context]:
+        return None, ctx.add_summary("s", WeightedSummary(*x))
+
+    def scan_body(c: Any, x: Any, ctx: Context) -> tuple[Any, None, Context]:
+        return c, None, body(x, ctx)[1]
+
+    root = Context.root()
+    for means, weights, want in cases:
+        xs = (jnp.asarray(means), jnp.asarray(weights))
+        _, _, merged = scan_in_context(
+            scan_body, context=root, carry=0, xs=xs, merge_summaries=True
+        )
+        _, _, per_iteration = scan_in_context(scan_body, context=root, carry=0, xs=xs)
+        _, vmapped = vmap_in_context(body, context=root, xs=xs, merge_summaries=True)
+        for coll in (merged, per_iteration.merge_iterations(), vmapped):
+            got = float(coll.flatten("summaries")["iter/s"].value())
+            if want is None:
+                assert np.isnan(got)
+            else:
+                assert got == pytest.approx(want, rel=1e-3)

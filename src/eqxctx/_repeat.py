@@ -115,18 +115,30 @@ def _trailing(w: Array, like: Array) -> Array:
 
 
 def _reduce_weighted(s: WeightedSummary) -> WeightedSummary:
-    # As `WeightedSummary.accumulate`, over the leading axis at once.
+    # `WeightedSummary.accumulate`'s rule over the leading axis at once: the weights
+    # scaled by the largest (no overflow of `m * w` or of the total), a NaN mean (even
+    # at zero weight) or weight gives NaN, 0 at zero total weight.
     with jax.numpy_dtype_promotion("standard"):
         dtype = jnp.result_type(s.mean)
         if not jnp.issubdtype(dtype, jnp.floating):
             dtype = jnp.float32
-        w = _trailing(s.weight, s.mean).astype(dtype)
-        m = jnp.where(w > 0, s.mean.astype(dtype), 0)
-        total = jnp.sum(jnp.broadcast_to(w, m.shape), axis=0)
-        positive = total > 0
-        safe = jnp.where(positive, total, jnp.ones_like(total))
-        mean = jnp.where(positive, jnp.sum(m * w, axis=0) / safe, 0).astype(dtype)
-        weight = jnp.sum(s.weight, axis=0, dtype=s.weight.dtype)
+        m = jnp.asarray(s.mean, dtype)
+        w = jnp.broadcast_to(_trailing(jnp.asarray(s.weight), m).astype(dtype), m.shape)
+        scale = jnp.max(w, axis=0)  # NaN if a weight is NaN
+        positive = scale > 0
+        # `w / scale` as two multiplications by `rsqrt(scale)`: XLA rewrites a
+        # division by a broadcast into a multiplication by its reciprocal, which
+        # flushes to zero above 2**126 in float32 (the mean's ratio cancels the
+        # rounding of `rsqrt`).
+        r = jax.lax.rsqrt(jnp.where(positive, scale, jnp.ones_like(scale)))
+        a = (w * r[None]) * r[None]
+        numerator = jnp.sum(m * a, axis=0)  # NaN for a NaN mean or weight
+        # Double `where`s: no NaN in the value or its gradient at zero weight.
+        denominator = jnp.where(positive, jnp.sum(a, axis=0), jnp.ones_like(scale))
+        broken = jnp.isnan(numerator) | jnp.isnan(scale)
+        mean = jnp.where(positive, numerator / denominator, 0)
+        mean = jnp.where(broken, jnp.nan, mean).astype(dtype)
+        weight = jnp.sum(jnp.asarray(s.weight), axis=0, dtype=s.weight.dtype)
     return WeightedSummary(mean, weight)
 
 
