@@ -704,6 +704,33 @@ def test_fori_traced_bounds_carry_must_keep_its_type() -> None:
     np.testing.assert_array_equal(got, want)
 
 
+def test_fori_bounds_must_be_integers() -> None:
+    def body(i: Any, v: Any, ctx: Context) -> tuple[Any, Context]:
+        return v + 1.0, ctx
+
+    for lower, upper, shown in (
+        (0, 2.5, "float 2.5"),
+        (0.0, 3, "float 0.0"),
+        (0, jnp.float32(3.0), "dtype float32"),
+        (True, 3, "bool True"),
+    ):
+        assert _jax_raises(
+            lambda lower=lower, upper=upper: jax.lax.fori_loop(
+                lower, upper, lambda i, v: v + 1.0, 0.0
+            )
+        ) or isinstance(lower, bool)
+        with pytest.raises(TypeError, match=r"must be an integer .*got " + shown):
+            fori_in_context(lower, upper, body, 0.0, context=Context.root())
+    # NumPy and JAX integers, static or traced, are integers.
+    for upper in (np.int64(3), jnp.int32(3)):
+        got, _ = fori_in_context(0, upper, body, 0.0, context=Context.root())
+        assert float(got) == 3.0
+    got = jax.jit(
+        lambda n: fori_in_context(0, n, body, 0.0, context=Context.root())[0]
+    )(jnp.int32(3))
+    assert float(got) == 3.0
+
+
 def _fori_body(i: Any, v: Any, ctx: Context) -> tuple[Any, Context]:
     ctx = ctx.add_summary("w", WeightedSummary(v, 1.0)).add_summary("i", i)
     return v * 0.5 + i.astype(jnp.float32), ctx.add_module_output("v", v)

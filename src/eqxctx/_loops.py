@@ -324,15 +324,28 @@ def fori_in_context(
         ValueError: as `scan_in_context` (static bounds) or `while_in_context`
             (traced bounds: a gradient probe in the body too); traced bounds with
             `unroll` or `remat_kwargs` set.
-        TypeError: if `body_fn` does not return `(val, ctx)`, or returns a carry of
-            another structure, shape or dtype (as `scan_in_context` /
-            `while_in_context`).
+        TypeError: if `lower` or `upper` is not an integer (a Python int or an
+            integer array, as `jax.lax.fori_loop` requires), or if `body_fn` does
+            not return `(val, ctx)`, or returns a carry of another structure, shape
+            or dtype (as `scan_in_context` / `while_in_context`).
 
     References:
         `jax.lax.fori_loop`.
     """
     check_context(context, "fori_in_context")
     check_drop(drop_output, "fori_in_context")
+    for bound, value in (("lower", lower), ("upper", upper)):
+        dtype = getattr(value, "dtype", None)
+        if isinstance(value, bool) or not (
+            isinstance(value, int)
+            or (dtype is not None and jnp.issubdtype(dtype, jnp.integer))
+        ):
+            given = f"dtype {dtype}" if dtype is not None else type(value).__name__
+            raise TypeError(
+                f"`fori_in_context`: {bound} must be an integer (a Python int or an "
+                f"integer array), got {given} {value!r}, as `jax.lax.fori_loop` "
+                "requires. For a float range use `while_in_context`."
+            )
     lo, hi = _static_int(lower), _static_int(upper)
     if lo is not None and hi is not None:
 
