@@ -555,6 +555,20 @@ def test_errors_name_the_path() -> None:
         eqxctx.value_and_grad(vector_loss, argnums=2)(
             x, prng_key=None, is_training=True
         )
+
+    def two(p: Any, q: Any, ctx: Context) -> tuple[Any, Context]:
+        return jnp.sum(p**2) + jnp.sum(q), ctx
+
+    for argnums in ((0, -2), (1, 1)):
+        with pytest.raises(ValueError, match=r"name one positional argument twice"):
+            eqxctx.value_and_grad(two, argnums=argnums)(
+                x, x, prng_key=None, is_training=True
+            )
+    _, (gp, gq) = eqxctx.value_and_grad(two, argnums=(-1, 0))(
+        x, x, prng_key=None, is_training=True
+    )
+    np.testing.assert_allclose(gp, np.ones(3))  # d/dq first, as argnums asks
+    np.testing.assert_allclose(gq, 2 * np.asarray(x))
     with pytest.raises(TypeError, match="is_training must be a bool"):
         eqxctx.value_and_grad(vector_loss)(x, prng_key=None, is_training=1)
 

@@ -189,7 +189,8 @@ def value_and_grad(
             bad `prng_key` / `is_training`, a loss that is not a floating-point
             array, `fn` not returning `(loss, ctx)`, and the probes' own errors
             (naming their paths).
-        ValueError: at call time, a non-scalar loss, an `argnums` out of range.
+        ValueError: at call time, a non-scalar loss, an `argnums` out of range or
+            naming one argument twice (`(0, -2)` with two arguments).
 
     References:
         `eqx.filter_value_and_grad`; `jax.custom_vjp`; Flax's `perturb`.
@@ -227,6 +228,13 @@ def value_and_grad(
                     f"`eqxctx.value_and_grad(argnums={argnums!r})`: position {p} is "
                     f"out of range for {len(args)} positional argument(s)."
                 )
+        normalized = [p % len(args) for p in positions]
+        if len(set(normalized)) != len(normalized):
+            raise ValueError(
+                f"`eqxctx.value_and_grad(argnums={argnums!r})`: these name one "
+                f"positional argument twice (positions {normalized} of "
+                f"{len(args)}); name each argument once."
+            )
         diff = tuple(args[p] for p in positions)
 
         def run(
