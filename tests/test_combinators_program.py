@@ -572,13 +572,40 @@ def test_body_must_return_context() -> None:
         vmap_in_context(bad_vmap, context=Context.root(), xs=jnp.ones(2))
 
 
+def test_vmap_takes_numpy_integer_in_axes() -> None:
+    import inspect
+
+    def body(x: Any, ctx: Context) -> tuple[Any, Context]:
+        return jnp.sum(jax.tree_util.tree_leaves(x)[0]), ctx
+
+    xs = jnp.arange(6.0).reshape(2, 3)
+    want = jnp.sum(xs, axis=0)  # mapped over axis 1
+    # A NumPy integer at the top is outside the annotation (`int`): as called
+    # without this suite's runtime type checks.
+    unchecked = inspect.unwrap(vmap_in_context)
+    for run, arg, in_axes in (
+        (unchecked, xs, np.int64(1)),
+        (vmap_in_context, [xs], [np.int32(1)]),
+        (vmap_in_context, {"a": xs}, {"a": np.int64(1)}),
+    ):
+        got, _ = run(body, context=Context.root(), xs=arg, in_axes=in_axes)
+        np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize(
     ("xs", "in_axes", "match"),
     [
         (
             {"a": jnp.ones((2, 3)), "b": jnp.ones(3)},
             0,
-            r"xs\['a'\] \(2, 3\), xs\['b'\] \(3,\)",
+            r"xs\['a'\] \(2, 3\) mapped over axis 0 \(size 2\), xs\['b'\] \(3,\) "
+            r"mapped over axis 0 \(size 3\)",
+        ),
+        (
+            [jnp.ones((3, 4)), jnp.ones((3, 4))],
+            [0, 1],
+            r"xs\[0\] \(3, 4\) mapped over axis 0 \(size 3\), xs\[1\] \(3, 4\) "
+            r"mapped over axis 1 \(size 4\)",
         ),
         ({"a": jnp.ones(2)}, {"a": None}, "no leaf of `xs` is mapped"),
         ({"a": jnp.ones(2)}, {"a": 1}, "out of range"),

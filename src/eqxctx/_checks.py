@@ -7,11 +7,13 @@ Checks of names, leaves, keys and training flags live where those enter
 """
 
 import functools
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
 
+
+T = TypeVar("T")
 
 # `_context` uses `explain_missing_key`, so this module does not import it at the top
 # (`check_context` does, when called).
@@ -48,11 +50,12 @@ def check_drop(value: object, where: str, arg: str = "drop_output") -> None:
         )
 
 
-def check_in_axes(in_axes: object, where: str) -> None:
-    """Raise `TypeError` unless every leaf of `in_axes` is an int or None.
+def check_in_axes(in_axes: T, where: str) -> T:
+    """Return `in_axes` with NumPy integers as ints, or raise `TypeError`.
 
     As `jax.vmap`'s `in_axes`: a prefix tree of `xs` (tuples, lists, dicts) whose
     leaves are ints (an axis, negative counts from the end) or None (not mapped).
+    `jax.vmap` refuses NumPy integers, so they are converted.
     """
     leaves = jax.tree_util.tree_leaves(in_axes, is_leaf=lambda a: a is None)
     for leaf in leaves:
@@ -66,6 +69,13 @@ def check_in_axes(in_axes: object, where: str) -> None:
                 + ("" if leaf is in_axes else f" in {in_axes!r}")
                 + "."
             )
+    if not any(isinstance(leaf, np.integer) for leaf in leaves):
+        return in_axes
+    return jax.tree_util.tree_map(
+        lambda a: int(a) if isinstance(a, np.integer) else a,
+        in_axes,
+        is_leaf=lambda a: a is None,
+    )
 
 
 def check_positive_int_or_none(value: object, where: str, arg: str) -> None:

@@ -533,7 +533,7 @@ def _vmap_length(xs: PyTree, in_axes: InAxes) -> int:
             f"{where}: `in_axes` must be a prefix of the structure of `xs` (as in "
             f"`jax.vmap`): {e}"
         ) from None
-    sizes: list[tuple[str, int, tuple[int, ...]]] = []
+    sizes: list[tuple[str, int, tuple[int, ...], int]] = []
     for name, leaf, ax in mapped:
         if ax is None:
             continue
@@ -543,10 +543,13 @@ def _vmap_length(xs: PyTree, in_axes: InAxes) -> int:
             raise ValueError(
                 f"{where}: in_axes {ax} is out of range for {name} with shape {shape}."
             )
-        sizes.append((name, shape[ax], shape))
-    distinct = {size for _, size, _ in sizes}
+        sizes.append((name, shape[ax], shape, ax))
+    distinct = {size for _, size, _, _ in sizes}
     if len(distinct) > 1:
-        listing = ", ".join(f"{name} {shape}" for name, _, shape in sizes)
+        listing = ", ".join(
+            f"{name} {shape} mapped over axis {ax} (size {size})"
+            for name, size, shape, ax in sizes
+        )
         raise ValueError(
             f"{where}: the mapped axes of `xs` must all have the same size, but they "
             f"disagree: {listing}."
@@ -615,7 +618,7 @@ def vmap_in_context(
     """
     check_context(context, "vmap_in_context")
     check_drop(drop_output, "vmap_in_context")
-    check_in_axes(in_axes, "vmap_in_context")
+    in_axes = check_in_axes(in_axes, "vmap_in_context")
     prefix = validate_child_name(
         child_name_prefix, where="vmap_in_context(child_name_prefix=...)"
     )
