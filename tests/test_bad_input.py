@@ -662,3 +662,30 @@ def test_context_constructor_checks_its_arguments() -> None:
     assert ctx == Context.root(prng_key=key, is_training=True, summary_level=2).child(
         "enc", prng_key=key
     )
+
+
+def test_propagate_checks_its_length() -> None:
+    import inspect
+
+    from eqxctx import propagate_repeated_output_collections as propagate
+
+    empty = OutputCollection.empty()
+    # `length=True` is an int to the annotation; the rest as called without this
+    # suite's runtime type checks.
+    unchecked = inspect.unwrap(propagate)
+    for length in (-1, True, 2.0, "2"):
+        for merge in (False, True):
+            with pytest.raises(ValueError, match=r"non-negative int, got "):
+                unchecked(
+                    empty,
+                    child_name_prefix="iter",
+                    merge_summaries=merge,
+                    length=length,
+                )
+    stacked = OutputCollection({"x": jnp.arange(3.0)}, {}, {})
+    got = unchecked(
+        stacked, child_name_prefix="iter", merge_summaries=True, length=np.int64(3)
+    )
+    assert float(got.flatten("summaries")["iter/x"]) == 3.0
+    with pytest.raises(ValueError, match=r"length=2 but the leaves have a leading"):
+        propagate(stacked, child_name_prefix="iter", merge_summaries=False, length=2)

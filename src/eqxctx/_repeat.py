@@ -276,6 +276,19 @@ def assemble(
     )
 
 
+def _check_length(length: object) -> int:
+    if (
+        isinstance(length, bool)
+        or not isinstance(length, (int, np.integer))
+        or length < 0
+    ):
+        raise ValueError(
+            "`propagate_repeated_output_collections`: length must be None (inferred "
+            f"from the leaves) or a non-negative int, got {length!r}."
+        )
+    return int(length)
+
+
 def propagate_repeated_output_collections(
     repeated: OutputCollection,
     *,
@@ -313,8 +326,8 @@ def propagate_repeated_output_collections(
 
     Raises:
         ValueError: for an invalid prefix, leaves without a common leading axis (the
-            message names them), a `length` that disagrees with them, or a
-            collection with no leaf and no `length`.
+            message names them), a `length` that is not a non-negative int or
+            disagrees with them, or a collection with no leaf and no `length`.
 
     Examples:
         >>> rep = OutputCollection({"loss": jnp.array([1.0, 2.0])}, {}, {})
@@ -328,6 +341,8 @@ def propagate_repeated_output_collections(
         child_name_prefix,
         where="propagate_repeated_output_collections(child_name_prefix=...)",
     )
+    if length is not None:
+        length = _check_length(length)
     found = _leading_length(repeated)
     if length is None:
         if found is None:
