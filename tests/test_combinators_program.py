@@ -3,6 +3,7 @@
 import functools
 import re
 import types
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -583,11 +584,12 @@ def test_vmap_takes_numpy_integer_in_axes() -> None:
     # A NumPy integer at the top is outside the annotation (`int`): as called
     # without this suite's runtime type checks.
     unchecked = inspect.unwrap(vmap_in_context)
-    for run, arg, in_axes in (
+    cases: list[tuple[Callable[..., Any], Any, Any]] = [
         (unchecked, xs, np.int64(1)),
         (vmap_in_context, [xs], [np.int32(1)]),
         (vmap_in_context, {"a": xs}, {"a": np.int64(1)}),
-    ):
+    ]
+    for run, arg, in_axes in cases:
         got, _ = run(body, context=Context.root(), xs=arg, in_axes=in_axes)
         np.testing.assert_array_equal(got, want)
 

@@ -530,6 +530,17 @@ def test_compiled_runner_places_kwargs_and_bind_checks_parameters() -> None:
         )
     with pytest.raises(ValueError, match=r"static: pass `jnp\.asarray"):
         compiled(batch, shift=1.5)
+    # A missing (or extra) keyword argument is named as such.
+    with pytest.raises(ValueError, match=r"lowered with \['shift'\], called with \[\]"):
+        compiled(batch)
+    with pytest.raises(ValueError, match=r"called with \['other', 'shift'\]"):
+        compiled(batch, shift=host, other=1)
+    # An array keyword argument can be lowered from its shape and dtype.
+    from_struct = runner.lower(
+        batch, shift=jax.ShapeDtypeStruct((16, 3), jnp.float32)
+    ).compile()
+    _, out = from_struct(batch, shift=host)
+    np.testing.assert_allclose(np.asarray(out.output_batch["y"]), ref["y"], 1e-5)
     wider = MethodRunner.create(
         make_model(hidden=16), "predict", mesh=mesh, prng_key=key
     )

@@ -73,7 +73,7 @@ def lower_runner(
             )
     batch = treedef.unflatten(structs)
     if kwargs:
-        dynamic, static = step.split_kwargs(kwargs)
+        dynamic, static = step.split_kwargs(kwargs, structs=True)
         lowered = step.jitted_kwargs.lower(
             static, runner.param_leaves, runner.prng_key, batch, mask, dynamic
         )
@@ -207,6 +207,16 @@ class CompiledRunner(_Staged):
                 "again for batches of another structure."
             )
         batch, mask, padding = step.place_batch(leaves, got, lowered=plan)
+        lowered_names = (
+            set() if self._static_kwargs is None else set(self._static_kwargs.tree())
+        )
+        if set(kwargs) != lowered_names:
+            raise ValueError(
+                "`CompiledRunner`: the keyword arguments differ from those given to "
+                f"`MethodRunner.lower`: lowered with {sorted(lowered_names)}, called "
+                f"with {sorted(kwargs)}. Pass the same keyword arguments (array "
+                "values may change), or lower again."
+            )
         dynamic, static = step.split_kwargs(kwargs) if kwargs else (None, None)
         if static != self._static_kwargs:
             raise ValueError(

@@ -434,7 +434,10 @@ class MethodRunner(TreeEquality):
                 shardings; without, the input partition's) or of arrays. With
                 `pad_batches=True`, its leading size is the size that smaller
                 batches are padded to by the compiled runner.
-            **kwargs: the method's keyword arguments (as for a call).
+            **kwargs: the method's keyword arguments (as for a call; an array
+                one may be given as a `jax.ShapeDtypeStruct`). The compiled runner
+                is called with the same names: array values may change, the other
+                values are static.
 
         Returns:
             A `LoweredRunner` with `.as_text()` and `.compile()`. The compiled

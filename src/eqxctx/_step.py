@@ -342,8 +342,12 @@ class Step:
 
         return jax.tree.map(put, dynamic)
 
-    def split_kwargs(self, kwargs: dict[str, PyTree]) -> tuple[PyTree, "Frozen"]:
+    def split_kwargs(
+        self, kwargs: dict[str, PyTree], *, structs: bool = False
+    ) -> tuple[PyTree, "Frozen"]:
         """Return the array and the static (frozen) parts of keyword arguments.
+
+        `structs`: `jax.ShapeDtypeStruct` leaves count as arrays (lowering).
 
         Raises:
             TypeError: for an unhashable non-array keyword argument.
@@ -355,7 +359,8 @@ class Step:
                 f"`MethodRunner(mask_kwarg={name!r})`: the runner passes `{name}` to "
                 "the method itself; do not pass it as a keyword argument."
             )
-        dynamic, static = eqx.partition(kwargs, eqx.is_array)
+        is_dynamic = _is_array_or_struct if structs else eqx.is_array
+        dynamic, static = eqx.partition(kwargs, is_dynamic)
         return dynamic, Frozen(static, what="a keyword argument")
 
     # -- the call: check or place the batch, run, build the Output ------------------
@@ -472,3 +477,7 @@ class Step:
 _STEPS: "collections.OrderedDict[Settings, Step]" = collections.OrderedDict()
 _MAX_STEPS = 256
 _STEPS_LOCK = threading.Lock()
+
+
+def _is_array_or_struct(x: object) -> bool:
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
