@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -212,3 +213,48 @@ def test_unknown_controls_are_errors() -> None:
     with pytest.raises(ValueError, match=r"`contexts\(keys=\.\.\.\)`"):
         contexts(keys=("raw", "bad"))
     assert len(DEFAULT_SUMMARY_KINDS) == 10
+
+
+def test_assert_collections_equal_sees_static_fields_and_values_as_given() -> None:
+    from eqxctx import AudioSummary, CallbackSummary, HistogramSummary
+
+    empty = OutputCollection.empty()
+    x = jnp.array([0.1, 0.6])
+    differing = [
+        (  # the same counts, other edges
+            empty.add_summary("h", HistogramSummary(x, bins=2, range=(0, 1))),
+            empty.add_summary("h", HistogramSummary(x * 10, bins=2, range=(0, 10))),
+        ),
+        (
+            empty.add_summary("a", AudioSummary(x, sample_rate=8000)),
+            empty.add_summary("a", AudioSummary(x, sample_rate=44100)),
+        ),
+        (
+            empty.add_summary("c", CallbackSummary(np.sum, x)),
+            empty.add_summary("c", CallbackSummary(np.max, x)),
+        ),
+        (  # equal after JAX's int32 (2**32 + 1 -> 1)
+            empty.add_summary("i", np.array(2**32 + 1, np.int64)),
+            empty.add_summary("i", np.array(1, np.int64)),
+        ),
+        (  # equal after JAX's float32 (both inf)
+            empty.add_summary("f", np.array(1e300)),
+            empty.add_summary("f", np.array(1e305)),
+        ),
+        (
+            empty.add_module_output("k", jax.random.key(0)),
+            empty.add_module_output("k", jax.random.key(1)),
+        ),
+    ]
+    for actual, expected in differing:
+        with pytest.raises(AssertionError):
+            assert_collections_equal(actual, expected)
+        assert_collections_equal(actual, actual)
+    # JAX's default dtypes still decide what agrees.
+    assert_collections_equal(
+        empty.add_summary("x", 1.0), empty.add_summary("x", jnp.float32(1.0))
+    )
+    assert_collections_equal(
+        empty.add_summary("x", np.float64(0.5)),
+        empty.add_summary("x", jnp.float32(0.5)),
+    )
