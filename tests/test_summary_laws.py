@@ -322,3 +322,40 @@ def test_merged_weighted_means_agree_across_constructs() -> None:
                 assert np.isnan(got)
             else:
                 assert got == pytest.approx(want, rel=1e-3)
+
+
+def test_weights_are_added_and_scaled_in_at_least_32_bits() -> None:
+    from eqxctx import Context, scan_in_context
+
+    # A float16 mean whose weights pass float16's maximum (token counts).
+    got = WeightedSummary(jnp.float16(1.0), jnp.float32(70000.0)).accumulate(
+        WeightedSummary(jnp.float16(3.0), jnp.float32(1.0))
+    )
+    assert got.mean.dtype == jnp.float16
+    assert float(got.value()) == pytest.approx((70000 + 3) / 70001, rel=1e-3)
+
+    def body(c: Any, x: Any, ctx: Context) -> tuple[Any, None, Context]:
+        m, w = x
+        return c, None, ctx.add_summary("s", WeightedSummary(m, w))
+
+    means = jnp.array([0.0, 1.0, 2.0])
+    for weights, want_weight in (
+        (jnp.full(3, 40000.0, jnp.float16), 120000.0),  # float16 overflows at 65504
+        (jnp.full(3, 200, jnp.uint8), 600),  # uint8 wraps at 255
+        (jnp.ones(3, jnp.bool_), 3),  # `True + True` is a logical or
+    ):
+        for m in (means, means.astype(jnp.float16)):
+            _, _, coll = scan_in_context(
+                body,
+                context=Context.root(),
+                carry=0,
+                xs=(m, weights),
+                merge_summaries=True,
+            )
+            s = coll.flatten("summaries")["iter/s"]
+            assert float(s.value()) == pytest.approx(1.0, rel=1e-3)
+            assert float(s.weight) == want_weight
+            merged = scan_in_context(
+                body, context=Context.root(), carry=0, xs=(m, weights)
+            )[2].merge_iterations()
+            assert float(merged.flatten("summaries")["iter/s"].weight) == want_weight

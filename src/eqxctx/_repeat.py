@@ -26,6 +26,7 @@ from ._summary import (
     SumSummary,
     WeightedSummary,
     accumulate_leaf,
+    weight_total_dtype,
 )
 from ._typing import Leaf, SummaryTree
 
@@ -122,8 +123,11 @@ def _reduce_weighted(s: WeightedSummary) -> WeightedSummary:
         dtype = jnp.result_type(s.mean)
         if not jnp.issubdtype(dtype, jnp.floating):
             dtype = jnp.float32
-        m = jnp.asarray(s.mean, dtype)
-        w = jnp.broadcast_to(_trailing(jnp.asarray(s.weight), m).astype(dtype), m.shape)
+        compute = jnp.promote_types(dtype, jnp.float32)  # as `accumulate`
+        m = jnp.asarray(s.mean, compute)
+        w = jnp.broadcast_to(
+            _trailing(jnp.asarray(s.weight), m).astype(compute), m.shape
+        )
         scale = jnp.max(w, axis=0)  # NaN if a weight is NaN
         positive = scale > 0
         # `w / scale` as two multiplications by `rsqrt(scale)`: XLA rewrites a
@@ -138,7 +142,8 @@ def _reduce_weighted(s: WeightedSummary) -> WeightedSummary:
         broken = jnp.isnan(numerator) | jnp.isnan(scale)
         mean = jnp.where(positive, numerator / denominator, 0)
         mean = jnp.where(broken, jnp.nan, mean).astype(dtype)
-        weight = jnp.sum(jnp.asarray(s.weight), axis=0, dtype=s.weight.dtype)
+        weights = jnp.asarray(s.weight)
+        weight = jnp.sum(weights, axis=0, dtype=weight_total_dtype(weights.dtype))
     return WeightedSummary(mean, weight)
 
 

@@ -138,6 +138,21 @@ class Summary(eqx.Module):
         return None
 
 
+def weight_total_dtype(dtype: Any) -> Any:
+    """The dtype in which weights of `dtype` are added: at least 32 bits.
+
+    Bool weights count (`True + True` is 2, not a logical or), and integer or
+    float weights narrower than 32 bits are widened (uint8 wraps at 255, float16
+    overflows at 65504).
+    """
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_ or (jnp.issubdtype(dtype, jnp.integer) and dtype.itemsize < 4):
+        return np.dtype(np.int32)
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+        return np.dtype(np.float32)
+    return dtype
+
+
 class WeightedSummary(Summary):
     """A weighted mean, e.g. a loss averaged over a number of examples.
 
@@ -192,12 +207,15 @@ class WeightedSummary(Summary):
     def accumulate(self, other: Any) -> "WeightedSummary":
         """Return the weighted mean of both means, with the weights added.
 
-        The mean is `(m1 * w1 + m2 * w2) / (w1 + w2)`, computed with the weights
-        scaled by the larger one, so weights near the dtype's maximum do not
-        overflow; at zero total weight it is 0. A NaN mean (even one with zero
-        weight) or a NaN weight gives a NaN mean. Mixed dtypes (a bfloat16 mean with
-        a float32 one, integer weights with float ones) are promoted as under JAX's
-        standard promotion, also when `jax_numpy_dtype_promotion="strict"` is set.
+        The mean is `(m1 * w1 + m2 * w2) / (w1 + w2)`, computed in at least float32
+        with the weights scaled by the larger one, so weights near the dtype's
+        maximum (or above float16's) do not overflow; at zero total weight it is
+        0. The weights are added in at least 32 bits (bool weights count, small
+        integer and float16 weights do not wrap or overflow at 255 or 65504). A NaN
+        mean (even one with zero weight) or a NaN weight gives a NaN mean. Mixed
+        dtypes (a bfloat16 mean with a float32 one, integer weights with float ones)
+        are promoted as under JAX's standard promotion, also when
+        `jax_numpy_dtype_promotion="strict"` is set.
 
         Raises:
             ValueError: if `other` is not a `WeightedSummary`, or its mean or weight
@@ -208,10 +226,12 @@ class WeightedSummary(Summary):
             dtype = jnp.result_type(self.mean, other.mean)
             if not jnp.issubdtype(dtype, jnp.floating):
                 dtype = jnp.float32
-            w1 = self.weight.astype(dtype)
-            w2 = other.weight.astype(dtype)
-            m1 = self.mean.astype(dtype)
-            m2 = other.mean.astype(dtype)
+            # At least float32: a float16 mean's weights (token counts) pass 65504.
+            compute = jnp.promote_types(dtype, jnp.float32)
+            w1 = self.weight.astype(compute)
+            w2 = other.weight.astype(compute)
+            m1 = self.mean.astype(compute)
+            m2 = other.mean.astype(compute)
             # Scaled by the larger weight: no overflow of `m * w` or `w1 + w2`.
             scale = jnp.maximum(w1, w2)
             positive = scale > 0
@@ -223,7 +243,8 @@ class WeightedSummary(Summary):
             broken = jnp.isnan(numerator) | jnp.isnan(scale)
             mean = jnp.where(positive, numerator / denominator, 0)
             mean = jnp.where(broken, jnp.nan, mean).astype(dtype)
-            weight = self.weight + other.weight
+            total = weight_total_dtype(jnp.result_type(self.weight, other.weight))
+            weight = self.weight.astype(total) + other.weight.astype(total)
         return WeightedSummary(mean, weight)
 
     def __add__(self, other: Any) -> "WeightedSummary":
