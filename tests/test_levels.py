@@ -333,3 +333,28 @@ def test_docs_levels_example_prints_what_it_shows() -> None:
     with contextlib.redirect_stdout(out):
         exec(compile(code, "summaries.md", "exec"), {})
     assert out.getvalue() == printed
+
+
+def test_levels_are_checked_the_same_with_and_without_a_summary_level() -> None:
+    import inspect
+
+    # As called without this suite's runtime type checks (which refuse some first).
+    add_summary = inspect.unwrap(Context.add_summary)
+    add_output = inspect.unwrap(Context.add_module_output)
+    for summary_level in (None, 0, np.int64(1)):
+        ctx = inspect.unwrap(Context.root)(Context, summary_level=summary_level)
+        assert ctx.summary_level == (
+            None if summary_level is None else int(summary_level)
+        )
+        for level in (None, False, 0.0, "0"):
+            for add in (add_summary, add_output):
+                with pytest.raises(
+                    TypeError, match=r"\(level=\.\.\.\)`: expected an int"
+                ):
+                    add(ctx, "x", 1.0, level=level)
+        kept = add_summary(ctx, "x", 1.0, level=np.int64(0))
+        assert kept.collection.flatten("summaries") == {"x": 1.0}
+        dropped = add_summary(ctx, "y", 1.0, level=np.int64(2))
+        assert ("y" in dropped.collection.flatten("summaries")) == (
+            summary_level is None
+        )

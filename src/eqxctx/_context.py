@@ -348,10 +348,11 @@ class Context(TreeEquality):
                 removes its computation; only its name is checked (not its value
                 or conflicts), and the context is returned unchanged.
         """
-        # The default (level 0, no summary level) costs one compare per add.
-        if (level or self._frame.summary_level is not None) and _drops(
-            self, name, level, "Context.add_summary"
-        ):
+        # The default (an int level 0, no summary level) costs two compares per add;
+        # any other level is checked by `_drops`.
+        if (
+            type(level) is not int or level or self._frame.summary_level is not None
+        ) and _drops(self, name, level, "Context.add_summary"):
             return self
         try:
             return _with(self, add_leaf(self.collection, "summaries", name, value))
@@ -377,9 +378,9 @@ class Context(TreeEquality):
         `level` works as in `add_summary`: the output is kept only if `level <=
         ctx.summary_level` (or `summary_level` is None).
         """
-        if (level or self._frame.summary_level is not None) and _drops(
-            self, name, level, "Context.add_module_output"
-        ):
+        if (
+            type(level) is not int or level or self._frame.summary_level is not None
+        ) and _drops(self, name, level, "Context.add_module_output"):
             return self
         try:
             return _with(self, add_leaf(self.collection, "module_outputs", name, value))
@@ -826,8 +827,10 @@ jax.tree_util.register_pytree_with_keys(
 
 def check_summary_level(level: object, where: str) -> int | None:
     """Return `level` (None or an int), or raise `TypeError` naming `where`."""
-    if level is None or (isinstance(level, int) and not isinstance(level, bool)):
-        return level
+    if level is None:
+        return None
+    if isinstance(level, (int, np.integer)) and not isinstance(level, bool):
+        return int(level)
     raise TypeError(
         f"`{where}(summary_level=...)`: expected None (keep every summary) or an "
         f"int, got {type(level).__name__} {level!r}."
@@ -836,7 +839,7 @@ def check_summary_level(level: object, where: str) -> int | None:
 
 def _drops(ctx: Context, name: object, level: object, where: str) -> bool:
     """Whether an entry of `level` is dropped in `ctx` (checks the level and name)."""
-    if not (isinstance(level, int) and not isinstance(level, bool)):
+    if isinstance(level, bool) or not isinstance(level, (int, np.integer)):
         raise TypeError(
             f"`{where}(level=...)`: expected an int (a static level, 0 by default), "
             f"got {type(level).__name__} {level!r}."

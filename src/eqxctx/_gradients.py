@@ -213,7 +213,9 @@ def add_probe(
     _check_probe_input(x, where, path)
     # A probe above the summary level is dropped: no sink, no custom_vjp, nothing
     # in the backward pass (the default, level 0 with no level set, costs a compare).
-    if (level or ctx.summary_level is not None) and drops(ctx, name, level, where):
+    if (type(level) is not int or level or ctx.summary_level is not None) and drops(
+        ctx, name, level, where
+    ):
         return x, ctx
     if fn is None:
         fn = rms if kind == "summaries" else _identity
