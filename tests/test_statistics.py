@@ -422,3 +422,14 @@ def test_histogram_and_moments_identities_change_nothing() -> None:
     for field in ("count", "mean", "m2", "min_", "max_", "nonfinite"):
         np.testing.assert_allclose(getattr(both, field), getattr(m, field))
     assert float(m.identity().min_) == np.inf
+
+
+def test_moments_with_an_empty_side_keep_large_means_finite() -> None:
+    m = MomentsSummary(jnp.array([2e19, 2e19], jnp.float32))  # mean**2 > float32 max
+    empty = MomentsSummary(jnp.array([1.0]), where=jnp.array([False]))
+    for got in (m.identity().accumulate(m), m.accumulate(m.identity()), empty + m):
+        assert isinstance(got, MomentsSummary)
+        value = got.value()
+        assert float(value["variance"]) == 0.0
+        assert float(value["mean"]) == pytest.approx(2e19)
+        assert int(got.count) == 2

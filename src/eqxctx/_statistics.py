@@ -453,7 +453,9 @@ class MomentsSummary(Summary):
             total = jnp.maximum(count, 1).astype(dtype)
             delta = other.mean.astype(dtype) - self.mean.astype(dtype)
             mean = self.mean.astype(dtype) + delta * (nb / total)
-            m2 = self.m2 + other.m2 + jnp.square(delta) * (na * nb / total)
+            # `delta * (delta * w)`, not `delta**2 * w`: with an empty side (w = 0)
+            # a large `delta` must not overflow to inf and give `inf * 0 = NaN`.
+            m2 = self.m2 + other.m2 + delta * (delta * (na * nb / total))
             new = (
                 count,
                 mean,
