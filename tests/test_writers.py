@@ -960,3 +960,32 @@ def test_a_refused_column_in_rows_names_its_own_path() -> None:
     )
     with pytest.raises(TypeError, match=r"'train/iter0/z' is complex"):
         fetch_summaries({"train": coll})
+
+
+def test_media_returned_by_a_callback_are_checked_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    from eqxctx.writers import MultiWriter
+
+    bad_image = eqxctx.ImageSummary(np.zeros((2, 2), np.float32))  # rank 2
+    bad_audio = eqxctx.AudioSummary(np.zeros(4, np.float32), sample_rate=8000)
+    object.__setattr__(bad_audio, "sample_rate", 0)  # as if built without checks
+    for name, bad, message in (
+        ("img", bad_image, r"'cb/img'.*expected shape \[batch, height, width\]"),
+        ("a", bad_audio, r"'cb/a'.*sample_rate must be positive"),
+    ):
+        jsonl = tmp_path / f"{name}.jsonl"
+        w = MultiWriter(JsonlWriter(jsonl), TensorBoardWriter(tmp_path / name))
+        with pytest.raises(ValueError, match=message):
+            w.write(
+                0,
+                {"cb": eqxctx.CallbackSummary(lambda bad=bad, name=name: {name: bad})},
+            )
+        w.write(1, {"x": 1.0})
+        w.close()
+        assert [
+            json.loads(line)["step"] for line in jsonl.read_text().splitlines()
+        ] == [1]
+    good = eqxctx.ImageSummary(np.ones((1, 2, 2, 3), np.uint8))
+    with JsonlWriter(tmp_path / "good.jsonl") as w:
+        w.write(0, {"cb": eqxctx.CallbackSummary(lambda: {"img": good})})

@@ -91,6 +91,19 @@ MAX_STEP = 2**63 - 1
 _MEDIA = (ImageSummary, AudioSummary, HistogramSummary)
 
 
+def _validate(path: str, leaf: Summary, where: str) -> None:
+    """`leaf.validate()`, and a media kind's array checked as numbers."""
+    try:
+        # Through the class: `leaf.validate` would build an Equinox bound method
+        # (a Module) per call, ~30 µs.
+        type(leaf).validate(leaf)
+    except ValueError as e:
+        raise ValueError(f"`{where}`: the summary at {path!r}: {e}") from e
+    if isinstance(leaf, _MEDIA):
+        field = leaf.counts if isinstance(leaf, HistogramSummary) else leaf.value_
+        _numeric(path, field, where=where)
+
+
 def check_positive_int(value: object, *, where: str, name: str, meaning: str) -> int:
     """Return `value` (argument `name` of `where`) as an int >= 1, or raise.
 
@@ -375,17 +388,8 @@ def _read(
             )
         else:
             if isinstance(leaf, Summary):
-                try:
-                    # Through the class: `leaf.validate` would build an Equinox
-                    # bound method (a Module) per call, ~30 µs.
-                    type(leaf).validate(leaf)
-                except ValueError as e:
-                    raise ValueError(f"`{where}`: the summary at {path!r}: {e}") from e
+                _validate(path, leaf, where)
             if isinstance(leaf, _MEDIA):
-                field = (
-                    leaf.counts if isinstance(leaf, HistogramSummary) else leaf.value_
-                )
-                _numeric(path, field, where=where)
                 items = [(path, leaf)]
             else:
                 if notes is not None:  # a function's result: read every time
@@ -394,7 +398,10 @@ def _read(
         for sub, value in items:
             if sub in seen:
                 raise _collision(sub, where=where)
-            if not isinstance(value, _MEDIA):
+            if isinstance(value, _MEDIA):
+                if value is not leaf:  # from a `CallbackSummary`'s result
+                    _validate(sub, value, where)
+            else:
                 value = _numeric(sub, value, where=where)
             seen.add(sub)
             out[sub] = value
