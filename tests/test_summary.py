@@ -140,3 +140,18 @@ def test_summaries_are_pytrees_through_scan() -> None:
     for i in range(1, 4):
         first = first + jax.tree_util.tree_map(lambda a, i=i: a[i], acc)
     np.testing.assert_allclose(first.value(), 1.5)
+
+
+def test_summary_kinds_refuse_typed_keys() -> None:
+    key = jax.random.key(0)
+    for make in (
+        lambda: MinSummary(key),
+        lambda: MaxSummary(key),
+        lambda: SumSummary(key),
+        lambda: WeightedSummary(key, 1.0),
+        lambda: WeightedSummary(1.0, key),
+    ):
+        with pytest.raises(TypeError, match=r"typed PRNG key \(key<fry>\).*key_data"):
+            make()
+    data = jax.random.key_data(key)
+    assert MaxSummary(data).value().dtype == jnp.uint32

@@ -24,7 +24,16 @@ _S = TypeVar("_S", bound="_KeepFirst")
 
 
 def _as_array(x: ArrayLike) -> Array:
-    return jnp.asarray(x)
+    array = jnp.asarray(x)
+    dtype = array.dtype  # a NumPy dtype, or JAX's extended dtype of a typed key
+    # (NumPy dtypes, bfloat16 too, are never keys: one `isinstance` for them.)
+    plain = isinstance(dtype, np.dtype)  # pyright: ignore[reportUnnecessaryIsInstance]
+    if not plain and jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        raise TypeError(
+            f"A summary's value is a typed PRNG key ({dtype}); summaries log numbers. "
+            "Summarize `jax.random.key_data(key)`, or add the key as a module output."
+        )
+    return array
 
 
 def _as_int(x: object) -> object:
