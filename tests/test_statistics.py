@@ -129,6 +129,19 @@ def test_histogram_errors() -> None:
         HistogramSummary(x, range=(0, np.inf))
     with pytest.raises(ValueError, match="positive int"):
         HistogramSummary(x, bins=0, range=(0, 1))
+    import inspect
+
+    # As called without this suite's runtime type checks (which refuse it first).
+    from eqxctx._statistics import _make_edges  # pyright: ignore[reportPrivateUsage]
+
+    unchecked = inspect.unwrap(_make_edges)
+    with pytest.raises(ValueError, match=r"`HistogramSummary\(bins=...\)`.*got 2.0"):
+        unchecked(2.0, (0, 1), None)
+    assert HistogramSummary(x, bins=int(np.int64(2)), range=(0, 1)).edges == (
+        0.0,
+        0.5,
+        1.0,
+    )
     with pytest.raises(ValueError, match="strictly increasing"):
         HistogramSummary(x, edges=[0.0, 1.0, 1.0])
     with pytest.raises(ValueError, match="strictly increasing, also when rounded"):

@@ -101,11 +101,12 @@ def _make_edges(
                 f"got {range!r}."
             )
         count = DEFAULT_BINS if bins is None else bins
-        if isinstance(count, bool) or count < 1:
+        integer = isinstance(count, (int, np.integer))  # pyright: ignore[reportUnnecessaryIsInstance] (untyped callers)
+        if isinstance(count, bool) or not integer or count < 1:
             raise ValueError(
                 f"`{where}(bins=...)`: expected a positive int, got {bins!r}."
             )
-        out = tuple(float(e) for e in np.linspace(lo, hi, count + 1))
+        out = tuple(float(e) for e in np.linspace(lo, hi, int(count) + 1))
     elif bins is not None:
         raise ValueError(
             f"`{where}(bins={bins!r})`: fixed edges need a range too; pass "
@@ -238,7 +239,9 @@ class HistogramSummary(Summary):
     not counted (add a `MomentsSummary` to count non-finite values). Values are
     compared with the edges in float32 (float64 for float64 values), with the edges
     rounded to it: the counts equal `numpy.histogram(value.astype(np.float32),
-    bins=np.float32(edges))[0]`.
+    bins=np.float32(edges))[0]`, except for subnormal values (below 1.2e-38 in
+    magnitude in float32), which XLA on the CPU flushes to zero before comparing:
+    a value of -1e-40 is counted in the bucket holding 0.
 
     Accumulating (merged scan or vmap summaries, `SummaryAccumulator`) adds the
     counts. Counts are int32: at most 2**31 - 1 per bucket.
