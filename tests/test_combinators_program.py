@@ -533,24 +533,16 @@ def test_per_iteration_keys_must_be_a_batch_of_keys() -> None:
     # Typed keys per iteration give the same key data as the raw ones.
     raw = jax.random.split(jax.random.PRNGKey(5), 3)
     typed = jax.random.split(jax.random.key(5), 3)
-    _, ys_raw, _ = scan_in_context(
-        body,
-        context=Context.root(),
-        carry=0,
-        xs=None,
-        length=3,
-        per_iteration={"prng_key": raw},
-    )
-    _, ys_typed, _ = scan_in_context(
-        body,
-        context=Context.root(),
-        carry=0,
-        xs=None,
-        length=3,
-        per_iteration={"prng_key": typed},
-    )
-    np.testing.assert_array_equal(ys_raw, raw)
-    np.testing.assert_array_equal(ys_typed, raw)
+    for keys in (raw, typed):
+        _, ys, _ = scan_in_context(
+            body,
+            context=Context.root(),
+            carry=0,
+            xs=None,
+            length=3,
+            per_iteration={"prng_key": keys},
+        )
+        np.testing.assert_array_equal(ys, raw)
 
 
 def test_remat_kwargs_not_mutated_and_read_only_mapping() -> None:
