@@ -155,3 +155,27 @@ def test_summary_kinds_refuse_typed_keys() -> None:
             make()
     data = jax.random.key_data(key)
     assert MaxSummary(data).value().dtype == jnp.uint32
+
+
+def test_summaries_made_from_a_refilled_numpy_buffer_keep_their_values() -> None:
+    from eqxctx import MomentsSummary
+
+    # A host buffer refilled for every batch, with no wait in between: on the CPU,
+    # JAX may read a NumPy argument after the call that was given it returns.
+    buf = np.zeros(4096, np.float32)
+    made = []
+    for v in range(6):
+        buf[:] = v
+        made.append(
+            (
+                WeightedSummary(buf, 2.0),
+                MaxSummary(buf),
+                MomentsSummary(buf, where=buf >= 0),
+                HistogramSummary(buf, bins=6, range=(0, 6)),
+            )
+        )
+    for v, (weighted, largest, moments, histogram) in enumerate(made):
+        assert float(weighted.value().max()) == v
+        assert float(largest.value().min()) == v
+        assert float(moments.value()["mean"]) == v
+        assert int(histogram.counts[v]) == 4096

@@ -18,7 +18,12 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, ArrayLike, Float, Int, Shaped
 
-from ._summary import Summary, _extreme, check_same_kind  # pyright: ignore[reportPrivateUsage]
+from ._summary import (
+    Summary,
+    _extreme,  # pyright: ignore[reportPrivateUsage]
+    check_same_kind,
+    private_asarray,
+)
 from ._typing import ArrayValue, DType
 
 
@@ -53,7 +58,7 @@ def _compare_dtype(dtype: DType) -> np.dtype[Any]:
 
 def _where(where: ArrayLike, x: Array, owner: str) -> Array:
     """`where` as a bool array of `x`'s shape (NumPy's `where=` broadcasting)."""
-    keep = jnp.asarray(where)
+    keep = private_asarray(where)
     if keep.dtype != jnp.bool_:
         raise TypeError(
             f"`{owner}(value, where=...)`: `where` must be a bool array, got dtype "
@@ -283,7 +288,7 @@ class HistogramSummary(Summary):
         edges: Sequence[float | int] | np.ndarray | None = None,
         where: ArrayLike | None = None,
     ):
-        values = jnp.asarray(value)
+        values = private_asarray(value)
         _check_real(values, "HistogramSummary")
         self.edges = _make_edges(bins, range, edges)
         if where is not None:  # NaN is in no bucket
@@ -394,7 +399,7 @@ class MomentsSummary(Summary):
     nonfinite: Int[Array, "*batch"]
 
     def __init__(self, value: ArrayLike, where: ArrayLike | None = None):
-        x = jnp.asarray(value)
+        x = private_asarray(value)
         _check_real(x, "MomentsSummary")
         keep = None if where is None else _where(where, x, "MomentsSummary")
         if x.dtype == jnp.bool_:

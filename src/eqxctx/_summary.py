@@ -23,8 +23,17 @@ from ._typing import ArrayTree, ArrayValue, Leaf
 _S = TypeVar("_S", bound="_KeepFirst")
 
 
+def private_asarray(x: ArrayLike) -> Array:
+    """`jnp.asarray(x)`, of a private copy of a NumPy array.
+
+    On the CPU, JAX may read a NumPy argument after the call returns, so a buffer
+    refilled for the next batch would change a summary made from it.
+    """
+    return jnp.asarray(x.copy() if isinstance(x, np.ndarray) else x)
+
+
 def _as_array(x: ArrayLike) -> Array:
-    array = jnp.asarray(x)
+    array = private_asarray(x)
     dtype = array.dtype  # a NumPy dtype, or JAX's extended dtype of a typed key
     # (NumPy dtypes, bfloat16 too, are never keys: one `isinstance` for them.)
     plain = isinstance(dtype, np.dtype)  # pyright: ignore[reportUnnecessaryIsInstance]
