@@ -11,7 +11,7 @@ every level draws noise from its key (ours: `ctx.prng_key`; hand: the parent's k
 counts each jaxpr's equations. Usage:
 
     .venv/bin/python benchmarks/trace_depth.py [--s 1] [--ks 10 20 30 40 60 100]
-        [--rounds 7] [--body | --keys] [--phases] [--chunk-cache]
+        [--rounds 7] [--body | --keys] [--phases | --paths] [--chunk-cache]
 
 On CPython 3.11 to 3.13.x before the fix of python/cpython#142183, a thread's frames
 live in 16 KiB chunks, and a chunk is unmapped as soon as the frame at its start
@@ -21,6 +21,11 @@ a chunk each time. The page faults show where a chain's calls reach that depth.
 `--phases` adds a table that splits each trace where the traced function returns:
 the body (our code and JAX's tracing of each operation) and after it (JAX's handling
 of the output: flattening it, spelling its result paths, building the jaxpr).
+`--paths` times instead only the spelling of the output's leaf paths
+(`jax.tree_util.keystr` of every path of `tree_flatten_with_path`, as JAX does twice
+at the end of each trace), outside any trace, for the three variants' outputs (the
+same nested names) and for ours' paths rebuilt from fresh copies of their key strings
+(the same characters in newly allocated objects).
 """
 
 import argparse
@@ -118,6 +123,11 @@ def main() -> None:
         help="also split each trace where the traced function returns",
     )
     parser.add_argument(
+        "--paths",
+        action="store_true",
+        help="time only the spelling of the output's leaf paths",
+    )
+    parser.add_argument(
         "--chunk-cache",
         action="store_true",
         help="keep one freed frame chunk, as CPython's fix of #142183 does",
@@ -131,6 +141,9 @@ def main() -> None:
         jnp.linspace(-1.0, 1.0, bench_trace.WIDTH, dtype=jnp.float32),
         jax.random.PRNGKey(0),
     )
+    if opts.paths:
+        _paths(opts.ks, opts.s, opts.rounds, args)
+        return
     for variant in VARIANTS:  # warm up JAX's caches
         jax.jit(_make(variant, 10, opts.s, opts.body, opts.keys)).trace(*args)
     print(
@@ -177,6 +190,55 @@ def main() -> None:
         )
     if phases:
         _print_phases(phases)
+
+
+def _paths(ks: list[int], s: int, rounds: int, args: tuple[Any, ...]) -> None:
+    # JAX spells each output leaf's path at the end of a trace (`keystr`; O(depth)
+    # characters per leaf, so O(K^2) in a deep chain). The same names in the three
+    # variants: what differs is where their objects lie in memory.
+    print(f"jax {jax.__version__}, Python {sys.version.split()[0]}, deep, S = {s}")
+    print(
+        "\n| K | spelling ms (ours / hand / scoped / ours, keys copied) "
+        "| ours/hand | keys copied/hand | characters (ours / hand) |"
+    )
+    print("|--:|--:|--:|--:|--:|")
+    names = (*VARIANTS, "copied")
+    for k in ks:
+        paths: dict[str, list[Any]] = {}
+        for variant in VARIANTS:
+            out = jax.eval_shape(_make(variant, k, s, body=False), *args)
+            leaves = jax.tree_util.tree_flatten_with_path(out)[0]
+            paths[variant] = [path for path, _ in leaves]
+        paths["copied"] = [tuple(map(_copied, p)) for p in paths["ours"]]
+        times: dict[str, list[float]] = {v: [] for v in names}
+        chars = {v: sum(len(jax.tree_util.keystr(p)) for p in paths[v]) for v in names}
+        for r in range(rounds):
+            for variant in names[r % 4 :] + names[: r % 4]:
+                gc.collect()
+                gc.disable()
+                start = time.perf_counter()
+                for p in paths[variant]:
+                    jax.tree_util.keystr(p)
+                times[variant].append(time.perf_counter() - start)
+                gc.enable()
+        best = {v: min(t) for v, t in times.items()}
+        print(
+            f"| {k} | {' / '.join(f'{best[v] * 1e3:.1f}' for v in names)} "
+            f"| {best['ours'] / best['hand']:.3f}x "
+            f"| {best['copied'] / best['hand']:.3f}x "
+            f"| {chars['ours']} / {chars['hand']} |",
+            flush=True,
+        )
+
+
+def _copied(entry: Any) -> Any:
+    """A `DictKey` rebuilt from a new copy of its string; other entries as they are.
+
+    (A one-character string stays CPython's shared object.)
+    """
+    if isinstance(entry, jax.tree_util.DictKey) and isinstance(entry.key, str):
+        return jax.tree_util.DictKey("".join(list(entry.key)))
+    return entry
 
 
 def _marked(fn: bench_trace.Fn) -> tuple[bench_trace.Fn, list[float]]:
