@@ -388,6 +388,20 @@ def test_tensorboard_arrays_of_each_rank(tmp_path: Path, rank: int) -> None:
         assert (value.histo.num, value.histo.sum) == (arr.size, float(arr.sum()))
 
 
+def test_int16_audio_is_written_as_its_pcm_samples(tmp_path: Path) -> None:
+    # int16 PCM (as read from a WAV file) is written unchanged, not saturated by
+    # the [-1, 1] float scale.
+    pcm = np.asarray([[0, -32768], [32767, 1], [-2, 12345]], dtype=np.int16)
+    ctx = eqxctx.Context.root().add_summary("au", eqxctx.AudioSummary(jnp.asarray(pcm)))
+    line = write_both(tmp_path, 1, ctx.collection.summaries)
+    assert line["au"] == pcm.tolist()
+    ((_, value),) = summary_values(str(tmp_path))
+    assert value.audio.num_channels == 2
+    with wave.open(io.BytesIO(value.audio.encoded_audio_string)) as wav:
+        frames = np.frombuffer(wav.readframes(3), dtype="<i2").reshape(3, 2)
+    np.testing.assert_array_equal(frames, pcm)
+
+
 def test_tensorboard_mono_audio_and_clipping(tmp_path: Path) -> None:
     audio = np.asarray([0.0, 0.5, 2.0, -3.0], dtype=np.float32)
     write_both(tmp_path, 1, {"au": eqxctx.AudioSummary(audio)})
@@ -524,6 +538,10 @@ def test_tensorboard_tag_collisions_raise(tmp_path: Path, a: str, b: str) -> Non
             eqxctx.AudioSummary(np.zeros((8, 2)), sample_rate=2**30),
             r"2 channel\(s\) is too high.*sample_rate <= 1073741823",
         ),
+        # Integer samples other than int16 PCM have no scale to assume.
+        (eqxctx.AudioSummary(np.zeros(8, np.int32)), r"int16 PCM.*dtype int32"),
+        (eqxctx.AudioSummary(np.zeros(8, np.uint8)), r"int16 PCM.*dtype uint8"),
+        (eqxctx.AudioSummary(np.zeros(8, bool)), r"int16 PCM.*dtype bool"),
     ],
 )
 def test_writers_validate_media_before_writing(

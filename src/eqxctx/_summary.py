@@ -443,7 +443,8 @@ class AudioSummary(_KeepFirst):
 
     Attributes:
         value_: shape `[time]` or `[time, channels]`, floating values in `[-1, 1]`
-            (traced). Construct as `AudioSummary(value, sample_rate=16000)`.
+            or `int16` PCM samples, written as they are (traced). Construct as
+            `AudioSummary(value, sample_rate=16000)`.
         sample_rate: samples per second (Hz), a positive int, static. The writers
             encode 16-bit WAV, whose header (as written by Python's `wave`, used by
             tensorboardX's audio summary too) stores `sample_rate` and the bytes
@@ -471,13 +472,21 @@ class AudioSummary(_KeepFirst):
         return self.value_
 
     def validate(self) -> None:
-        """Check the rank and the sample rate.
+        """Check the dtype, the rank and the sample rate.
 
         Raises:
-            ValueError: for a rank other than 1 or 2, no channel (`[time, 0]`), a
-                non-positive sample rate, or one too high for a 16-bit WAV header
+            ValueError: for a dtype other than floating or `int16`, a rank other than
+                1 or 2, no channel (`[time, 0]`), a non-positive sample rate, or one
+                too high for a 16-bit WAV header
                 (`sample_rate * channels * 2 > 2**32 - 1`).
         """
+        dtype = self.value_.dtype
+        if dtype != np.int16 and not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(
+                f"`AudioSummary`: expected floating values in [-1, 1] or int16 PCM "
+                f"samples, got dtype {dtype}; scale other integer samples to [-1, 1] "
+                "(for 16-bit PCM held as int32, `x.astype(jnp.int16)`)."
+            )
         shape = self.value_.shape
         if len(shape) not in (1, 2):
             raise ValueError(

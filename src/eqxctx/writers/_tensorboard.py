@@ -107,15 +107,21 @@ def png_bytes(image: np.ndarray) -> bytes:
 
 
 def wav_bytes(audio: np.ndarray, sample_rate: int) -> bytes:
-    """Encode `audio` (`[time]` or `[time, channels]`, in [-1, 1]) as 16-bit WAV.
+    """Encode `audio` (`[time]` or `[time, channels]`) as 16-bit WAV.
 
-    Scaled like TensorFlow's `tf.audio.encode_wav`: `round(x * 32768)` clipped to
+    `int16` samples are written as they are. Floating values in [-1, 1] are scaled
+    like TensorFlow's `tf.audio.encode_wav`: `round(x * 32768)` clipped to
     `[-32768, 32767]` (NaN as 0).
     """
     if audio.ndim == 1:
         audio = audio[:, None]
-    samples = np.nan_to_num(audio.astype(np.float64), nan=0.0, posinf=1.0, neginf=-1.0)
-    pcm = np.clip(np.round(samples * 32768.0), -32768, 32767)
+    if audio.dtype == np.int16:
+        pcm = audio
+    else:
+        samples = np.nan_to_num(
+            audio.astype(np.float64), nan=0.0, posinf=1.0, neginf=-1.0
+        )
+        pcm = np.clip(np.round(samples * 32768.0), -32768, 32767)
     buffer = io.BytesIO()
     with wave.open(buffer, "wb") as wav:
         wav.setnchannels(audio.shape[1])
