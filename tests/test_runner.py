@@ -1242,3 +1242,45 @@ def test_summary_accumulator_changed_kind_or_shape_names_the_path() -> None:
     ok = acc.update({"a": {"w": eqxctx.WeightedSummary(4.0, 2.0)}, "r": jnp.ones(3)})
     assert float(ok.summaries()["a"]["w"].value()) == 3.0
     np.testing.assert_array_equal(np.asarray(ok.summaries()["r"]), np.full(3, 2.0))
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_the_method_runs_under_the_runners_mesh(axis_type: AxisType) -> None:
+    # As AXLearn's runner runs under its mesh: a bare `PartitionSpec` in the method
+    # refers to the runner's mesh, and a mesh the caller set (another one, or the
+    # same) neither breaks the call nor traces again.
+    def method(
+        params: dict[str, jax.Array], batch: dict[str, jax.Array], ctx: Context
+    ) -> tuple[dict[str, jax.Array], Context]:
+        y = jax.lax.with_sharding_constraint(batch["x"] * params["w"], P("data"))
+        key = jax.random.split(ctx.prng_key)[0]  # the key's split must not fail
+        ctx = ctx.add_summary("sum", jnp.sum(y))
+        return {"y": y, "u": jax.random.uniform(key, (8,))}, ctx
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+    other = jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type,) * 2)
+    runner = MethodRunner.create(
+        {"w": jnp.float32(3.0)}, method, mesh=mesh, prng_key=jax.random.key(0)
+    )
+    x = np.arange(16, dtype=np.float32).reshape(8, 2)
+    outs = []
+    for where in (None, other, mesh, None):
+        if where is None:
+            runner, out = runner({"x": x})
+        else:
+            with jax.set_mesh(where):
+                runner, out = runner({"x": x})
+        outs.append(out)
+    assert runner.trace_count == 1
+    for out in outs:
+        np.testing.assert_array_equal(np.asarray(out.output_batch["y"]), x * 3)
+        assert float(out.summaries["sum"]) == float(np.sum(x * 3))
+        assert out.output_batch["y"].sharding.mesh.shape == mesh.shape
+    # Each call drew from the next key, wherever it was made.
+    draws = {tuple(np.asarray(out.output_batch["u"]).tolist()) for out in outs}
+    assert len(draws) == 4
+    # Lowered and compiled under another mesh: the same program.
+    with jax.set_mesh(other):
+        compiled = runner.lower({"x": jax.ShapeDtypeStruct(x.shape, x.dtype)}).compile()
+        _, out = compiled({"x": x})
+    np.testing.assert_array_equal(np.asarray(out.output_batch["y"]), x * 3)

@@ -16,6 +16,7 @@ from jaxtyping import PyTree
 from ._frozen import Frozen
 from ._partition import leaf_shardings, path_str, resolve_specs
 from ._plan import BatchPlan, batch_rows
+from ._step import in_mesh
 from ._transfer import place
 from ._typing import ArrayLeaf, Batch
 
@@ -42,7 +43,15 @@ def lower_runner(
 
     The batch goes through the call's placement rule (`leaf_shardings`, a leaf's own
     `NamedSharding` first) into a `BatchPlan` that the compiled runner places with.
+    The step is lowered under the runner's mesh, as a call runs it (`Step.call`).
     """
+    with in_mesh(runner.step.mesh):
+        return _lower(runner, batch_spec, kwargs)
+
+
+def _lower(
+    runner: "MethodRunner", batch_spec: Batch, kwargs: dict[str, PyTree]
+) -> "LoweredRunner":
     step = runner.step
     mesh = step.mesh
     with_path, treedef = jax.tree_util.tree_flatten_with_path(batch_spec)

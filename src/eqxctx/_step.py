@@ -14,6 +14,7 @@ batch plans and padding in `_plan.py`.
 """
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import threading
@@ -117,6 +118,7 @@ class Step:
 
     __slots__ = (
         "_hash",
+        "abstract_mesh",
         "donate",
         "explicit",
         "input_partition",
@@ -139,6 +141,7 @@ class Step:
         self.settings = settings
         self._hash = hash(settings)
         self.mesh = mesh = settings.mesh
+        self.abstract_mesh = mesh.abstract_mesh
         self.explicit = is_explicit(mesh)
         self.mesh_devices = set(mesh.devices.flat)
         self.input_partition = settings.input_partition.tree()
@@ -372,6 +375,27 @@ class Step:
         input_batch: Batch,
         kwargs: dict[str, PyTree],
     ) -> tuple[PRNGKeyArray, Any]:
+        """Run one batch under the runner's mesh; return `(new_key, output)`.
+
+        The method runs with `self.mesh` as JAX's context mesh (`jax.set_mesh`), as
+        AXLearn's `MethodRunner` runs under its mesh: a bare `PartitionSpec` in the
+        method refers to it, a mesh the caller has set (another one, or none) does
+        not change the program, and one compiled program serves calls made under
+        any context mesh. Called inside a trace (`jax.jit` of a function calling the
+        runner), the trace's context mesh stays, as `jax.set_mesh` is refused there.
+        """
+        if jax.sharding.get_abstract_mesh() is self.abstract_mesh:
+            return self.call_in_mesh(param_leaves, prng_key, input_batch, kwargs)
+        with in_mesh(self.mesh):
+            return self.call_in_mesh(param_leaves, prng_key, input_batch, kwargs)
+
+    def call_in_mesh(
+        self,
+        param_leaves: tuple[jax.Array, ...],
+        prng_key: PRNGKeyArray,
+        input_batch: Batch,
+        kwargs: dict[str, PyTree],
+    ) -> tuple[PRNGKeyArray, Any]:
         """Run one batch; return `(new_key, output)`: the path of every call.
 
         `MethodRunner.__call__` and `run_batches` run batches this way; a
@@ -477,6 +501,14 @@ class Step:
 _STEPS: "collections.OrderedDict[Settings, Step]" = collections.OrderedDict()
 _MAX_STEPS = 256
 _STEPS_LOCK = threading.Lock()
+
+
+def in_mesh(mesh: Mesh) -> contextlib.AbstractContextManager[object]:
+    """`jax.set_mesh(mesh)`, or nothing inside a trace (where JAX refuses it)."""
+    try:
+        return jax.set_mesh(mesh)  # (it sets the mesh here; leaving restores)
+    except ValueError:  # "`set_mesh` can only be used outside of `jax.jit`."
+        return contextlib.nullcontext()
 
 
 def _is_array_or_struct(x: object) -> bool:
