@@ -394,6 +394,36 @@ def test_donated_batches_are_deleted_and_results_unchanged(
     assert not placed["x"].is_deleted()  # the non-donating runner kept its input
 
 
+def test_a_donated_batch_array_passed_again_is_refused() -> None:
+    # XLA may write an output into a donated buffer that the call also reads as a
+    # keyword argument or a parameter (JAX then fails, or the process crashes).
+    mesh = mesh_1d(AxisType.Explicit)
+    kw: dict[str, Any] = {"mesh": mesh, "prng_key": jax.random.PRNGKey(0)}
+    host = np.arange(64, dtype=np.float32).reshape(16, 4)
+    placed = MethodRunner.create({}, doubled, **kw)({"x": host})[1].input_batch["x"]
+    donate = MethodRunner.create({}, doubled, donate_batch=True, **kw)
+    x = jax.device_put(host, placed.sharding)
+    with pytest.raises(
+        ValueError, match=r"batch leaf 'x' is also passed as keyword argument shift"
+    ):
+        donate({"x": x}, shift=x)
+    compiled = donate.lower({"x": x}, shift=x).compile()
+    with pytest.raises(ValueError, match=r"`CompiledRunner\(donate_batch=True\)`"):
+        compiled({"x": x}, shift=x)
+    assert not x.is_deleted()  # refused before the call: nothing was donated
+    # A parameter placed like the batch is the same array too.
+    with_param = MethodRunner.create(
+        {"w": host}, doubled, param_partition=P("data"), donate_batch=True, **kw
+    )
+    (w,) = with_param.param_leaves
+    with pytest.raises(ValueError, match=r"'x' is also passed as the model's param"):
+        with_param({"x": w})
+    assert not w.is_deleted()
+    # Copies are fine, and give the result.
+    _, out = donate({"x": x}, shift=jnp.copy(x))
+    np.testing.assert_array_equal(np.asarray(out.output_batch["y"]), host * 3)
+
+
 RAGGED_PAGE = (
     Path(__file__).parent.parent / "docs" / "examples" / "ragged_evaluation.md"
 )

@@ -16,7 +16,7 @@ from jaxtyping import PyTree
 from ._frozen import Frozen
 from ._partition import leaf_shardings, path_str, resolve_specs
 from ._plan import BatchPlan, batch_rows
-from ._step import in_mesh
+from ._step import check_donated, in_mesh
 from ._transfer import place
 from ._typing import ArrayLeaf, Batch
 
@@ -248,6 +248,9 @@ class CompiledRunner(_Staged):
                 process_local=False,
             )
             dynamic = kw_def.unflatten(placed)
+        if step.donate:
+            check_donated(batch, params, dynamic or {}, where="CompiledRunner")
+        if dynamic is not None:
             result = self._program(params, key, batch, mask, dynamic)
         else:
             result = self._program(params, key, batch, mask)

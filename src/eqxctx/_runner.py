@@ -224,7 +224,9 @@ class MethodRunner(TreeEquality):
                 (also a batch you placed yourself that is passed through).
                 `Output.input_batch` is then None. Where XLA cannot reuse a donated
                 buffer it keeps it (JAX may warn "Some donated buffers were not
-                usable").
+                usable"). A call that passes a placed batch array again, as a
+                keyword argument or as a parameter, is refused (`ValueError`): the
+                donated buffer could be overwritten while it is read.
             summary_level: the root context's summary level (static, part of the
                 compilation key): summaries and module outputs added with `level >
                 summary_level` are dropped, and XLA removes their computation; None

@@ -444,6 +444,8 @@ class Step:
             batch, mask, padding = self.place_batch(leaves, treedef)
         else:
             mask, padding = last.mask, None
+        if self.donate:
+            check_donated(batch, param_leaves, kwargs, where="MethodRunner")
         if kwargs:
             result = self.run_with_kwargs(param_leaves, prng_key, batch, mask, kwargs)
         else:
@@ -501,6 +503,48 @@ class Step:
 _STEPS: "collections.OrderedDict[Settings, Step]" = collections.OrderedDict()
 _MAX_STEPS = 256
 _STEPS_LOCK = threading.Lock()
+
+
+def check_donated(
+    batch: Batch,
+    param_leaves: tuple[jax.Array, ...],
+    kwargs: dict[str, PyTree],
+    *,
+    where: str,
+) -> None:
+    """Refuse a placed batch array that the call also reads as another argument.
+
+    With `donate_batch=True` XLA may write an output into a batch array's buffer
+    while the same array is read as a parameter or a keyword argument (JAX then
+    fails, or on some backends the process crashes).
+
+    Raises:
+        ValueError: naming the batch leaf and the other argument.
+    """
+    donated = {id(x) for x in jax.tree.leaves(batch) if isinstance(x, jax.Array)}
+    if not donated:
+        return
+    both: list[tuple[str, object]] = [
+        (f"the model's parameter leaf {i}", x)
+        for i, x in enumerate(param_leaves)
+        if id(x) in donated
+    ]
+    for name, tree in kwargs.items():
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            if id(x) in donated:
+                both.append((f"keyword argument {name}{jax.tree_util.keystr(path)}", x))
+    for what, x in both:
+        leaf = next(
+            path_str(path)
+            for path, y in jax.tree_util.tree_flatten_with_path(batch)[0]
+            if y is x
+        )
+        raise ValueError(
+            f"`{where}(donate_batch=True)`: the batch leaf {leaf!r} is also passed as "
+            f"{what} (the same array): a donated buffer may be overwritten while the "
+            "call reads it. Pass a copy (`jnp.copy(x)`) as one of them, or create "
+            "the runner with donate_batch=False."
+        )
 
 
 def in_mesh(mesh: Mesh) -> contextlib.AbstractContextManager[object]:
