@@ -88,6 +88,27 @@ def test_same_bits_as_device_get_and_one_transfer_per_width() -> None:
     assert_same_bits(fetch.device_get(tree), want)
 
 
+def test_float64_is_fetched_alone() -> None:
+    # A TPU emulates float64: its bitcast to uint64 in the batched transfer gave
+    # other values from the second write on. It is fetched array by array.
+    with jax.enable_x64(True):
+        tree = {
+            "f64": jnp.asarray([0.1, 0.2], jnp.float64),
+            "f64 scalar": jnp.float64(0.3),
+            "i64": jnp.asarray([2**40, -1], jnp.int64),
+            "f32": jnp.float32(0.75),
+        }
+        want = jax.device_get(tree)
+        for _ in range(3):
+            assert_same_bits(fetch.device_get(tree), want)
+        (plan,) = fetch._plans.values()  # pyright: ignore[reportPrivateUsage]
+        assert plan is not None
+        arrays = arrays_of(tree)
+        f64 = [i for i, x in enumerate(arrays) if x.dtype == jnp.float64]
+        assert len(f64) == 2
+        assert plan.alone == tuple(f64)
+
+
 def test_fresh_arrays_of_one_signature_reuse_the_plan() -> None:
     def step(i: jax.Array) -> dict[str, Any]:
         return {"a": i * 2.0, "b": jnp.stack([i, -i]), "c": (i > 3).astype(jnp.int32)}

@@ -73,14 +73,15 @@ def _batchable(x: jax.Array, sharding: jax.sharding.Sharding) -> bool:
 #: transfer per width (float32 and int32 values in one `uint32` array), each read
 #: back as a NumPy view of its own dtype. Bool arrays share one transfer as they
 #: are; other dtypes (complex, 8-bit floats, sub-byte integers, keys) are fetched
-#: array by array, and so is bfloat16: on a TPU, XLA flushed bfloat16 subnormals
-#: and canonicalized NaN payloads in the concatenation, bitcast or not.
+#: array by array, and so are bfloat16 (on a TPU, XLA flushed bfloat16 subnormals
+#: and canonicalized NaN payloads in the concatenation, bitcast or not) and float64
+#: (a TPU emulates it: its bitcast to uint64 gave other values).
 _BITS: dict[DType, DType] = {
     np.dtype(t): np.dtype(f"uint{8 * np.dtype(t).itemsize}")
     for t in (
         np.int8, np.int16, np.int32, np.int64,
         np.uint8, np.uint16, np.uint32, np.uint64,
-        np.float16, np.float32, np.float64,
+        np.float16, np.float32,
     )
 }  # fmt: skip
 
