@@ -2,6 +2,8 @@
 
 import json
 import re
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -480,3 +482,84 @@ def test_writers_doc_examples_run(
     assert [line["step"] for line in read_jsonl(tmp_path / "async.jsonl")] == [0, 1, 2]
     assert len(read_jsonl(tmp_path / "summaries.jsonl")) == 3
     assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 2
+
+
+@pytest.mark.parametrize("defer_fetch", [False, True])
+def test_async_several_processes_keep_fetching_after_a_failure(
+    monkeypatch: pytest.MonkeyPatch, defer_fetch: bool
+) -> None:
+    # Each write's fetch may be a collective: after a background failure on
+    # process 0, process 0 still fetches every step (in step with the other
+    # processes, which keep fetching) and raises after the fetch.
+    fetched: list[int] = []
+
+    def record(x: Any) -> Any:
+        fetched.append(int(x))
+        return x
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    inner = Recorder(fail_at=1)
+    w = AsyncWriter(inner, defer_fetch=defer_fetch)
+    raised: list[type[BaseException]] = []
+    for step in range(5):
+        try:
+            w.write(step, {"x": eqxctx.CallbackSummary(record, jnp.int32(step))})
+        except (OSError, ValueError) as e:
+            raised.append(type(e))
+        time.sleep(0.05)  # let the thread reach the failure
+    try:
+        w.close()
+    except (OSError, ValueError) as e:
+        raised.append(type(e))
+    assert fetched == [0, 1, 2, 3, 4]  # every step fetched, the last at close
+    assert inner.steps == [0]
+    assert raised[0] is OSError  # the failure, raised once; then ValueErrors
+    assert set(raised[1:]) <= {ValueError}
+    assert inner.closed
+
+
+def test_async_error_at_exit_does_not_replace_the_blocks_exception() -> None:
+    inner = Recorder(fail_at=0)
+    with (  # noqa: PT012
+        pytest.raises(KeyError, match="user bug") as info,
+        AsyncWriter(inner) as w,
+    ):
+        w.write(0, {"x": 1.0})
+        while inner.attempts == 0:  # the background write has failed
+            time.sleep(0.01)
+        raise KeyError("user bug")
+    notes = getattr(info.value, "__notes__", [])
+    assert any("AsyncWriter" in n and "disk full at 0" in n for n in notes), notes
+    assert inner.closed
+
+
+UNCLOSED = """
+import sys
+import jax.numpy as jnp
+from eqxctx.writers import AsyncWriter, JsonlWriter
+w = AsyncWriter(JsonlWriter(sys.argv[1]), defer_fetch=sys.argv[2] == "defer")
+for step in range(20):
+    w.write(step, {"x": jnp.float32(step), "y": jnp.arange(3.0) * step})
+if sys.argv[2] == "raise":
+    raise RuntimeError("diverged")
+"""
+
+
+@pytest.mark.parametrize(("mode", "rc"), [("raise", 1), ("defer", 0)])
+def test_an_unclosed_async_writer_writes_every_step_at_exit(
+    tmp_path: Path, mode: str, rc: int
+) -> None:
+    # Never closed (an exception outside a `with`, or a forgotten `close`): the
+    # interpreter's exit writes what is pending, and exits normally (the last
+    # step's host arrays, kept by the thread, aborted it at shutdown).
+    path = tmp_path / "s.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-c", UNCLOSED, str(path), mode],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == rc, done.stderr[-2000:]
+    assert [r["step"] for r in read_jsonl(path)] == list(range(20))
+    assert read_jsonl(path)[-1]["y"] == [0.0, 19.0, 38.0]

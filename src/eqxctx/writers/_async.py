@@ -1,9 +1,12 @@
 """AsyncWriter (file I/O on a background thread) and MultiWriter (fan-out)."""
 
+import atexit
 import dataclasses
 import functools
 import queue
 import threading
+import traceback
+import weakref
 from collections.abc import Mapping
 from typing import Any, TypeAlias, cast
 
@@ -187,8 +190,13 @@ class AsyncWriter(AbstractWriter):
     not donate them to a later step: a deleted array fails the fetch). An error in
     the background thread is raised by the next `write`, `flush` or `close` (the
     exception itself, with a note naming the step); steps after the failed one are
-    not written, and later calls raise `ValueError` (close the writer). `close`
-    writes everything pending, then closes the wrapped writer.
+    not written, and later calls raise `ValueError` (close the writer). With
+    several processes, `write`, `flush` and `close` still fetch after a failure
+    (the fetch is a collective that the other processes run too) and raise after
+    it. `close` writes everything pending, then closes the wrapped writer; a writer
+    left open is closed when the interpreter exits (`atexit`), and an error of
+    `close` when a `with` block is left by an exception is added to that exception
+    as a note.
 
     Follows clu's `AsyncWriter` (`clu/metric_writers/async_writer.py`), which also
     writes on a thread pool and re-raises its errors on the next call.
@@ -248,6 +256,7 @@ class AsyncWriter(AbstractWriter):
             target=self._work, name="eqxctx-AsyncWriter", daemon=True
         )
         self._thread.start()
+        _OPEN.add(self)
 
     def _work(self) -> None:
         while True:
@@ -270,6 +279,10 @@ class AsyncWriter(AbstractWriter):
                     None if item is None else item[0] if kind == _FETCH else item.step
                 )
             finally:
+                # Not kept while waiting for the next job: the last step's host
+                # arrays (views of JAX buffers) would be freed on this thread when
+                # the interpreter shuts down, which aborted it.
+                kind = item = None
                 self._queue.task_done()
 
     def _raise_if_failed(self, where: str) -> None:
@@ -328,7 +341,9 @@ class AsyncWriter(AbstractWriter):
         The mappings and NumPy arrays of `summaries` are copied now (see the class).
         """
         where = "AsyncWriter.write"
-        self._raise_if_failed(where)
+        several = jax.process_count() > 1
+        if not several:
+            self._raise_if_failed(where)
         if self._closed:
             raise ValueError(f"`{where}`: the writer is closed.")
         checked = check_step(step, where=where)
@@ -347,6 +362,10 @@ class AsyncWriter(AbstractWriter):
             self._fetch_pending(previous)
         else:
             self._submit(self.writer.fetch(checked, trees))
+        if several:
+            # After the fetch, a collective that every process runs in step: a
+            # failure on process 0 leaves the others waiting for none.
+            self._raise_if_failed(where)
 
     def fetch(self, step: Step, summaries: Summaries) -> HostSummaries:
         """Fetch with the wrapped writer (`AbstractWriter.fetch`)."""
@@ -374,10 +393,12 @@ class AsyncWriter(AbstractWriter):
         Raises:
             BaseException: the error of a failed background write, if any.
         """
-        self._raise_if_failed("AsyncWriter.flush")
+        if jax.process_count() == 1:
+            self._raise_if_failed("AsyncWriter.flush")
         if self._closed:
             return
-        self._fetch_deferred()
+        self._fetch_deferred()  # (a collective: before raising on process 0)
+        self._raise_if_failed("AsyncWriter.flush")
         self._queue.put((_FLUSH, None))
         self._queue.join()
         self._raise_if_failed("AsyncWriter.flush")
@@ -391,8 +412,11 @@ class AsyncWriter(AbstractWriter):
         if self._closed:
             return
         self._closed = True
+        _OPEN.discard(self)
         try:
-            if self._error is None:
+            # Several processes: fetched even after a failure (a collective that
+            # the other processes run too); its step is not written.
+            if self._error is None or jax.process_count() > 1:
                 self._fetch_deferred()
         finally:
             self._queue.put((_STOP, None))
@@ -408,6 +432,30 @@ class AsyncWriter(AbstractWriter):
                 )
         if not self._reported:
             self._raise_if_failed("AsyncWriter.close")
+
+
+#: The open `AsyncWriter`s, closed at exit (`_close_at_exit`).
+_OPEN: "weakref.WeakSet[AsyncWriter]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Write what open `AsyncWriter`s hold and close them, as the interpreter exits.
+
+    Registered when eqxctx.writers is imported, after JAX, so it runs before JAX's
+    own exit handlers. An error is printed (`sys.excepthook`'s format) and the
+    other writers are still closed. With several processes a step deferred by
+    `defer_fetch` is dropped: its fetch is a collective, which the other processes
+    may no longer run.
+    """
+    several = jax.process_count() > 1
+    for writer in list(_OPEN):
+        if several:
+            writer._deferred = None  # pyright: ignore[reportPrivateUsage]
+        try:
+            writer.close()
+        except Exception as e:
+            traceback.print_exception(e)
 
 
 class MultiWriter(AbstractWriter):

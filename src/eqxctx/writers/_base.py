@@ -717,7 +717,22 @@ class AbstractWriter(abc.ABC):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        """Close the writer; an error of `close` never replaces the block's own.
+
+        Leaving the block by an exception, an error of `close` (e.g. an
+        `AsyncWriter`'s background error) is added to that exception as a note,
+        and the block's exception propagates.
+        """
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as e:
+            exc.add_note(
+                f"Closing {type(self).__name__} as the block was left then raised "
+                f"{type(e).__name__}: {e}"
+            )
 
 
 def fetch_host(
