@@ -1246,14 +1246,21 @@ def test_summary_accumulator_changed_kind_or_shape_names_the_path() -> None:
 
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
 def test_the_method_runs_under_the_runners_mesh(axis_type: AxisType) -> None:
-    # As AXLearn's runner runs under its mesh: a bare `PartitionSpec` in the method
-    # refers to the runner's mesh, and a mesh the caller set (another one, or the
-    # same) neither breaks the call nor traces again.
+    # As AXLearn's runner runs under its mesh: under a context mesh other than the
+    # runner's, the method runs under the runner's (a bare `PartitionSpec` refers
+    # to it, the key's split works), and it is the program of a call under
+    # `jax.set_mesh(runner.mesh)`. With no mesh set, it runs under none (as jit).
+    seen: list[Any] = []
+
     def method(
         params: dict[str, jax.Array], batch: dict[str, jax.Array], ctx: Context
     ) -> tuple[dict[str, jax.Array], Context]:
-        y = jax.lax.with_sharding_constraint(batch["x"] * params["w"], P("data"))
-        key = jax.random.split(ctx.prng_key)[0]  # the key's split must not fail
+        context = jax.sharding.get_abstract_mesh()
+        seen.append(None if context.empty else dict(context.shape))
+        y = batch["x"] * params["w"]
+        if not context.empty:
+            y = jax.lax.with_sharding_constraint(y, P("data"))
+        key = jax.random.split(ctx.prng_key)[0]
         ctx = ctx.add_summary("sum", jnp.sum(y))
         return {"y": y, "u": jax.random.uniform(key, (8,))}, ctx
 
@@ -1264,23 +1271,26 @@ def test_the_method_runs_under_the_runners_mesh(axis_type: AxisType) -> None:
     )
     x = np.arange(16, dtype=np.float32).reshape(8, 2)
     outs = []
-    for where in (None, other, mesh, None):
+    for where in (None, other, mesh, other, None):
         if where is None:
             runner, out = runner({"x": x})
         else:
             with jax.set_mesh(where):
                 runner, out = runner({"x": x})
         outs.append(out)
-    assert runner.trace_count == 1
+    # Traced once with no mesh, once under the runner's (for both set meshes).
+    assert seen == [None, {"data": 8}]
+    assert runner.trace_count == 2
     for out in outs:
         np.testing.assert_array_equal(np.asarray(out.output_batch["y"]), x * 3)
         assert float(out.summaries["sum"]) == float(np.sum(x * 3))
         assert out.output_batch["y"].sharding.mesh.shape == mesh.shape
     # Each call drew from the next key, wherever it was made.
     draws = {tuple(np.asarray(out.output_batch["u"]).tolist()) for out in outs}
-    assert len(draws) == 4
-    # Lowered and compiled under another mesh: the same program.
+    assert len(draws) == 5
+    # Lowered and compiled under another mesh: under the runner's, as a call.
     with jax.set_mesh(other):
         compiled = runner.lower({"x": jax.ShapeDtypeStruct(x.shape, x.dtype)}).compile()
         _, out = compiled({"x": x})
+    assert seen[-1] == {"data": 8}
     np.testing.assert_array_equal(np.asarray(out.output_batch["y"]), x * 3)

@@ -43,7 +43,8 @@ def lower_runner(
 
     The batch goes through the call's placement rule (`leaf_shardings`, a leaf's own
     `NamedSharding` first) into a `BatchPlan` that the compiled runner places with.
-    The step is lowered under the runner's mesh, as a call runs it (`Step.call`).
+    Under another context mesh, the step is lowered under the runner's, as a call
+    runs it (`Step.call`).
     """
     with in_mesh(runner.step.mesh):
         return _lower(runner, batch_spec, kwargs)

@@ -186,10 +186,11 @@ class MethodRunner(TreeEquality):
                 ctx)`, or the name of a method of `model` called as
                 `getattr(model, method)(input_batch, ctx, **kwargs)`. Static.
             mesh: the device mesh (Auto or Explicit axis types; one device is fine).
-                The method is traced, lowered and run with it as JAX's context mesh
-                (`jax.set_mesh`), whatever mesh the caller has set, as AXLearn's
-                runner runs under its mesh: a bare `PartitionSpec` in the method
-                refers to it.
+                Called under another context mesh (`jax.set_mesh(other)`), the
+                method is traced, lowered and run with this one as the context
+                mesh, as AXLearn's runner runs under its mesh; with no context mesh
+                set, under none, as `jax.jit` (set this mesh with `jax.set_mesh`
+                for a method that uses a bare `PartitionSpec`).
             prng_key: a raw `uint32[2]` or typed key; stored replicated over `mesh`.
             input_partition: a `DataPartition`, a `PartitionSpec`, or a prefix tree
                 of them over the batch. Rank-0 leaves are replicated, rank-1 leaves
