@@ -174,6 +174,24 @@ def test_wandb_errors(offline: Path) -> None:
         writer.write(7, {"x": 1.0})
 
 
+def test_wandb_refuses_a_step_lower_than_the_runs(offline: Path) -> None:
+    # A train and an eval writer on one run: W&B drops the eval of step 2 logged
+    # after step 3, so the eval writer refuses it.
+    run = wandb.init(project="eqxctx-test", mode="offline", dir=str(offline))
+    train, evaluation = WandbWriter(run), WandbWriter(run)
+    for step in range(4):
+        train.write(step, {"train": {"loss": float(step)}})
+    with pytest.raises(ValueError, match="step 2 is lower than step 3"):
+        evaluation.write(2, {"eval": {"acc": 0.9}})
+    evaluation.write(3, {"eval": {"acc": 0.9}})  # the run's current step is fine
+    sync_file = Path(run.settings.sync_file)
+    run.finish()
+    rows = history(sync_file)
+    assert [row["_step"] for row in rows] == [0, 1, 2, 3]
+    assert rows[3]["eval/acc"] == pytest.approx(0.9)
+    assert all("eval/acc" not in row for row in rows[:3])
+
+
 def test_wandb_given_run_stays_open(offline: Path) -> None:
     run = wandb.init(project="eqxctx-test", mode="offline", dir=str(offline))
     writer = WandbWriter(run)

@@ -4,6 +4,7 @@ import math
 import os
 import shutil
 import tempfile
+import weakref
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -33,6 +34,31 @@ MAX_BUCKETS = 512
 #: The buckets of a histogram of a raw array (`wandb.Histogram`'s default).
 RAW_BUCKETS = 64
 _DBL_MAX = float(np.finfo(np.float64).max)
+
+#: The highest step logged to each run by the `WandbWriter`s on it, shared by them
+#: (W&B's own `run.step` asks its service process: ~0.5 ms per write).
+_RUN_STEPS: weakref.WeakKeyDictionary[Run, int] = weakref.WeakKeyDictionary()
+
+
+def _run_step(run: Run) -> int | None:
+    """The highest step a `WandbWriter` logged to `run`; None if none or unknown."""
+    if run is None:
+        return None
+    try:
+        return _RUN_STEPS.get(run)
+    except TypeError:  # a stand-in for a run that has no weak references
+        return None
+
+
+def _record_run_step(run: Run, step: int) -> None:
+    """Record that `step` was logged to `run` (kept if a higher step was)."""
+    if run is None:
+        return
+    try:
+        if step > _RUN_STEPS.get(run, -1):
+            _RUN_STEPS[run] = step
+    except TypeError:  # a stand-in for a run that has no weak references
+        pass
 
 
 def histogram_buckets(
@@ -87,10 +113,13 @@ class WandbWriter(AbstractWriter):
       its sample rate.
 
     W&B drops a step lower than one already logged (with a warning); this writer
-    refuses it instead (`ValueError`), and refuses paths starting with "_", which W&B
-    reserves (`_step`, `_runtime`, ...). In a multi-process run, create the writer
-    and call `write` on every process (after `jax.distributed.initialize`): only
-    process 0 starts a run and logs.
+    refuses it instead (`ValueError`): a step lower than one logged by this writer or
+    by another `WandbWriter` on the same run (e.g. a train and an eval writer).
+    Steps that other code logs with `run.log` are not seen. It also refuses paths
+    starting with "_", which W&B reserves (`_step`, `_runtime`, ...).
+
+    In a multi-process run, create the writer and call `write` on every process
+    (after `jax.distributed.initialize`): only process 0 starts a run and logs.
 
     wandb is imported when the writer is made; install it with eqxctx's `wandb`
     extra. Offline runs (`mode="offline"`, or `WANDB_MODE=offline`) need no account
@@ -130,20 +159,24 @@ class WandbWriter(AbstractWriter):
             self.run = wandb.init(**init_kwargs) if run is None else run
 
     def check(self, host: HostSummaries) -> None:
-        """Refuse a closed writer, a step lower than the last and W&B's own keys.
+        """Refuse a closed writer, a step lower than the run's last and W&B's keys.
 
         Raises:
-            ValueError: after `close()`, for a step lower than the one written
-                before (W&B would drop it), or for a path starting with "_".
+            ValueError: after `close()`, for a step lower than one logged to the run
+                before by this writer or another `WandbWriter` on it (W&B would drop
+                it), or for a path starting with "_".
         """
         where = "WandbWriter.write"
         if self._closed:
             raise ValueError(f"`{where}`: the writer is closed.")
-        if self._last_step is not None and host.step < self._last_step:
+        steps = [s for s in (self._last_step, _run_step(self.run)) if s is not None]
+        last = max(steps, default=None)
+        if last is not None and host.step < last:
             raise ValueError(
-                f"`{where}`: step {host.step} is lower than step {self._last_step}, "
-                "written before; W&B keeps steps in increasing order (it would drop "
-                "this one). Write steps in order, or start another run."
+                f"`{where}`: step {host.step} is lower than step {last}, logged to "
+                "this W&B run before (by this writer or another `WandbWriter` on the "
+                "run); W&B keeps steps in increasing order (it would drop this one). "
+                "Write steps in order, or start another run."
             )
         for path in host.values:
             if path.startswith("_"):
@@ -152,6 +185,7 @@ class WandbWriter(AbstractWriter):
                     "reserves for its own keys (`_step`, `_runtime`); rename it."
                 )
         self._last_step = host.step
+        _record_run_step(self.run, host.step)
 
     def write_host(self, host: HostSummaries) -> None:
         """Log one step: `run.log({path: value, ...}, step=step)`."""
