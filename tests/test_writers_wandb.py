@@ -12,7 +12,13 @@ import pytest
 from PIL import Image
 
 import eqxctx
-from eqxctx.writers import AsyncWriter, JsonlWriter, MultiWriter, WandbWriter
+from eqxctx.writers import (
+    AsyncWriter,
+    JsonlWriter,
+    MultiWriter,
+    TensorBoardWriter,
+    WandbWriter,
+)
 
 
 wandb = pytest.importorskip("wandb", reason="needs eqxctx's `wandb` extra")
@@ -190,6 +196,33 @@ def test_wandb_refuses_a_step_lower_than_the_runs(offline: Path) -> None:
     assert [row["_step"] for row in rows] == [0, 1, 2, 3]
     assert rows[3]["eval/acc"] == pytest.approx(0.9)
     assert all("eval/acc" not in row for row in rows[:3])
+
+
+def test_wandb_records_a_step_once_written(offline: Path, tmp_path: Path) -> None:
+    # TensorBoard refuses step 10 after W&B's check: nothing is written, so step 1
+    # may follow.
+    writer = _writer(offline)
+    sync_file = Path(writer.run.settings.sync_file)
+    with MultiWriter(writer, TensorBoardWriter(tmp_path / "tb")) as w:
+        w.write(0, {"x": 1.0})
+        with pytest.raises(eqxctx.OutputConflictError, match="'a b'"):
+            w.write(10, {"a b": 1.0, "a_b": 2.0})
+        w.write(1, {"x": 2.0})
+    assert [(row["_step"], row["x"]) for row in history(sync_file)] == [
+        (0, 1.0),
+        (1, 2.0),
+    ]
+
+
+def test_wandb_refuses_a_lower_step_also_when_fetched_before(offline: Path) -> None:
+    # `AsyncWriter` checks step n + 1 before step n is written: `write_host` refuses.
+    writer = _writer(offline)
+    later, earlier = writer.fetch(5, {"x": 1.0}), writer.fetch(4, {"x": 2.0})
+    writer.write_host(later)
+    with pytest.raises(ValueError, match="step 4 is lower than step 5"):
+        writer.write_host(earlier)
+    rows, _ = _rows(writer)
+    assert [(row["_step"], row["x"]) for row in rows] == [(5, 1.0)]
 
 
 def test_wandb_given_run_stays_open(offline: Path) -> None:

@@ -164,39 +164,53 @@ class WandbWriter(AbstractWriter):
         Raises:
             ValueError: after `close()`, for a step lower than one logged to the run
                 before by this writer or another `WandbWriter` on it (W&B would drop
-                it), or for a path starting with "_".
+                it; checked on process 0, which logs), or for a path starting with
+                "_".
         """
         where = "WandbWriter.write"
         if self._closed:
             raise ValueError(f"`{where}`: the writer is closed.")
-        steps = [s for s in (self._last_step, _run_step(self.run)) if s is not None]
-        last = max(steps, default=None)
-        if last is not None and host.step < last:
-            raise ValueError(
-                f"`{where}`: step {host.step} is lower than step {last}, logged to "
-                "this W&B run before (by this writer or another `WandbWriter` on the "
-                "run); W&B keeps steps in increasing order (it would drop this one). "
-                "Write steps in order, or start another run."
-            )
+        self._check_order(host.step, where=where)
         for path in host.values:
             if path.startswith("_"):
                 raise ValueError(
                     f"`{where}`: the summary path {path!r} starts with '_', which W&B "
                     "reserves for its own keys (`_step`, `_runtime`); rename it."
                 )
-        self._last_step = host.step
-        _record_run_step(self.run, host.step)
+
+    def _check_order(self, step: int, *, where: str) -> None:
+        """Refuse a step lower than one logged to the run (on process 0)."""
+        steps = [s for s in (self._last_step, _run_step(self.run)) if s is not None]
+        last = max(steps, default=None)
+        if last is not None and step < last:
+            raise ValueError(
+                f"`{where}`: step {step} is lower than step {last}, logged to this "
+                "W&B run before (by this writer or another `WandbWriter` on the "
+                "run); W&B keeps steps in increasing order (it would drop this one). "
+                "Write steps in order, or start another run."
+            )
 
     def write_host(self, host: HostSummaries) -> None:
-        """Log one step: `run.log({path: value, ...}, step=step)`."""
+        """Log one step: `run.log({path: value, ...}, step=step)`.
+
+        The step counts as logged (for `check`) once `run.log` returns.
+
+        Raises:
+            ValueError: for a step lower than one logged to the run after `check`
+                accepted it (an `AsyncWriter` checks a step before the steps
+                queued before it are logged); nothing is logged.
+        """
         if self.run is None:
             return
+        self._check_order(host.step, where="WandbWriter.write")
         record: dict[str, object] = {}
         for path, value in host.values.items():
             converted = self._value(path, host.step, value)
             if converted is not None:
                 record[path] = converted
         self.run.log(record, step=host.step)
+        self._last_step = host.step
+        _record_run_step(self.run, host.step)
 
     def _value(self, path: str, step: int, value: HostValue) -> object:
         wandb = self._wandb
