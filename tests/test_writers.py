@@ -522,6 +522,23 @@ def test_tensorboard_tag_collisions_raise(tmp_path: Path, a: str, b: str) -> Non
     assert list(scalars(str(tmp_path))) == [(1, re.sub(r"[^-/\w.]", "_", a))]
 
 
+def test_tensorboard_tag_collisions_across_writes_raise(tmp_path: Path) -> None:
+    with TensorBoardWriter(tmp_path) as w:
+        w.write(0, {"eval": {"top 1": 0.9}})
+        with pytest.raises(eqxctx.OutputConflictError) as info:
+            w.write(0, {"eval": {"top_1": 0.1}})  # another call site, same tag
+        assert "'eval/top 1'" in str(info.value)
+        assert "'eval/top_1'" in str(info.value)
+        for step in range(1, 4):  # the same path again is fine (replayed reads too)
+            w.write(step, {"eval": {"top 1": jnp.float32(step)}})
+        with pytest.raises(eqxctx.OutputConflictError, match="'eval/top_1'"):
+            w.write(4, {"eval": {"top_1": jnp.float32(4.0)}})
+    assert scalars(str(tmp_path)) == {
+        (0, "eval/top_1"): pytest.approx(0.9),
+        **{(step, "eval/top_1"): float(step) for step in range(1, 4)},
+    }
+
+
 @pytest.mark.parametrize(
     ("leaf", "message"),
     [

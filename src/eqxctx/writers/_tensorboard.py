@@ -188,7 +188,9 @@ class TensorBoardWriter(AbstractWriter):
 
     Tags are used as they are when they contain only letters, digits and `-_./`
     (always true for eqxctx child names); other characters become `_`, as
-    tensorboardX does. Two paths that get one tag raise `OutputConflictError`.
+    tensorboardX does. Two paths that get one tag raise `OutputConflictError`, in one
+    write or in two writes of the same writer (each tag keeps the first path written
+    under it).
 
     Each writer writes one event file of its own,
     `events.out.tfevents.{time}.{host}.{pid}.{k}`, and never opens an existing one:
@@ -256,6 +258,10 @@ class TensorBoardWriter(AbstractWriter):
         self._pending = 0
         self._last_flush = time.monotonic()
         self._closed = False
+        # The path behind each tag so far, and the layouts (`HostValues.layout`)
+        # whose paths are all in it: a replayed write is checked by one lookup.
+        self._tag_paths: dict[str, str] = {}
+        self._layouts: set[object] = set()
         self._file: _EventFile | None = None
         self._path: str | None = None
         if is_writing_process():
@@ -273,22 +279,36 @@ class TensorBoardWriter(AbstractWriter):
         Raises:
             ValueError: after `close()`.
             eqxctx.OutputConflictError: if two summary paths get the same tag after
-                sanitizing (e.g. `"a b"` and `"a_b"`); the message names both.
+                sanitizing (e.g. `"a b"` and `"a_b"`), in this write or one with a
+                path this writer has accepted before; the message names both.
         """
         where = "TensorBoardWriter.write"
         if self._closed:
             raise ValueError(f"`{where}`: the writer for {self.logdir!r} is closed.")
+        values = host.values
+        layout = values.layout if isinstance(values, HostValues) else None
+        if layout is not None and layout in self._layouts:
+            return
+        known = self._tag_paths
         seen: dict[str, str] = {}
-        for path in host.values:
+        for path in values:
             tag = tag_of(path)
-            if tag in seen:
+            other = seen.get(tag)
+            before = other is None
+            if before:
+                other = known.get(tag, path)
+            if other != path:
+                written = " (in an earlier write)" if before else ""
                 raise OutputConflictError(
-                    f"`{where}`: the summaries {seen[tag]!r} and {path!r} both get "
-                    f"the TensorBoard tag {tag!r} (characters other than letters, "
-                    "digits and -_./ become '_'); rename one of them so that no "
-                    "value is lost."
+                    f"`{where}`: the summaries {other!r}{written} and {path!r} both "
+                    f"get the TensorBoard tag {tag!r} (characters other than "
+                    "letters, digits and -_./ become '_'); rename one of them so "
+                    "that no value is lost."
                 )
             seen[tag] = path
+        known.update(seen)
+        if layout is not None and len(self._layouts) < 256:
+            self._layouts.add(layout)
 
     def write_host(self, host: HostSummaries) -> None:
         """Write one step as one event with every value."""
