@@ -471,6 +471,33 @@ def test_multi_writer_closes_all_and_raises_the_first_error() -> None:
     assert b.closed
 
 
+def test_multi_writer_writes_and_flushes_with_every_writer() -> None:
+    class FailingFlush(Recorder):
+        def flush(self) -> None:
+            super().flush()
+            raise OSError("flush failed")
+
+    a, b, c = Recorder(fail_at=1), FailingFlush(), Recorder()
+    w = MultiWriter(a, b, c)
+    for step in range(3):
+        if step == 1:
+            with pytest.raises(OSError, match="disk full at 1"):
+                w.write(step, {"x": float(step)})
+        else:
+            w.write(step, {"x": float(step)})
+    assert (a.steps, b.steps, c.steps) == ([0, 2], [0, 1, 2], [0, 1, 2])
+    with pytest.raises(OSError, match="flush failed") as info:
+        w.flush()
+    assert (a.flushes, b.flushes, c.flushes) == (1, 1, 1)
+    b2 = FailingFlush()
+    with pytest.raises(OSError, match="flush failed") as info:
+        MultiWriter(FailingFlush(), b2).flush()
+    assert b2.flushes == 1
+    assert any(
+        "FailingFlush.flush also raised OSError" in n for n in info.value.__notes__
+    )
+
+
 def test_writers_doc_examples_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
