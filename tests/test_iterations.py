@@ -21,9 +21,11 @@ from eqxctx import (
     IterationSummaries,
     MethodRunner,
     OutputCollection,
+    SummaryAccumulator,
     WeightedSummary,
     scan_in_context,
 )
+from eqxctx.writers import fetch_summaries
 
 
 def _body(c: Any, x: Any, ctx: Context) -> tuple[Any, None, Context]:
@@ -148,3 +150,140 @@ def test_eval_shape_of_a_runner_gives_abstract_iterations() -> None:
     for g, w in zip(got, want, strict=True):
         assert g["s"].shape == np.shape(w["s"])
         assert g["s"].dtype == w["s"].dtype
+
+
+# -- a stacked leaf whose iteration axis no longer has `length` entries ---------------
+
+
+def _scan12(xs: jax.Array | None = None) -> OutputCollection:
+    def body(c: Any, x: Any, ctx: Context) -> tuple[Any, None, Context]:
+        ctx = ctx.add_summary("x", x)
+        return c, None, ctx.add_summary("w", WeightedSummary(x, 1.0))
+
+    xs = jnp.arange(12.0) if xs is None else xs
+    return scan_in_context(body, context=Context.root(), carry=0.0, xs=xs)[2]
+
+
+#: The error for `_first6`'s leaves (the first one refused is either).
+SIX = r"'(w/mean|x)' of shape \(6,\) has size 6 on its iteration axis .*12 iterations"
+
+
+def _first6(coll: OutputCollection) -> OutputCollection:
+    # Keeping the first 6 layers' summaries by slicing every leaf: the static
+    # `length` stays 12.
+    return jax.tree.map(lambda x: x[:6], coll)
+
+
+SLICED_VIEWS: dict[str, Callable[[OutputCollection], Any]] = {
+    "flatten": lambda coll: coll.flatten("summaries"),
+    "flatten sep": lambda coll: coll.flatten("summaries", sep="."),
+    "child in range": lambda coll: coll.child("iter3").summaries,
+    "child past the rows": lambda coll: coll.child("iter9").summaries,
+    "materialize": lambda coll: coll.materialize().summaries,
+    "prune stacked": lambda coll: coll.prune(lambda p: p.endswith("/w")),
+    "prune sliced": lambda coll: coll.prune(lambda p: p == "summaries/iter3"),
+    "merge_iterations": lambda coll: coll.merge_iterations(),
+    "iteration": lambda coll: IterationSummaries.iteration(coll.summaries["iter"], 3),
+    "iterations": lambda coll: IterationSummaries.iterations(coll.summaries["iter"]),
+    "SummaryAccumulator.update": lambda coll: SummaryAccumulator().update(coll),
+    "SummaryAccumulator.update twice": (
+        lambda coll: SummaryAccumulator().update(_scan12()).update(coll)
+    ),
+    "fetch_summaries": lambda coll: fetch_summaries(coll),
+}
+
+
+@pytest.mark.parametrize("view", sorted(SLICED_VIEWS))
+def test_a_sliced_iteration_axis_is_a_clear_error(view: str) -> None:
+    """The views raised IndexError, or read 6 iterations as if they were 12."""
+    sliced = _first6(_scan12())
+    # The methods of an entry do not know its path.
+    at = (
+        ""
+        if view.startswith("iteration")
+        else (
+            r" at '(summaries/)?iter' \(children '(summaries/)?iter0' … "
+            r"'(summaries/)?iter11'\)"
+        )
+    )
+    match = (
+        rf"`IterationSummaries`{at}: the leaf '(w/mean|x)' of shape \(6,\) has size "
+        r"6 on its iteration axis \(axis 0\), but the entry reserves 12 "
+        r"iterations.*IterationSummaries\(new_length.*a scan of that length"
+    )
+    with pytest.raises(ValueError, match=match):
+        SLICED_VIEWS[view](sliced)
+
+
+def test_a_sliced_iteration_axis_is_a_clear_error_in_writers(tmp_path: Any) -> None:
+    from eqxctx.writers import JsonlWriter
+
+    good = _scan12()
+    with JsonlWriter(str(tmp_path / "log.jsonl")) as w:
+        w.write(0, good)  # a structure read in full, then replayed
+        with pytest.raises(ValueError, match=SIX):
+            w.write(1, _first6(good))
+
+
+def test_a_sliced_iteration_axis_is_a_clear_error_inside_jit() -> None:
+    coll = _scan12()
+    with pytest.raises(ValueError, match=SIX):
+        jax.jit(lambda c: _first6(c).flatten("summaries"))(coll)
+    with pytest.raises(ValueError, match=SIX):
+        jax.jit(lambda c: _first6(c).merge_iterations().summaries)(coll)
+    with pytest.raises(ValueError, match=SIX):
+        jax.eval_shape(lambda c: _first6(c).child("iter2").summaries, coll)
+
+
+def test_a_sliced_inner_scan_names_the_inner_entry() -> None:
+    coll = _step(jnp.ones((3, 2, 4)))  # 3 outer iterations of 2 inner layers
+    assert coll.flatten("summaries")["iter2/layer1/loss"].shape == ()
+    # The inner iteration axis only (the outer scan's own leaves have one axis).
+    inner = jax.tree.map(lambda x: x[:, :1] if x.ndim > 1 else x, coll)
+    # (`child("iter1")` holds the inner entry at `layer`.)
+    match = r"at '(iter.*/)?layer' .*has size 1 on .*reserves 2 iterations"
+    for view in ("flatten", "materialize", "merge_iterations", "nested child"):
+        with pytest.raises(ValueError, match=match):
+            VIEWS[view](inner)
+    with pytest.raises(ValueError, match=match):
+        SummaryAccumulator().update(inner)
+
+
+def test_sliced_outer_axes_and_rebuilt_entries_still_work() -> None:
+    # A vmapped scan: slicing the batch (outer) axis keeps every iteration.
+    coll = jax.vmap(_scan12)(jnp.arange(48.0).reshape(4, 12))
+    half = jax.tree.map(lambda x: x[:2], coll)
+    flat = half.flatten("summaries")
+    assert flat["iter11/x"].shape == (2,)
+    np.testing.assert_array_equal(flat["iter11/x"], [11.0, 23.0])
+    assert half.child("iter5").summaries["x"].shape == (2,)
+    assert half.merge_iterations().flatten("summaries")["iter/x"].shape == (2,)
+    # ... and slicing its iteration axis is refused.
+    match = r"of shape \(4, 6\) has size 6 on its iteration axis \(axis 1\)"
+    with pytest.raises(ValueError, match=match):
+        jax.tree.map(lambda x: x[:, :6], coll).flatten("summaries")
+    # The fix the message gives: a new entry of the kept iterations.
+    entry = _scan12().summaries["iter"]
+    first6 = IterationSummaries(
+        6, jax.tree.map(lambda x: x[:6], entry.stacked), entry.ndims, entry.reverse
+    )
+    rebuilt = OutputCollection({"iter": first6}, {}, {})
+    assert sorted(rebuilt.flatten("summaries")) == sorted(
+        f"iter{i}/{name}" for i in range(6) for name in ("w", "x")
+    )
+    acc = SummaryAccumulator().update(rebuilt).update(rebuilt)
+    assert float(acc.flatten()["iter5/x"]) == 10.0
+
+
+def test_a_length_0_scan_still_has_views() -> None:
+    coll = _scan12(jnp.zeros((0,)))
+    assert coll.flatten("summaries") == {}
+    assert coll.materialize().summaries["iter"] == {}
+    assert coll.merge_iterations().flatten("summaries") == {}
+    assert SummaryAccumulator().update(coll).update(coll).flatten() == {}
+    with pytest.raises(
+        ValueError, match=r"'(w/mean|x)' of shape \(1,\) has size 1 .*0 iterations"
+    ):
+        jax.tree.map(lambda x: jnp.zeros((1, *x.shape[1:]), x.dtype), coll).flatten(
+            "summaries"
+        )

@@ -17,7 +17,7 @@ from jaxtyping import PyTree
 from ._checks import check_positive_int_or_none, is_jax_array_type
 from ._collection import OutputCollection, summary_tree_flat
 from ._frozen import TreeEquality
-from ._iterations import flatten_into, freeze, materialize_tree
+from ._iterations import check_iterations, flatten_into, freeze, materialize_tree
 from ._mapping import EMPTY, FrozenMapping
 from ._repeat import accumulate_trees
 from ._runner import MethodRunner
@@ -289,8 +289,10 @@ class SummaryAccumulator(TreeEquality):
             ValueError: if the summary paths differ from those already accumulated
                 (the message lists the missing and the extra paths), if a raw
                 array's shape differs from the accumulated one, if a name is invalid
-                or two entries get the same path (see `eqxctx.writers`), or if a
-                `Summary` cannot be accumulated with the last one (naming the path).
+                or two entries get the same path (see `eqxctx.writers`), if a
+                `Summary` cannot be accumulated with the last one (naming the path),
+                or if a scan's stacked arrays no longer have its iterations on
+                their iteration axis (sliced or indexed), naming the path.
             TypeError: if a leaf is not a valid summary leaf, or its kind differs
                 from the accumulated one (a `Summary` of another class, or a raw
                 array where a `Summary` was), naming the path.
@@ -304,6 +306,10 @@ class SummaryAccumulator(TreeEquality):
             leaves = [x.copy() if isinstance(x, np.ndarray) else x for x in leaves]
             tree = treedef.unflatten(leaves)
         if self.accumulated is None:
+            # Kept stacked without being read: its entries' shapes checked here
+            # (later updates check them in the step's trace or the path-by-path
+            # walk).
+            check_iterations(tree, "")
             return SummaryAccumulator._of(tree, _Flat(leaves, treedef, None))
         flat_mine = self._flat_accumulated
         if flat_mine is None:  # made by `SummaryAccumulator(...)` or unflattening

@@ -21,6 +21,7 @@ from ._iterations import (
     flatten_into,
     freeze,
     has_leaf,
+    iteration_view,
     materialize_tree,
     prune_kinds,
 )
@@ -235,14 +236,15 @@ class OutputCollection(TreeEquality):
 
         Raises:
             KeyError: if there is no such child; the message lists the children.
+            ValueError: if a per-iteration child's stacked arrays no longer have
+                the scan's iterations (they were sliced or indexed), naming the path.
         """
         owner = self.summaries.reserver(name)
         if owner is not None:
             entry = self.summaries[owner]
             if isinstance(entry, IterationSummaries):
                 i = int(name[len(owner) :])
-                # Through the class: no Equinox `BoundMethod` (see `accumulate_leaf`).
-                return _make(IterationSummaries.iteration(entry, i), EMPTY, EMPTY)
+                return _make(iteration_view(entry, i, owner), EMPTY, EMPTY)
         trees = _trees(self)
         if not any(_is_child(t.get(name)) for t in trees):
             raise KeyError(
@@ -262,6 +264,10 @@ class OutputCollection(TreeEquality):
         collection each stacked array is fetched once and sliced in NumPy; inside
         `jax.jit` this slices every summary of every iteration, so prefer `flatten`
         and `child` there.
+
+        Raises:
+            ValueError: if a scan's stacked arrays no longer have its iterations
+                on their iteration axis (sliced or indexed), naming the path.
         """
         return _make(
             materialize_tree(self.summaries), self.state_updates, self.module_outputs
@@ -278,7 +284,9 @@ class OutputCollection(TreeEquality):
         Raises:
             ValueError: if `kind` is not one of the three kinds, if `sep` is not a
                 non-empty `str`, or if two entries would get the same path (a name
-                contains `sep`; names never contain the default `'/'`).
+                contains `sep`; names never contain the default `'/'`), or if a
+                scan's stacked arrays no longer have its iterations on their
+                iteration axis (sliced or indexed), naming the path.
         """
         if kind not in KINDS:
             raise ValueError(f"`flatten`: kind must be one of {KINDS}, got {kind!r}.")
@@ -312,6 +320,10 @@ class OutputCollection(TreeEquality):
         those of `materialize().prune(drop)`), but stay stacked where every iteration
         keeps the same entries (a `drop` that does not depend on the iteration index),
         also for nested scans, so pruning inside a scan body slices nothing.
+
+        Raises:
+            ValueError: if a scan's stacked arrays no longer have its iterations
+                on their iteration axis (sliced or indexed), naming the path.
         """
         kinds = prune_kinds(dict(zip(KINDS, _trees(self), strict=True)), drop)
         return _make(*(kinds.get(kind, EMPTY) for kind in KINDS))
@@ -326,6 +338,10 @@ class OutputCollection(TreeEquality):
         for raw arrays), on the device, in one compiled program; nested scans are merged
         from the inside out. So one scan gives both the per-layer view (`self`) and
         the whole-stack view (the result). `self` is unchanged.
+
+        Raises:
+            ValueError: if a scan's stacked arrays no longer have its iterations
+                on their iteration axis (sliced or indexed), naming the path.
         """
         # `_repeat` sits above the collection (it builds collections).
         from ._repeat import merge_iteration_summaries

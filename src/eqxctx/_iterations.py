@@ -52,6 +52,11 @@ class IterationSummaries(eqx.Module):
     which `OutputCollection.merge_iterations` accumulates in (as
     `merge_summaries=True` does).
 
+    `length` is static, so slicing the stacked arrays (`jax.tree.map(lambda x:
+    x[:6], coll)`) does not change it: every view then raises a `ValueError` naming
+    the entry's path. To keep some iterations, make a new entry of the sliced
+    arrays with their number as `length` (and this entry's `ndims` and `reverse`).
+
     Raises:
         ValueError: if a leaf of `stacked` has no leading axis of size `length`, or
             `length` is negative.
@@ -123,25 +128,37 @@ class IterationSummaries(eqx.Module):
 
         Raises:
             IndexError: if `i` is not in `[0, length)`.
-            ValueError: if a leaf has lost its iteration axis (e.g. it was indexed).
+            ValueError: if a leaf has lost its iteration axis, or that axis no longer
+                has `length` entries (its arrays were indexed or sliced, e.g. by
+                `jax.tree.map(lambda x: x[:6], coll)`).
         """
-        if not 0 <= i < self.length:
-            raise IndexError(f"iteration {i} out of range for {self.length} iterations")
-        leaves, treedef = _leaves(self)
-        rows = [
-            _unstack(x, axis)
-            for x, axis in zip(_host(leaves), _axes(self, leaves), strict=True)
-        ]
-        return treedef.unflatten([r[i] for r in rows])
+        return iteration_view(self, i, "")
 
     def iterations(self) -> list[Leaf]:
-        """Return every iteration's summaries, fetching each stacked array once."""
-        leaves, treedef = _leaves(self)
-        rows = [
-            _unstack(x, axis)
-            for x, axis in zip(_host(leaves), _axes(self, leaves), strict=True)
-        ]
-        return [treedef.unflatten([r[i] for r in rows]) for i in range(self.length)]
+        """Return every iteration's summaries, fetching each stacked array once.
+
+        Raises:
+            ValueError: as `iteration`.
+        """
+        return iteration_views(self, "")
+
+
+def iteration_view(entry: IterationSummaries, i: int, path: str) -> FrozenMapping:
+    """`entry.iteration(i)`, with errors naming the entry's `path`."""
+    if not 0 <= i < entry.length:
+        raise IndexError(f"iteration {i} out of range for {entry.length} iterations")
+    leaves, treedef = _leaves(entry)
+    axes = iteration_axes(entry, leaves, path)
+    rows = [_unstack(x, axis) for x, axis in zip(_host(leaves), axes, strict=True)]
+    return treedef.unflatten([r[i] for r in rows])
+
+
+def iteration_views(entry: IterationSummaries, path: str) -> list[Leaf]:
+    """`entry.iterations()`, with errors naming the entry's `path`."""
+    leaves, treedef = _leaves(entry)
+    axes = iteration_axes(entry, leaves, path)
+    rows = [_unstack(x, axis) for x, axis in zip(_host(leaves), axes, strict=True)]
+    return [treedef.unflatten([r[i] for r in rows]) for i in range(entry.length)]
 
 
 def _leaves(entry: IterationSummaries) -> tuple[list[Leaf], TreeDef]:
@@ -154,21 +171,98 @@ def _leaves(entry: IterationSummaries) -> tuple[list[Leaf], TreeDef]:
     return leaves, treedef
 
 
-def _axes(entry: IterationSummaries, leaves: list[Leaf]) -> list[Leaf]:
-    """Return each leaf's iteration axis: after the axes an outer transform added."""
+def iteration_axes(
+    entry: IterationSummaries, leaves: list[Leaf], path: str
+) -> list[int]:
+    """Return each leaf's iteration axis: after the axes an outer transform added.
+
+    The one check that every walk over an entry makes before it reads the leaves:
+    each leaf still has its iteration axis, with `entry.length` entries. Shapes
+    only (static inside a trace, no transfer), once per entry, not per iteration.
+    `path` is the entry's path for the message (`""` where it is not known).
+
+    Raises:
+        ValueError: if a leaf has fewer axes than when the entry was made, or its
+            iteration axis does not have `entry.length` entries (naming the path).
+    """
     axes: list[int] = []
-    for x, ndim in zip(leaves, entry.ndims, strict=True):
-        outer = np.ndim(x) - ndim
+    length = entry.length
+    for j, (x, ndim) in enumerate(zip(leaves, entry.ndims, strict=True)):
+        shape = np.shape(x)
+        outer = len(shape) - ndim
         if outer < 0:
             raise ValueError(
-                f"`IterationSummaries`: a leaf of shape {np.shape(x)} has fewer "
-                f"axes than when it was made (rank {ndim}, iteration axis first): "
-                "it was indexed or mapped over (e.g. `jax.vmap` with `in_axes` on "
-                "a non-leading axis). Read the per-iteration views before mapping "
-                "over a collection, or map over its leading (outer) axes only."
+                f"{_where(entry, path)}: {_leaf_name(entry, j)} has shape {shape}, "
+                f"fewer axes than when it was made (rank {ndim}, iteration axis "
+                "first): it was indexed or mapped over (e.g. `jax.vmap` with "
+                "`in_axes` on a non-leading axis). Read the per-iteration views "
+                "before mapping over a collection, or map over its leading (outer) "
+                "axes only."
+            )
+        if outer >= len(shape) or shape[outer] != length:
+            size = shape[outer] if outer < len(shape) else None
+            raise ValueError(
+                _SLICED.format(
+                    where=_where(entry, path),
+                    leaf=_leaf_name(entry, j),
+                    size=size,
+                    axis=outer,
+                    shape=shape,
+                    length=length,
+                )
             )
         axes.append(outer)
     return axes
+
+
+_SLICED = (
+    "{where}: {leaf} of shape {shape} has size {size} on its iteration axis (axis "
+    "{axis}), but the entry reserves {length} iterations: its stacked arrays were "
+    "sliced or indexed (e.g. `jax.tree.map(lambda x: x[:6], coll)`), which leaves "
+    "the static `length` as it was. To keep some iterations, slice the iteration "
+    "axis of the entry's `stacked` summaries and make a new entry, "
+    "`IterationSummaries(new_length, sliced, entry.ndims, entry.reverse)`, or "
+    "rebuild the collection with a scan of that length; to keep a few, read them "
+    "with `coll.child(...)` before slicing."
+)
+
+
+def _where(entry: IterationSummaries, path: str) -> str:
+    if not path:
+        return "`IterationSummaries`"
+    last = f"{path}{entry.length - 1}"
+    span = f"'{path}0' … '{last}'" if entry.length > 1 else f"'{last}'"
+    children = f"children {span}" if entry.length else "no iteration"
+    return f"`IterationSummaries` at {path!r} ({children})"
+
+
+def _leaf_name(entry: IterationSummaries, j: int) -> str:
+    """Name leaf `j` of `entry.stacked` by its path (only for an error message)."""
+    flat = jax.tree_util.tree_flatten_with_path(entry.stacked)[0]
+    keys = flat[j][0] if j < len(flat) else ()
+    parts = [str(getattr(k, "key", getattr(k, "name", k))) for k in keys]
+    return f"the leaf {'/'.join(parts)!r}" if parts else f"leaf {j}"
+
+
+def check_iterations(tree: Tree, prefix: str) -> None:
+    """Check every entry in `tree` and in its entries (`iteration_axes`), shapes only.
+
+    For a caller that keeps entries stacked without reading them (the first
+    `SummaryAccumulator.update`, `merge_iterations`): a nested entry's path is
+    spelled `{path}{{i}}/{key}`.
+    """
+    for key, value in _items(tree):
+        path = prefix + key
+        if isinstance(value, IterationSummaries):
+            check_entry(value, _leaves(value)[0], path)
+        elif isinstance(value, Mapping):
+            check_iterations(value, path + "/")
+
+
+def check_entry(entry: IterationSummaries, leaves: list[Leaf], path: str) -> None:
+    """`iteration_axes` of `entry` (its `leaves`) and of the entries inside it."""
+    iteration_axes(entry, leaves, path)
+    check_iterations(entry.stacked, f"{path}{{i}}/")
 
 
 def _fetchable(x: object) -> bool:
@@ -502,7 +596,7 @@ def _flatten_entry(
 ) -> None:
     leaves, stacked_treedef = _leaves(entry)
     host = _host(leaves)
-    axes = _axes(entry, leaves)
+    axes = iteration_axes(entry, leaves, path)
     units = _units(entry, stacked_treedef, sep)
     if put_rows is not None and all(type(x) is np.ndarray for x in host):
         whole = _columns(host, axes, units, read_stacked)
@@ -551,22 +645,27 @@ def has_leaf(tree: Tree) -> bool:
 # -- materialize ---------------------------------------------------------------------
 
 
-def materialize_tree(tree: Tree, checked: bool | None = None) -> FrozenMapping:
+def materialize_tree(
+    tree: Tree, checked: bool | None = None, prefix: str = ""
+) -> FrozenMapping:
     """Return `tree`, each entry expanded into `{prefix}`, `{prefix}{i}` children.
 
     `checked`: whether `tree`'s leaves are checked (default: `tree.checked` for a
     `FrozenMapping`, else False); an iteration's values are slices of its entry's.
+    `prefix`: `tree`'s path, for errors (see `iteration_axes`).
     """
     if checked is None:
         checked = isinstance(tree, FrozenMapping) and tree.checked
     pairs: list[tuple[str, Leaf]] = []
     for key, value in _items(tree):
+        path = prefix + key
         if isinstance(value, IterationSummaries):
             pairs.append((key, EMPTY))
-            for i, it in enumerate(IterationSummaries.iterations(value)):
-                pairs.append((f"{key}{i}", materialize_tree(it, checked)))
+            for i, it in enumerate(iteration_views(value, path)):
+                sub = materialize_tree(it, checked, f"{path}{i}/")
+                pairs.append((f"{key}{i}", sub))
         elif isinstance(value, Mapping):
-            pairs.append((key, materialize_tree(value, checked)))
+            pairs.append((key, materialize_tree(value, checked, path + "/")))
         else:
             pairs.append((key, value))
     return FrozenMapping(pairs, checked=checked)
@@ -652,6 +751,8 @@ def _prune_entry(
     """
     keep_empty = not drop(prefix + key)
     leaves, treedef = _leaves(entry)
+    if not slots:  # (a skeleton's leaves are indices: checked with its outer entry)
+        check_entry(entry, leaves, prefix + key)
     skeleton = treedef.unflatten(list(range(len(leaves))))
     kept: list[FrozenMapping | None] = []
     uniform = keep_empty and entry.length > 0
@@ -677,7 +778,7 @@ def _prune_entry(
     # Slice: prune the materialized entry (`drop` is memoized: nothing asked twice).
     pairs = [(key, EMPTY)]
     pairs += [
-        (f"{key}{i}", it) for i, it in enumerate(IterationSummaries.iterations(entry))
+        (f"{key}{i}", it) for i, it in enumerate(iteration_views(entry, prefix + key))
     ]
     sliced = FrozenMapping(pairs, checked=checked)
     return _prune(sliced, drop, prefix, slots=False, checked=checked).items_list()
@@ -687,9 +788,12 @@ __all__ = [
     "IterationSummaries",
     "PutRows",
     "SummaryTree",
+    "check_iterations",
     "flatten_into",
     "freeze",
     "has_leaf",
+    "iteration_axes",
+    "iteration_view",
     "materialize_tree",
     "prune_kinds",
 ]

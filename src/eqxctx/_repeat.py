@@ -14,7 +14,12 @@ import numpy as np
 from jaxtyping import Array, ArrayLike
 
 from ._collection import OutputCollection, validate_child_name
-from ._iterations import IterationSummaries, materialize_tree
+from ._iterations import (
+    IterationSummaries,
+    check_entry,
+    iteration_axes,
+    materialize_tree,
+)
 from ._mapping import EMPTY
 from ._summary import (
     AudioSummary,
@@ -52,10 +57,15 @@ def _accumulate_unit(a: Leaf, b: Leaf) -> Leaf:
 
 
 def _outer_axes(entry: IterationSummaries) -> int:
-    """Return the number of axes in front of the iteration axis (the same for all)."""
+    """Return the number of axes in front of the iteration axis (the same for all).
+
+    Raises:
+        ValueError: as `iteration_axes` (the callers checked the paths they know),
+            or if the leaves have different numbers of outer axes.
+    """
     leaves = jax.tree_util.tree_leaves(entry.stacked)
-    outer = {np.ndim(x) - n for x, n in zip(leaves, entry.ndims, strict=True)}
-    if len(outer) > 1 or min(outer, default=0) < 0:
+    outer = set(iteration_axes(entry, leaves, ""))
+    if len(outer) > 1:
         raise ValueError(
             "`IterationSummaries`: its leaves do not share their outer axes (ranks "
             f"{[np.ndim(x) for x in leaves]}, made with {list(entry.ndims)}); build "
@@ -403,12 +413,14 @@ def _fold_all(entries: Entries) -> list[SummaryTree]:
 _fold_all_jit = jax.jit(_fold_all)
 
 
-def _collect(tree: SummaryTree, found: Entries) -> None:
-    for value in tree.values():
+def _collect(tree: SummaryTree, found: Entries, prefix: str) -> None:
+    """Append the entries of `tree` to `found`, checked (`check_entry`) by path."""
+    for key, value in tree.items():
         if isinstance(value, IterationSummaries):
+            check_entry(value, jax.tree_util.tree_leaves(value.stacked), prefix + key)
             found.append(value)
         elif isinstance(value, Mapping):
-            _collect(value, found)
+            _collect(value, found, f"{prefix}{key}/")
 
 
 def _replace(tree: SummaryTree, merged: Iterator[SummaryTree]) -> SummaryTree:
@@ -433,9 +445,13 @@ def merge_iteration_summaries(summaries: SummaryTree) -> SummaryTree:
     through `jax.jit` (one call for all), so leaves outside them are unchanged (Python
     numbers stay Python numbers); so is `summaries`. Returns `summaries` itself when
     it holds no entry.
+
+    Raises:
+        ValueError: if an entry's stacked arrays no longer have its iterations on
+            their iteration axis (sliced or indexed), naming the path.
     """
     entries: Entries = []
-    _collect(summaries, entries)
+    _collect(summaries, entries, "")
     if not entries:
         return summaries
     try:
