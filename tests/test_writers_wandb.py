@@ -3,6 +3,7 @@
 import io
 import json
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -214,15 +215,50 @@ def test_wandb_records_a_step_once_written(offline: Path, tmp_path: Path) -> Non
     ]
 
 
-def test_wandb_refuses_a_lower_step_also_when_fetched_before(offline: Path) -> None:
-    # `AsyncWriter` checks step n + 1 before step n is written: `write_host` refuses.
+def test_wandb_skips_a_lower_step_checked_before(offline: Path) -> None:
+    # `AsyncWriter` checks step n before step n - 1 is logged: `write_host` does not
+    # log a step that became lower than the run's, with a warning (W&B would drop
+    # it), and the writer goes on.
     writer = _writer(offline)
     later, earlier = writer.fetch(5, {"x": 1.0}), writer.fetch(4, {"x": 2.0})
     writer.write_host(later)
-    with pytest.raises(ValueError, match="step 4 is lower than step 5"):
+    with pytest.warns(UserWarning, match="step 4 was not logged: step 5"):
         writer.write_host(earlier)
+    writer.write(6, {"x": 3.0})
     rows, _ = _rows(writer)
-    assert [(row["_step"], row["x"]) for row in rows] == [(5, 1.0)]
+    assert [(row["_step"], row["x"]) for row in rows] == [(5, 1.0), (6, 3.0)]
+
+
+def test_wandb_train_writer_goes_on_after_an_eval_step(offline: Path) -> None:
+    # A train `AsyncWriter` and an eval writer on one run: an eval step logged
+    # while train steps wait in the queue skips those lower train steps (with a
+    # warning) and never stops the train writer.
+    run = wandb.init(project="eqxctx-test", mode="offline", dir=str(offline))
+    gate = threading.Event()
+
+    class Slow(WandbWriter):
+        def write_host(self, host: Any) -> None:
+            gate.wait()
+            super().write_host(host)
+
+    train, evaluation = AsyncWriter(Slow(run)), WandbWriter(run)
+    for step in range(1, 4):
+        train.write(step, {"loss": float(step)})
+    evaluation.write(2, {"acc": 0.5})  # the run has logged no step yet
+
+    def release() -> None:
+        gate.set()
+        train.flush()
+
+    with pytest.warns(UserWarning, match="step 1 was not logged: step 2"):
+        release()
+    for step in range(4, 6):
+        train.write(step, {"loss": float(step)})
+    train.close()
+    sync_file = Path(run.settings.sync_file)
+    run.finish()
+    logged = [(row["_step"], "acc" in row) for row in history(sync_file)]
+    assert logged == [(2, True), (3, False), (4, False), (5, False)]
 
 
 def test_wandb_given_run_stays_open(offline: Path) -> None:

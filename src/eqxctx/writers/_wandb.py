@@ -4,6 +4,8 @@ import math
 import os
 import shutil
 import tempfile
+import threading
+import warnings
 import weakref
 from typing import Any, TypeAlias
 
@@ -34,6 +36,9 @@ MAX_BUCKETS = 512
 #: The buckets of a histogram of a raw array (`wandb.Histogram`'s default).
 RAW_BUCKETS = 64
 _DBL_MAX = float(np.finfo(np.float64).max)
+
+#: Held while a `WandbWriter` compares a step with the run's and logs it.
+_LOG_LOCK = threading.Lock()
 
 #: The highest step logged to each run by the `WandbWriter`s on it, shared by them
 #: (W&B's own `run.step` asks its service process: ~0.5 ms per write).
@@ -178,10 +183,14 @@ class WandbWriter(AbstractWriter):
                     "reserves for its own keys (`_step`, `_runtime`); rename it."
                 )
 
+    def _last_logged(self) -> int | None:
+        """The highest step logged to the run by a `WandbWriter`, or None."""
+        steps = [s for s in (self._last_step, _run_step(self.run)) if s is not None]
+        return max(steps, default=None)
+
     def _check_order(self, step: int, *, where: str) -> None:
         """Refuse a step lower than one logged to the run (on process 0)."""
-        steps = [s for s in (self._last_step, _run_step(self.run)) if s is not None]
-        last = max(steps, default=None)
+        last = self._last_logged()
         if last is not None and step < last:
             raise ValueError(
                 f"`{where}`: step {step} is lower than step {last}, logged to this "
@@ -193,24 +202,33 @@ class WandbWriter(AbstractWriter):
     def write_host(self, host: HostSummaries) -> None:
         """Log one step: `run.log({path: value, ...}, step=step)`.
 
-        The step counts as logged (for `check`) once `run.log` returns.
-
-        Raises:
-            ValueError: for a step lower than one logged to the run after `check`
-                accepted it (an `AsyncWriter` checks a step before the steps
-                queued before it are logged); nothing is logged.
+        The step counts as logged (for `check`) once `run.log` returns. A step
+        that `check` accepted but that is lower than one logged to the run since
+        (another `WandbWriter` on the run logged a higher step while this one
+        waited in an `AsyncWriter`'s queue) is not logged, with a `UserWarning`,
+        as W&B itself drops it: the writer goes on with the next step.
         """
         if self.run is None:
             return
-        self._check_order(host.step, where="WandbWriter.write")
-        record: dict[str, object] = {}
-        for path, value in host.values.items():
-            converted = self._value(path, host.step, value)
-            if converted is not None:
-                record[path] = converted
-        self.run.log(record, step=host.step)
-        self._last_step = host.step
-        _record_run_step(self.run, host.step)
+        with _LOG_LOCK:  # the order check and the record, together
+            last = self._last_logged()
+            if last is not None and host.step < last:
+                warnings.warn(
+                    f"`WandbWriter`: step {host.step} was not logged: step {last} "
+                    "was logged to this W&B run first (by another `WandbWriter` on "
+                    "it, while this step waited in an `AsyncWriter`'s queue); W&B "
+                    "keeps steps in increasing order.",
+                    stacklevel=2,
+                )
+                return
+            record: dict[str, object] = {}
+            for path, value in host.values.items():
+                converted = self._value(path, host.step, value)
+                if converted is not None:
+                    record[path] = converted
+            self.run.log(record, step=host.step)
+            self._last_step = host.step
+            _record_run_step(self.run, host.step)
 
     def _value(self, path: str, step: int, value: HostValue) -> object:
         wandb = self._wandb
