@@ -419,6 +419,11 @@ def test_a_donated_batch_array_passed_again_is_refused() -> None:
     with pytest.raises(ValueError, match=r"'x' is also passed as the model's param"):
         with_param({"x": w})
     assert not w.is_deleted()
+    # The same array twice in the batch.
+    with pytest.raises(
+        ValueError, match=r"batch leaf 'x' is also passed as the batch leaf 'z'"
+    ):
+        donate({"x": x, "z": x})
     # Copies are fine, and give the result.
     _, out = donate({"x": x}, shift=jnp.copy(x))
     np.testing.assert_array_equal(np.asarray(out.output_batch["y"]), host * 3)

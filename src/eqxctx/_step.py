@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import functools
 import threading
-from typing import Any, TypeAlias
+from typing import Any, NoReturn, TypeAlias
 
 import equinox as eqx
 import jax
@@ -513,39 +513,73 @@ def check_donated(
     *,
     where: str,
 ) -> None:
-    """Refuse a placed batch array that the call also reads as another argument.
+    """Refuse a placed batch array that the call reads twice.
 
     With `donate_batch=True` XLA may write an output into a batch array's buffer
-    while the same array is read as a parameter or a keyword argument (JAX then
-    fails, or on some backends the process crashes).
+    while the same array is read again: as another batch leaf, a parameter or a
+    keyword argument (JAX then fails, or on some backends the process crashes).
+    Costs a pass over the batch's leaves (and the keyword arguments'), and one
+    over the parameters per parameter tuple (cached).
 
     Raises:
         ValueError: naming the batch leaf and the other argument.
     """
-    donated = {id(x) for x in jax.tree.leaves(batch) if isinstance(x, jax.Array)}
+    leaves = [x for x in jax.tree.leaves(batch) if isinstance(x, jax.Array)]
+    donated = {id(x) for x in leaves}
     if not donated:
         return
-    both: list[tuple[str, object]] = [
-        (f"the model's parameter leaf {i}", x)
-        for i, x in enumerate(param_leaves)
-        if id(x) in donated
-    ]
+    if len(donated) < len(leaves):  # the same array twice in the batch
+        seen: dict[int, str] = {}
+        for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+            if isinstance(x, jax.Array):
+                if id(x) in seen:
+                    _refuse_aliased(
+                        where, seen[id(x)], f"the batch leaf {path_str(path)!r}"
+                    )
+                seen[id(x)] = path_str(path)
+    others: list[tuple[str, object]] = []
+    if not donated.isdisjoint(_ids(param_leaves)):
+        others += [
+            (f"the model's parameter leaf {i}", x)
+            for i, x in enumerate(param_leaves)
+            if id(x) in donated
+        ]
     for name, tree in kwargs.items():
         for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
             if id(x) in donated:
-                both.append((f"keyword argument {name}{jax.tree_util.keystr(path)}", x))
-    for what, x in both:
+                others.append(
+                    (f"keyword argument {name}{jax.tree_util.keystr(path)}", x)
+                )
+    for what, x in others[:1]:
         leaf = next(
             path_str(path)
             for path, y in jax.tree_util.tree_flatten_with_path(batch)[0]
             if y is x
         )
-        raise ValueError(
-            f"`{where}(donate_batch=True)`: the batch leaf {leaf!r} is also passed as "
-            f"{what} (the same array): a donated buffer may be overwritten while the "
-            "call reads it. Pass a copy (`jnp.copy(x)`) as one of them, or create "
-            "the runner with donate_batch=False."
-        )
+        _refuse_aliased(where, leaf, what)
+
+
+def _refuse_aliased(where: str, leaf: str, what: str) -> NoReturn:
+    raise ValueError(
+        f"`{where}(donate_batch=True)`: the batch leaf {leaf!r} is also passed as "
+        f"{what} (the same array): a donated buffer may be overwritten while the "
+        "call reads it. Pass a copy (`jnp.copy(x)`) as one of them, or create the "
+        "runner with donate_batch=False."
+    )
+
+
+#: The ids of the last parameter tuple's leaves (a runner's successors share it).
+_param_ids: tuple[tuple[jax.Array, ...], frozenset[int]] | None = None
+
+
+def _ids(param_leaves: tuple[jax.Array, ...]) -> frozenset[int]:
+    global _param_ids
+    cached = _param_ids
+    if cached is not None and cached[0] is param_leaves:
+        return cached[1]
+    ids = frozenset(map(id, param_leaves))
+    _param_ids = (param_leaves, ids)
+    return ids
 
 
 def in_mesh(mesh: Mesh) -> contextlib.AbstractContextManager[object]:
