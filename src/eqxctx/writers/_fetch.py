@@ -59,13 +59,15 @@ _Signature: TypeAlias = tuple[tuple[tuple[int, ...], DType, jax.sharding.Shardin
 _plans: dict[_Signature | Hashable, _Plan | None] = {}
 
 
-def _batchable(x: jax.Array, sharding: jax.sharding.Sharding) -> bool:
+def _batchable(
+    x: jax.Array, sharding: jax.sharding.Sharding, bits: dict[DType, DType]
+) -> bool:
     # Only dtypes that travel as raw bits, and bool: XLA may canonicalize the NaNs
     # of a float8 concatenation, and aborts on one of sub-byte integers (int2).
     return (
         x.size <= MAX_BATCHED_SIZE
         and x.sharding == sharding
-        and (x.dtype in _BITS or x.dtype == np.bool_)
+        and (x.dtype in bits or x.dtype == np.bool_)
     )
 
 
@@ -73,17 +75,25 @@ def _batchable(x: jax.Array, sharding: jax.sharding.Sharding) -> bool:
 #: transfer per width (float32 and int32 values in one `uint32` array), each read
 #: back as a NumPy view of its own dtype. Bool arrays share one transfer as they
 #: are; other dtypes (complex, 8-bit floats, sub-byte integers, keys) are fetched
-#: array by array, and so are bfloat16 (on a TPU, XLA flushed bfloat16 subnormals
-#: and canonicalized NaN payloads in the concatenation, bitcast or not) and float64
-#: (a TPU emulates it: its bitcast to uint64 gave other values).
+#: array by array, and so is bfloat16: on a TPU, XLA flushed bfloat16 subnormals
+#: and canonicalized NaN payloads in the concatenation, bitcast or not.
 _BITS: dict[DType, DType] = {
     np.dtype(t): np.dtype(f"uint{8 * np.dtype(t).itemsize}")
     for t in (
         np.int8, np.int16, np.int32, np.int64,
         np.uint8, np.uint16, np.uint32, np.uint64,
-        np.float16, np.float32,
+        np.float16, np.float32, np.float64,
     )
 }  # fmt: skip
+
+#: `_BITS` where the arrays are on a TPU, which emulates float64: its bitcast to
+#: uint64 gave other values, so float64 arrays are fetched array by array there.
+_TPU_BITS = {k: v for k, v in _BITS.items() if k != np.float64}
+
+
+def raw_bits(platform: str) -> dict[DType, DType]:
+    """The dtypes sent as raw bits from arrays on `platform` ("cpu", "tpu", ...)."""
+    return _TPU_BITS if platform == "tpu" else _BITS
 
 
 def _make_plan(arrays: list[jax.Array]) -> _Plan | None:
@@ -93,10 +103,11 @@ def _make_plan(arrays: list[jax.Array]) -> _Plan | None:
     # array): the batched output is read from one device, as each array would be.
     if not first.is_fully_replicated:
         return None
+    bits = raw_bits(next(iter(first.device_set)).platform)
     groups: dict[DType, list[int]] = {}
     for i, x in enumerate(arrays):
-        if _batchable(x, first):
-            groups.setdefault(_BITS.get(x.dtype, x.dtype), []).append(i)
+        if _batchable(x, first, bits):
+            groups.setdefault(bits.get(x.dtype, x.dtype), []).append(i)
     batched = tuple(i for group in groups.values() for i in group)
     if len(batched) < 2:
         return None
