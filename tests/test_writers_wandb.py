@@ -2,6 +2,7 @@
 
 import io
 import json
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -283,3 +284,33 @@ def test_wav_bytes_is_what_wandb_stores() -> None:
     audio = np.asarray([0.0, 0.5, -1.0], np.float32)
     wav = io.BytesIO(wav_bytes(audio, 16000))
     assert wav.getvalue()[:4] == b"RIFF"
+
+
+UNCLOSED = """
+import subprocess
+import sys
+from eqxctx.writers import AsyncWriter, JsonlWriter, MultiWriter, WandbWriter
+inner = MultiWriter(JsonlWriter(sys.argv[1]), WandbWriter(project="eqxctx-test"))
+w = AsyncWriter(inner)
+for step in range(6):
+    w.write(step, {"x": float(step)})
+"""
+
+
+def test_an_unclosed_async_wandb_writer_is_closed_before_wandb_exits(
+    offline: Path,
+) -> None:
+    # The writer's exit handler is registered after `wandb.init`'s, so it runs
+    # first: every step is written, and W&B's connection is still there.
+    path = offline / "s.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-c", UNCLOSED, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
+    assert steps == list(range(6))

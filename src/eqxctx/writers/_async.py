@@ -6,7 +6,6 @@ import functools
 import queue
 import threading
 import traceback
-import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias, cast
 
@@ -256,7 +255,9 @@ class AsyncWriter(AbstractWriter):
             target=self._work, name="eqxctx-AsyncWriter", daemon=True
         )
         self._thread.start()
-        _OPEN.add(self)
+        # Registered per writer, so that it runs before the exit handlers of what
+        # the wrapped writer started before it (a W&B run's, JAX's).
+        atexit.register(self._close_at_exit)
 
     def _work(self) -> None:
         while True:
@@ -403,6 +404,20 @@ class AsyncWriter(AbstractWriter):
         self._queue.join()
         self._raise_if_failed("AsyncWriter.flush")
 
+    def _close_at_exit(self) -> None:
+        """`close` as the interpreter exits, for a writer left open.
+
+        An error is printed (`sys.excepthook`'s format). With several processes
+        a step deferred by `defer_fetch` is dropped: its fetch is a collective,
+        which the other processes may no longer run.
+        """
+        if jax.process_count() > 1:
+            self._deferred = None
+        try:
+            self.close()
+        except Exception as e:
+            traceback.print_exception(e)
+
     def close(self) -> None:
         """Write everything pending, stop the thread and close the wrapped writer.
 
@@ -412,7 +427,7 @@ class AsyncWriter(AbstractWriter):
         if self._closed:
             return
         self._closed = True
-        _OPEN.discard(self)
+        atexit.unregister(self._close_at_exit)
         try:
             # Several processes: fetched even after a failure (a collective that
             # the other processes run too); its step is not written.
@@ -432,30 +447,6 @@ class AsyncWriter(AbstractWriter):
                 )
         if not self._reported:
             self._raise_if_failed("AsyncWriter.close")
-
-
-#: The open `AsyncWriter`s, closed at exit (`_close_at_exit`).
-_OPEN: "weakref.WeakSet[AsyncWriter]" = weakref.WeakSet()
-
-
-@atexit.register
-def _close_at_exit() -> None:
-    """Write what open `AsyncWriter`s hold and close them, as the interpreter exits.
-
-    Registered when eqxctx.writers is imported, after JAX, so it runs before JAX's
-    own exit handlers. An error is printed (`sys.excepthook`'s format) and the
-    other writers are still closed. With several processes a step deferred by
-    `defer_fetch` is dropped: its fetch is a collective, which the other processes
-    may no longer run.
-    """
-    several = jax.process_count() > 1
-    for writer in list(_OPEN):
-        if several:
-            writer._deferred = None  # pyright: ignore[reportPrivateUsage]
-        try:
-            writer.close()
-        except Exception as e:
-            traceback.print_exception(e)
 
 
 class MultiWriter(AbstractWriter):
