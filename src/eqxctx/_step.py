@@ -382,7 +382,9 @@ class Step:
         `MethodRunner` runs under its mesh (the program is the one a call under
         `jax.set_mesh(self.mesh)` runs). With no context mesh it runs under none,
         as a `jax.jit` call does: entering a mesh on every call would cost ~13,000
-        instructions more than the rest of the runner's Python (~24,000).
+        instructions more than the rest of the runner's Python (~24,000). Meshes
+        are compared as JAX's abstract meshes (axis names and sizes): one of the
+        runner's shape on other devices is taken for the runner's.
         """
         mesh = jax.sharding.get_abstract_mesh()
         if mesh is self.abstract_mesh or mesh.empty:
