@@ -16,7 +16,7 @@ from hypothesis import given, strategies as st
 from PIL import Image
 
 import eqxctx
-from eqxctx.writers import JsonlWriter, MultiWriter, TensorBoardWriter, fetch_summaries
+from eqxctx.writers import JsonlWriter, TensorBoardWriter, fetch_summaries
 from tb_events import scalars, summary_values
 
 
@@ -537,25 +537,6 @@ def test_tensorboard_tag_collisions_across_writes_raise(tmp_path: Path) -> None:
         (0, "eval/top_1"): pytest.approx(0.9),
         **{(step, "eval/top_1"): float(step) for step in range(1, 4)},
     }
-
-
-def test_tensorboard_claims_tags_only_for_written_steps(tmp_path: Path) -> None:
-    # A step that another writer of a MultiWriter refuses writes nothing: its paths
-    # do not keep their tags from other paths.
-    class Refusing(JsonlWriter):
-        def check(self, host: Any) -> None:
-            super().check(host)
-            if host.step == 5:
-                raise ValueError("refused step 5")
-
-    tb = TensorBoardWriter(tmp_path)
-    with MultiWriter(tb, Refusing(tmp_path / "s.jsonl")) as w:
-        with pytest.raises(ValueError, match="refused step 5"):
-            w.write(5, {"top 1": 1.0})
-        w.write(6, {"top_1": 2.0})
-        with pytest.raises(eqxctx.OutputConflictError, match="'top_1'"):
-            w.write(7, {"top 1": 3.0})
-    assert scalars(str(tmp_path)) == {(6, "top_1"): 2.0}
 
 
 @pytest.mark.parametrize(

@@ -306,21 +306,12 @@ class TensorBoardWriter(AbstractWriter):
                     "that no value is lost."
                 )
             seen[tag] = path
+        known.update(seen)
+        if layout is not None and len(self._layouts) < 256:
+            self._layouts.add(layout)
 
     def write_host(self, host: HostSummaries) -> None:
-        """Write one step as one event with every value.
-
-        Its paths count as written (for `check`'s tags) from here: a step that
-        another writer of a `MultiWriter` refused claims no tag.
-        """
-        values = host.values
-        layout = values.layout if isinstance(values, HostValues) else None
-        if layout is None or layout not in self._layouts:
-            known = self._tag_paths
-            for path in values:
-                known.setdefault(tag_of(path), path)
-            if layout is not None and len(self._layouts) < 256:
-                self._layouts.add(layout)
+        """Write one step as one event with every value."""
         if self._file is None:
             return
         event = self._event_pb2.Event(wall_time=time.time(), step=host.step)
