@@ -1,11 +1,11 @@
 """WandbWriter: summaries as a Weights & Biases run (the `wandb` extra)."""
 
+import logging
 import math
 import os
 import shutil
 import tempfile
 import threading
-import warnings
 import weakref
 from typing import Any, TypeAlias
 
@@ -37,8 +37,26 @@ MAX_BUCKETS = 512
 RAW_BUCKETS = 64
 _DBL_MAX = float(np.finfo(np.float64).max)
 
-#: Held while a `WandbWriter` compares a step with the run's and logs it.
-_LOG_LOCK = threading.Lock()
+#: Where a step that is not logged is reported (from a writer's background thread,
+#: where a warning turned into an error by a filter would stop the writer).
+_LOGGER = logging.getLogger("eqxctx.writers")
+
+#: Per run, held while a `WandbWriter` compares a step with the run's and logs it.
+_RUN_LOCKS: weakref.WeakKeyDictionary[Run, threading.Lock] = weakref.WeakKeyDictionary()
+#: Guards `_RUN_LOCKS`, and stands for the lock of a run with no weak references.
+_LOCKS_LOCK = threading.Lock()
+
+
+def _run_lock(run: Run) -> threading.Lock:
+    with _LOCKS_LOCK:
+        try:
+            lock = _RUN_LOCKS.get(run)
+            if lock is None:
+                lock = _RUN_LOCKS[run] = threading.Lock()
+        except TypeError:  # a stand-in for a run that has no weak references
+            return _LOCKS_LOCK
+    return lock
+
 
 #: The highest step logged to each run by the `WandbWriter`s on it, shared by them
 #: (W&B's own `run.step` asks its service process: ~0.5 ms per write).
@@ -120,7 +138,9 @@ class WandbWriter(AbstractWriter):
     W&B drops a step lower than one already logged (with a warning); this writer
     refuses it instead (`ValueError`): a step lower than one logged by this writer or
     by another `WandbWriter` on the same run (e.g. a train and an eval writer).
-    Steps that other code logs with `run.log` are not seen. It also refuses paths
+    A step that became lower than the run's after that check, while it waited in
+    an `AsyncWriter`'s queue, is not logged, with a warning on the `eqxctx.writers`
+    logger. Steps that other code logs with `run.log` are not seen. It also refuses paths
     starting with "_", which W&B reserves (`_step`, `_runtime`, ...).
 
     In a multi-process run, create the writer and call `write` on every process
@@ -205,27 +225,29 @@ class WandbWriter(AbstractWriter):
         The step counts as logged (for `check`) once `run.log` returns. A step
         that `check` accepted but that is lower than one logged to the run since
         (another `WandbWriter` on the run logged a higher step while this one
-        waited in an `AsyncWriter`'s queue) is not logged, with a `UserWarning`,
-        as W&B itself drops it: the writer goes on with the next step.
+        waited in an `AsyncWriter`'s queue) is not logged, as W&B itself drops it,
+        with a warning on the `eqxctx.writers` logger: the writer goes on with the
+        next step.
         """
         if self.run is None:
             return
-        with _LOG_LOCK:  # the order check and the record, together
+        record: dict[str, object] = {}
+        for path, value in host.values.items():
+            converted = self._value(path, host.step, value)
+            if converted is not None:
+                record[path] = converted
+        with _run_lock(self.run):  # the order check, the log and the record
             last = self._last_logged()
             if last is not None and host.step < last:
-                warnings.warn(
-                    f"`WandbWriter`: step {host.step} was not logged: step {last} "
-                    "was logged to this W&B run first (by another `WandbWriter` on "
-                    "it, while this step waited in an `AsyncWriter`'s queue); W&B "
-                    "keeps steps in increasing order.",
-                    stacklevel=2,
+                _LOGGER.warning(
+                    "`WandbWriter`: step %d was not logged: step %d was logged to "
+                    "this W&B run first (by another `WandbWriter` on it, while this "
+                    "step waited in an `AsyncWriter`'s queue); W&B keeps steps in "
+                    "increasing order.",
+                    host.step,
+                    last,
                 )
                 return
-            record: dict[str, object] = {}
-            for path, value in host.values.items():
-                converted = self._value(path, host.step, value)
-                if converted is not None:
-                    record[path] = converted
             self.run.log(record, step=host.step)
             self._last_step = host.step
             _record_run_step(self.run, host.step)
