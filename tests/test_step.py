@@ -2,7 +2,9 @@
 padding with a mask, donation; on 8 simulated CPU devices."""
 
 import dataclasses
+import gc
 import re
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -427,6 +429,12 @@ def test_a_donated_batch_array_passed_again_is_refused() -> None:
     # Copies are fine, and give the result.
     _, out = donate({"x": x}, shift=jnp.copy(x))
     np.testing.assert_array_equal(np.asarray(out.output_batch["y"]), host * 3)
+    # The check keeps no parameter alive once its runner is gone.
+    with_param({"x": host})
+    param = weakref.ref(with_param.param_leaves[0])
+    del with_param, w
+    gc.collect()
+    assert param() is None
 
 
 RAGGED_PAGE = (

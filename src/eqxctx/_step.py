@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import functools
 import threading
+import weakref
 from typing import Any, NoReturn, TypeAlias
 
 import equinox as eqx
@@ -570,17 +571,32 @@ def _refuse_aliased(where: str, leaf: str, what: str) -> NoReturn:
     )
 
 
-#: The ids of the last parameter tuple's leaves (a runner's successors share it).
-_param_ids: tuple[tuple[jax.Array, ...], frozenset[int]] | None = None
+#: The last parameter tuple's id and length, a weak reference to its first leaf,
+#: and its leaves' ids (a runner's successors share the tuple). Nothing here keeps
+#: the parameters alive; a hit needs the same tuple address and the same first leaf
+#: still alive.
+_param_ids: tuple[int, int, Any, frozenset[int]] | None = None
 
 
 def _ids(param_leaves: tuple[jax.Array, ...]) -> frozenset[int]:
     global _param_ids
+    if not param_leaves:
+        return frozenset()
     cached = _param_ids
-    if cached is not None and cached[0] is param_leaves:
-        return cached[1]
+    if (
+        cached is not None
+        and cached[0] == id(param_leaves)
+        and cached[1] == len(param_leaves)
+        and cached[2]() is param_leaves[0]
+    ):
+        return cached[3]
     ids = frozenset(map(id, param_leaves))
-    _param_ids = (param_leaves, ids)
+    _param_ids = (
+        id(param_leaves),
+        len(param_leaves),
+        weakref.ref(param_leaves[0]),
+        ids,
+    )
     return ids
 
 

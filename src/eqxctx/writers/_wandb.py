@@ -140,8 +140,8 @@ class WandbWriter(AbstractWriter):
     by another `WandbWriter` on the same run (e.g. a train and an eval writer).
     A step that became lower than the run's after that check, while it waited in
     an `AsyncWriter`'s queue, is not logged, with a warning on the `eqxctx.writers`
-    logger. Steps that other code logs with `run.log` are not seen. It also refuses paths
-    starting with "_", which W&B reserves (`_step`, `_runtime`, ...).
+    logger. Steps that other code logs with `run.log` are not seen. It also refuses
+    paths starting with "_", which W&B reserves (`_step`, `_runtime`, ...).
 
     In a multi-process run, create the writer and call `write` on every process
     (after `jax.distributed.initialize`): only process 0 starts a run and logs.
