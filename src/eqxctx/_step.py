@@ -382,11 +382,12 @@ class Step:
         method runs with `self.mesh` as the context mesh, as AXLearn's
         `MethodRunner` runs under its mesh (the program is the one a call under
         `jax.set_mesh(self.mesh)` runs). With no context mesh it runs under none,
-        as a `jax.jit` call does: entering a mesh on every call would cost ~13,000
-        instructions more than the rest of the runner's Python (~24,000). Meshes
-        are compared as JAX's abstract meshes (axis names and sizes): one of the
-        runner's shape on other devices is taken for the runner's.
+        as a `jax.jit` call does. Meshes are compared as JAX's abstract meshes
+        (axis names and sizes): one of the runner's shape on other devices is
+        taken for the runner's.
         """
+        # Not `jax.set_mesh` on every call: it costs about half the runner's own
+        # Python (benchmarks/README.md, bench_runner).
         mesh = jax.sharding.get_abstract_mesh()
         if mesh is self.abstract_mesh or mesh.empty:
             return self.call_in_mesh(param_leaves, prng_key, input_batch, kwargs)
