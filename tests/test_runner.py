@@ -1294,3 +1294,32 @@ def test_the_method_runs_under_the_runners_mesh(axis_type: AxisType) -> None:
         _, out = compiled({"x": x})
     assert seen[-1] == {"data": 8}
     np.testing.assert_array_equal(np.asarray(out.output_batch["y"]), x * 3)
+
+
+def test_a_runner_traced_under_another_mesh_says_what_to_do() -> None:
+    # Inside `jax.jit` under another context mesh the runner cannot enter its own
+    # (JAX refuses `jax.set_mesh` in a trace): a clear error, not JAX's mismatch.
+    def method(
+        params: dict[str, jax.Array], batch: dict[str, jax.Array], ctx: Context
+    ) -> tuple[dict[str, jax.Array], Context]:
+        return {"y": batch["x"] * params["w"]}, ctx
+
+    mesh = jax.make_mesh((8,), ("data",))
+    other = jax.make_mesh((2, 4), ("data", "model"))
+    runner = MethodRunner.create(
+        {"w": jnp.float32(2.0)}, method, mesh=mesh, prng_key=jax.random.key(0)
+    )
+    x = np.ones((8, 2), np.float32)
+
+    def outputs(x: jax.Array) -> jax.Array:
+        return runner({"x": x})[1].output_batch["y"]
+
+    with (
+        jax.set_mesh(other),
+        pytest.raises(
+            ValueError, match=r"called inside a trace .*\{'data': 2, 'model': 4\}"
+        ),
+    ):
+        jax.jit(outputs)(x)
+    with jax.set_mesh(mesh):  # under its own mesh it works inside jit
+        np.testing.assert_array_equal(np.asarray(jax.jit(outputs)(x)), x * 2)

@@ -604,8 +604,11 @@ def _ids(param_leaves: tuple[jax.Array, ...]) -> frozenset[int]:
 def in_mesh(mesh: Mesh) -> contextlib.AbstractContextManager[object]:
     """`jax.set_mesh(mesh)` where another context mesh is set, else nothing.
 
-    Nothing inside a trace either (`jax.jit` of a function calling the runner),
-    where JAX refuses `jax.set_mesh`: the trace's context mesh stays.
+    Raises:
+        ValueError: inside a trace (`jax.jit` of a function calling the runner)
+            under another context mesh, which JAX does not let a trace change
+            (`jax.set_mesh` is refused there; JAX's own error would follow from
+            the first operation on the runner's arrays).
     """
     context = jax.sharding.get_abstract_mesh()
     if context is mesh.abstract_mesh or context.empty:
@@ -613,7 +616,14 @@ def in_mesh(mesh: Mesh) -> contextlib.AbstractContextManager[object]:
     try:
         return jax.set_mesh(mesh)  # (it sets the mesh here; leaving restores)
     except ValueError:  # "`set_mesh` can only be used outside of `jax.jit`."
-        return contextlib.nullcontext()
+        raise ValueError(
+            f"`MethodRunner`: called inside a trace (`jax.jit`, `jax.eval_shape`, "
+            f"...) under the context mesh {dict(context.shape)}, not the runner's "
+            f"{dict(mesh.shape)}; a trace cannot change its mesh (`jax.set_mesh` is "
+            "refused under `jax.jit`). Call the runner outside the traced function, "
+            "or set the runner's mesh around it (`with jax.set_mesh(runner.mesh): "
+            "...`)."
+        ) from None
 
 
 def _is_array_or_struct(x: object) -> bool:
