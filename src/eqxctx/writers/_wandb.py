@@ -41,47 +41,35 @@ _DBL_MAX = float(np.finfo(np.float64).max)
 #: where a warning turned into an error by a filter would stop the writer).
 _LOGGER = logging.getLogger("eqxctx.writers")
 
-#: Per run, held while a `WandbWriter` compares a step with the run's and logs it.
-_RUN_LOCKS: weakref.WeakKeyDictionary[Run, threading.Lock] = weakref.WeakKeyDictionary()
-#: Guards `_RUN_LOCKS`, and stands for the lock of a run with no weak references.
-_LOCKS_LOCK = threading.Lock()
+
+class _RunLog:
+    """What the `WandbWriter`s on one run share: its highest logged step and a lock.
+
+    (W&B's own `run.step` asks its service process: ~0.5 ms per read.)
+    """
+
+    __slots__ = ("lock", "step")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # held around the order check, log and record
+        self.step: int | None = None
 
 
-def _run_lock(run: Run) -> threading.Lock:
-    with _LOCKS_LOCK:
+#: Each run's `_RunLog`, made by the first `WandbWriter` on it.
+_RUN_LOGS: weakref.WeakKeyDictionary[Run, _RunLog] = weakref.WeakKeyDictionary()
+_RUN_LOGS_LOCK = threading.Lock()
+
+
+def _run_log(run: Run) -> _RunLog:
+    """The `_RunLog` of `run`; a writer's own for a run with no weak references."""
+    with _RUN_LOGS_LOCK:
         try:
-            lock = _RUN_LOCKS.get(run)
-            if lock is None:
-                lock = _RUN_LOCKS[run] = threading.Lock()
+            log = _RUN_LOGS.get(run)
+            if log is None:
+                log = _RUN_LOGS[run] = _RunLog()
         except TypeError:  # a stand-in for a run that has no weak references
-            return _LOCKS_LOCK
-    return lock
-
-
-#: The highest step logged to each run by the `WandbWriter`s on it, shared by them
-#: (W&B's own `run.step` asks its service process: ~0.5 ms per write).
-_RUN_STEPS: weakref.WeakKeyDictionary[Run, int] = weakref.WeakKeyDictionary()
-
-
-def _run_step(run: Run) -> int | None:
-    """The highest step a `WandbWriter` logged to `run`; None if none or unknown."""
-    if run is None:
-        return None
-    try:
-        return _RUN_STEPS.get(run)
-    except TypeError:  # a stand-in for a run that has no weak references
-        return None
-
-
-def _record_run_step(run: Run, step: int) -> None:
-    """Record that `step` was logged to `run` (kept if a higher step was)."""
-    if run is None:
-        return
-    try:
-        if step > _RUN_STEPS.get(run, -1):
-            _RUN_STEPS[run] = step
-    except TypeError:  # a stand-in for a run that has no weak references
-        pass
+            return _RunLog()
+    return log
 
 
 def histogram_buckets(
@@ -177,11 +165,11 @@ class WandbWriter(AbstractWriter):
         self._wandb = wandb
         self._owns_run = run is None
         self._closed = False
-        self._last_step: int | None = None
         self._media_dir: str | None = None
         self.run: Run = None
         if is_writing_process():
             self.run = wandb.init(**init_kwargs) if run is None else run
+        self._log = _run_log(self.run)
 
     def check(self, host: HostSummaries) -> None:
         """Refuse a closed writer, a step lower than the run's last and W&B's keys.
@@ -203,14 +191,9 @@ class WandbWriter(AbstractWriter):
                     "reserves for its own keys (`_step`, `_runtime`); rename it."
                 )
 
-    def _last_logged(self) -> int | None:
-        """The highest step logged to the run by a `WandbWriter`, or None."""
-        steps = [s for s in (self._last_step, _run_step(self.run)) if s is not None]
-        return max(steps, default=None)
-
     def _check_order(self, step: int, *, where: str) -> None:
         """Refuse a step lower than one logged to the run (on process 0)."""
-        last = self._last_logged()
+        last = self._log.step
         if last is not None and step < last:
             raise ValueError(
                 f"`{where}`: step {step} is lower than step {last}, logged to this "
@@ -236,8 +219,9 @@ class WandbWriter(AbstractWriter):
             converted = self._value(path, host.step, value)
             if converted is not None:
                 record[path] = converted
-        with _run_lock(self.run):  # the order check, the log and the record
-            last = self._last_logged()
+        log = self._log
+        with log.lock:  # the order check, the log and the record, together
+            last = log.step
             if last is not None and host.step < last:
                 _LOGGER.warning(
                     "`WandbWriter`: step %d was not logged: step %d was logged to "
@@ -249,8 +233,7 @@ class WandbWriter(AbstractWriter):
                 )
                 return
             self.run.log(record, step=host.step)
-            self._last_step = host.step
-            _record_run_step(self.run, host.step)
+            log.step = host.step
 
     def _value(self, path: str, step: int, value: HostValue) -> object:
         wandb = self._wandb
