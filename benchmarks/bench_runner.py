@@ -9,7 +9,8 @@
    on an Explicit mesh), (c) NumPy (the `jax.jit` side places it with
    `jax.make_array_from_process_local_data`, as a hand-written loop would).
    *blocking*: every call waits for its result; *pipelined*: at most 16 calls in
-   flight, chained through the key.
+   flight, chained through the key. *runner traces*: the runner's `trace_count`
+   after the row, for batches (a)-(c) of one signature: 1.
 2. `run_batches` over 200 batches vs the hand-written loop (place with
    `jax.make_array_from_process_local_data` if NumPy, call the `jax.jit`, at most 8
    in flight), for NumPy and device batches.
@@ -202,6 +203,8 @@ def _per_call(devices: int, quick: bool) -> list[dict[str, Any]]:
                         "leaves": n,
                         "batch": kind,
                         "mode": mode,
+                        # All three batches are one signature: one trace in all.
+                        "traces": runner.trace_count,
                         **med,
                     }
                 )
@@ -246,6 +249,7 @@ def _run_batches(devices: int, quick: bool) -> list[dict[str, Any]]:
                     "devices": devices,
                     "leaves": n,
                     "batch": kind,
+                    "traces": runner.trace_count,
                     **med,
                 }
             )
@@ -321,28 +325,28 @@ def _measure(devices: int, quick: bool) -> list[dict[str, Any]]:
 
 def _table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| devices | leaves | batch | mode | runner µs | jax.jit µs "
+        "| devices | leaves | batch | mode | runner traces | runner µs | jax.jit µs "
         "| runner / jax.jit (medians) | (minima) |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r["table"] == "per_call":
             lines.append(
                 f"| {r['devices']} | {r['leaves']} | {r['batch']} | {r['mode']} "
-                f"| {r['runner']:.1f} | {r['jax.jit']:.1f} "
+                f"| {r['traces']} | {r['runner']:.1f} | {r['jax.jit']:.1f} "
                 f"| {r['runner'] / r['jax.jit']:.2f} "
                 f"| {r['runner min'] / r['jax.jit min']:.2f} |"
             )
     lines += [
         "",
-        "| devices | leaves | batches | run_batches µs/batch | by hand µs/batch "
-        "| run_batches / by hand |",
-        "|---|---|---|---|---|---|",
+        "| devices | leaves | batches | runner traces | run_batches µs/batch "
+        "| by hand µs/batch | run_batches / by hand |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r["table"] == "run_batches":
             lines.append(
-                f"| {r['devices']} | {r['leaves']} | {r['batch']} "
+                f"| {r['devices']} | {r['leaves']} | {r['batch']} | {r['traces']} "
                 f"| {r['run_batches']:.1f} | {r['by hand']:.1f} "
                 f"| {r['run_batches'] / r['by hand']:.2f} |"
             )

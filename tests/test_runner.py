@@ -1323,3 +1323,94 @@ def test_a_runner_traced_under_another_mesh_says_what_to_do() -> None:
         jax.jit(outputs)(x)
     with jax.set_mesh(mesh):  # under its own mesh it works inside jit
         np.testing.assert_array_equal(np.asarray(jax.jit(outputs)(x)), x * 2)
+
+
+# -- one trace per signature (issue 35 item 1: a one-device mesh traced twice) ------
+
+
+def mesh_of(devices: int, axis_type: AxisType) -> jax.sharding.Mesh:
+    return jax.make_mesh(
+        (devices,), ("data",), axis_types=(axis_type,), devices=jax.devices()[:devices]
+    )
+
+
+def noisy(
+    params: dict[str, jax.Array], batch: dict[str, jax.Array], ctx: Context
+) -> tuple[dict[str, jax.Array], Context]:
+    noise = jax.random.uniform(ctx.prng_key, (batch["x"].shape[0], 1))
+    return {"y": batch["x"] @ params["w"] + noise}, ctx
+
+
+@pytest.mark.parametrize("typed", [False, True], ids=["raw_key", "typed_key"])
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+@pytest.mark.parametrize("devices", [1, 8])
+def test_one_trace_for_every_key_and_parameter_origin(
+    devices: int, axis_type: AxisType, typed: bool
+) -> None:
+    # The key and parameters given to `create` are placed as the step returns (and
+    # is given) them, so the first call and every later one hit one cache entry.
+    mesh = mesh_of(devices, axis_type)
+
+    def method(*args: Any) -> Any:  # a step of its own: its own trace count
+        return noisy(*args)
+
+    make_key = jax.random.key if typed else jax.random.PRNGKey
+    keys = {
+        "uncommitted": make_key(0),
+        "committed to device 0": jax.device_put(make_key(0), jax.devices()[0]),
+        "committed to the last device": jax.device_put(make_key(0), jax.devices()[-1]),
+        "on the mesh": jax.device_put(make_key(0), NamedSharding(mesh, P())),
+    }
+    w = np.arange(12, dtype=np.float32).reshape(4, 3)
+    x = np.arange(32, dtype=np.float32).reshape(8, 4)
+    # NumPy, then placed by the user, then a JAX array on one device, then NumPy.
+    batches = [
+        x,
+        x,
+        jax.device_put(x, NamedSharding(mesh, P("data"))),
+        jnp.asarray(x),
+        x,
+    ]
+    for name, key in keys.items():
+        for params in (w, jnp.asarray(w)):
+            runner = MethodRunner.create({"w": params}, method, mesh=mesh, prng_key=key)
+            ref_key = key
+            for batch in batches:
+                runner, out = runner({"x": batch})
+                ref_key, iter_key = jax.random.split(ref_key)
+                noise = np.asarray(jax.random.uniform(iter_key, (8, 1)))
+                np.testing.assert_allclose(
+                    np.asarray(out.output_batch["y"]), x @ w + noise, rtol=1e-6
+                )
+            assert runner.trace_count == 1, (name, type(params).__name__)
+            np.testing.assert_array_equal(
+                eqxctx.to_host(runner.prng_key), eqxctx.to_host(ref_key)
+            )
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+@pytest.mark.parametrize("devices", [1, 8])
+def test_one_trace_per_bucket(devices: int, axis_type: AxisType) -> None:
+    def method(*args: Any) -> Any:  # a step of its own: its own trace count
+        return noisy(*args)
+
+    w = np.arange(12, dtype=np.float32).reshape(4, 3)
+    runner = MethodRunner.create(
+        {"w": w},
+        method,
+        mesh=mesh_of(devices, axis_type),
+        prng_key=jax.random.PRNGKey(0),
+        pad_batches=True,
+        batch_sizes=(8, 16),
+    )
+    ref_key = jax.random.PRNGKey(0)
+    for rows in (3, 5, 12, 8, 16, 1, 9):
+        x = np.arange(rows * 4, dtype=np.float32).reshape(rows, 4)
+        runner, out = runner({"x": x})
+        ref_key, iter_key = jax.random.split(ref_key)
+        size = 8 if rows <= 8 else 16
+        noise = np.asarray(jax.random.uniform(iter_key, (size, 1)))[:rows]
+        np.testing.assert_allclose(
+            np.asarray(out.output_batch["y"]), x @ w + noise, rtol=1e-6
+        )
+    assert runner.trace_count == 2  # one per bucket

@@ -111,9 +111,19 @@ def test_parameters_and_keys_placed_equivalently_are_not_copied(
         prng_key=key,
         param_partition=lambda path, leaf: P("model") if path == "w" else P(),
     )
-    assert runner.param_leaves[0] is w
-    assert runner.param_leaves[1] is b
-    assert runner.prng_key is key
+    # The same buffers, with the shardings the step uses and returns (equal, not
+    # just equivalent: another spelling is another `jax.jit` cache entry; issue 35
+    # item 1). Auto meshes spell the key's `P()` as JAX does; Explicit ones pad it.
+    after, _ = runner({"x": np.ones((8, 4), np.float32), "id": np.arange(8)})
+    for got, given, sharding in zip(
+        (*runner.param_leaves, runner.prng_key),
+        (w, b, key),
+        (*runner.step.param_shardings, after.prng_key.sharding),
+        strict=True,
+    ):
+        assert buffers(got) == buffers(given)
+        assert got.sharding == sharding
+    assert (runner.prng_key is key) == (axis_type == AxisType.Auto)
 
 
 # -- trace counts and the compiled program -----------------------------------------

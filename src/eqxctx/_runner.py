@@ -111,7 +111,9 @@ class MethodRunner(TreeEquality):
 
     Attributes:
         param_leaves: the model's array leaves, flattened once in `create` and placed
-            by `param_partition` (traced). `runner.params` gives them in the model's
+            by `param_partition` (traced; always with the sharding the step is
+            compiled for, sharing the buffers of a leaf already placed
+            equivalently). `runner.params` gives them in the model's
             structure, `runner.model` the whole model. Calls do not place them again:
             for other parameters, create another runner.
         prng_key: the key that the next call splits: `new_key, iter_key =
@@ -191,7 +193,11 @@ class MethodRunner(TreeEquality):
                 mesh, as AXLearn's runner runs under its mesh; with no context mesh
                 set, under none, as `jax.jit` (set this mesh with `jax.set_mesh`
                 for a method that uses a bare `PartitionSpec`).
-            prng_key: a raw `uint32[2]` or typed key; stored replicated over `mesh`.
+            prng_key: a raw `uint32[2]` or typed key (uncommitted, on one device or
+                on the mesh); stored replicated over `mesh` with the very sharding
+                the step returns its next key with (JAX's buffers are shared where
+                the key is already there), so the first call and every later one
+                of a batch signature are one compilation, on one device too.
             input_partition: a `DataPartition`, a `PartitionSpec`, or a prefix tree
                 of them over the batch. Rank-0 leaves are replicated, rank-1 leaves
                 take only the first spec entry (AXLearn's `reshard_fn`).
@@ -316,6 +322,7 @@ class MethodRunner(TreeEquality):
             shardings,
             paths=lambda: [path_str(p) for p, _ in with_path],
             process_local=False,
+            exact=True,
         )
         settings = Settings(
             method=method,
@@ -338,6 +345,7 @@ class MethodRunner(TreeEquality):
             [replicated(mesh, prng_key)],
             paths=lambda: ["prng_key"],
             process_local=False,
+            exact=True,
         )
         return cls(tuple(placed), key, Step.of(settings, cls.Output))
 

@@ -34,14 +34,25 @@ REPLICATED = PartitionSpec()
 def passes(x: ArrayLeaf, sharding: NamedSharding) -> bool:
     """Return whether `x` is a global array already placed as `sharding` says.
 
-    A sharding equivalent to `sharding` for `x`'s rank passes too
+    A `NamedSharding` equivalent to `sharding` for `x`'s rank passes too
     (`Sharding.is_equivalent_to`): `P("data")` and `P("data", None)` lay a rank-2
-    array out the same way, so it is never copied.
+    array out the same way, so it is never copied. An array on one device (a
+    `SingleDeviceSharding`, committed or not) does not pass even on a one-device
+    mesh, where it is equivalent: `jax.jit` traces it as another signature than the
+    mesh's arrays (the step's outputs), so it is `jax.device_put`, which shares its
+    buffer.
     """
     if not isinstance(x, jax.Array) or isinstance(x, Tracer):
         return False
     s = x.sharding
-    return s == sharding or s.is_equivalent_to(sharding, x.ndim)
+    return s == sharding or (
+        isinstance(s, NamedSharding) and s.is_equivalent_to(sharding, x.ndim)
+    )
+
+
+def _is_exactly(x: ArrayLeaf, sharding: NamedSharding) -> bool:
+    """Return whether `x` is a committed global array with the sharding `sharding`."""
+    return isinstance(x, jax.Array) and x.committed and x.sharding == sharding
 
 
 def place(
@@ -50,6 +61,7 @@ def place(
     *,
     paths: Callable[[], list[str]],
     process_local: bool,
+    exact: bool = False,
 ) -> list[jax.Array]:
     """Return each leaf as a global array with its sharding: the one placement rule.
 
@@ -66,13 +78,20 @@ def place(
         paths: returns the leaves' paths (`"a/b/0"`), called only for a leaf that
             has to be placed (computing paths costs Python work per leaf).
         process_local: whether host-local leaves are process-local slices.
+        exact: a leaf passes only with a sharding equal to its one (committed),
+            not merely equivalent; others are `jax.device_put` (which shares the
+            buffers of an equivalent one). For what a step returns and is given
+            back (the runner's key) and what it is given on every call (its
+            parameters): an uncommitted array, or one on a device or another
+            spelling of the sharding, is another `jax.jit` cache entry than the
+            step's output (a one-device mesh traced its step twice).
 
     Raises:
         TypeError, ValueError: see `to_global`, naming the leaf.
     """
     out: list[jax.Array] = []
     for i, (x, s) in enumerate(zip(leaves, shardings, strict=True)):
-        if isinstance(x, Tracer) or passes(x, s):
+        if isinstance(x, Tracer) or (_is_exactly(x, s) if exact else passes(x, s)):
             out.append(x)
         elif not process_local:
             out.append(jax.device_put(x, s))
