@@ -447,6 +447,38 @@ def test_a_donated_batch_array_passed_again_is_refused() -> None:
     assert param() is None
 
 
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_a_donated_and_deleted_batch_passed_again_is_refused(
+    axis_type: AxisType,
+) -> None:
+    # issue 35 item 8: XLA crashed the process (segfault) on >= 2 devices when a
+    # batch array donated by the last call was passed again.
+    mesh = mesh_1d(axis_type)
+    kw: dict[str, Any] = {"mesh": mesh, "prng_key": jax.random.PRNGKey(0)}
+    host = np.arange(64, dtype=np.float32).reshape(16, 4)
+    donate = MethodRunner.create({}, doubled, donate_batch=True, **kw)
+    sharding = donate({"x": host})[1].output_batch["y"].sharding
+    x = jax.device_put(host, sharding)
+    runner, out = donate({"x": x, "z": jnp.ones(16)})
+    assert x.is_deleted()
+    np.testing.assert_array_equal(np.asarray(out.output_batch["y"]), host * 2)
+    calls = {
+        "call": lambda b: runner(b),
+        "call with kwargs": lambda b: runner(b, shift=jnp.float32(1.0)),
+        "run_batches": lambda b: next(iter(eqxctx.run_batches(runner, [b]))),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=r"batch leaf 'x' .*deleted") as info:
+            call({"x": x, "z": jnp.ones(16)})
+        assert "donate_batch=True" in str(info.value), name
+    compiled = donate.lower({"x": host}).compile()
+    with pytest.raises(ValueError, match=r"`CompiledRunner.*batch leaf 'x' .*deleted"):
+        compiled({"x": x})
+    # A fresh array is fine afterwards.
+    _, out = runner({"x": jax.device_put(host, sharding), "z": jnp.ones(16)})
+    np.testing.assert_array_equal(np.asarray(out.output_batch["y"]), host * 2)
+
+
 RAGGED_PAGE = (
     Path(__file__).parent.parent / "docs" / "examples" / "ragged_evaluation.md"
 )

@@ -233,7 +233,8 @@ class MethodRunner(TreeEquality):
                 buffer it keeps it (JAX may warn "Some donated buffers were not
                 usable"). A call that passes a placed batch array again, as a
                 keyword argument or as a parameter, is refused (`ValueError`): the
-                donated buffer could be overwritten while it is read.
+                donated buffer could be overwritten while it is read; so is a
+                deleted batch array (one an earlier call donated), naming the leaf.
             summary_level: the root context's summary level (static, part of the
                 compilation key): summaries and module outputs added with `level >
                 summary_level` are dropped, and XLA removes their computation; None

@@ -517,21 +517,40 @@ def check_donated(
     *,
     where: str,
 ) -> None:
-    """Refuse a placed batch array that the call reads twice.
+    """Refuse a placed batch array that the call reads twice, or that is deleted.
 
     With `donate_batch=True` XLA may write an output into a batch array's buffer
     while the same array is read again: as another batch leaf, a parameter or a
     keyword argument (JAX then fails, or on some backends the process crashes).
-    Costs a pass over the batch's leaves (and the keyword arguments'), and one
-    over the parameters per parameter tuple (cached).
+    An array donated by an earlier call is deleted; passed again to a donating
+    step on several devices, XLA's CPU runtime crashed the process. Costs a pass
+    over the batch's leaves (and the keyword arguments'), and one over the
+    parameters per parameter tuple (cached).
 
     Raises:
-        ValueError: naming the batch leaf and the other argument.
+        ValueError: naming the batch leaf and the other argument, or the deleted
+            batch leaf.
     """
-    leaves = [x for x in jax.tree.leaves(batch) if isinstance(x, jax.Array)]
+    leaves = [
+        x
+        for x in jax.tree.leaves(batch)
+        if isinstance(x, jax.Array) and not isinstance(x, Tracer)
+    ]
     donated = {id(x) for x in leaves}
     if not donated:
         return
+    if any(x.is_deleted() for x in leaves):
+        path = next(
+            path_str(p)
+            for p, x in jax.tree_util.tree_flatten_with_path(batch)[0]
+            if isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted()
+        )
+        raise ValueError(
+            f"`{where}(donate_batch=True)`: the batch leaf {path!r} is a deleted "
+            "array (an earlier call donated it, or it was deleted). Pass the data "
+            "again (a NumPy array, or a new device array), or keep the batch: "
+            "create the runner with donate_batch=False."
+        )
     if len(donated) < len(leaves):  # the same array twice in the batch
         seen: dict[int, str] = {}
         for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
