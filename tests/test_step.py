@@ -365,6 +365,45 @@ def test_padding_on_a_2d_mesh_pads_to_the_data_axis_and_compiles_ahead() -> None
         compiled({k: v[:9] for k, v in data.items()})
 
 
+def per_example_draws(
+    model: Any, batch: Any, ctx: Context, *, mask: Any
+) -> tuple[Any, Context]:
+    draws = jax.vmap(jax.random.uniform)(batch["key"]) + batch["x"]
+    return {"draws": draws, "mask": mask}, ctx
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_padding_pads_typed_key_leaves(axis_type: AxisType) -> None:
+    # issue 35 item 6: per-example typed keys in a padded batch gave NumPy's
+    # "PRNGKey dtype cannot be converted" TypeError, naming no leaf.
+    runner = MethodRunner.create(
+        {},
+        per_example_draws,
+        mesh=mesh_1d(axis_type),
+        prng_key=jax.random.key(0),
+        pad_batches=True,
+        mask_kwarg="mask",
+    )
+    keys = jax.random.split(jax.random.key(7), 5)
+    x = np.arange(5, dtype=np.float32)
+    want = np.asarray(jax.vmap(jax.random.uniform)(keys)) + x
+    for batch_keys in (keys, jax.device_put(keys, jax.devices()[3])):
+        _, out = runner({"key": batch_keys, "x": x})  # padded to 8 rows
+        np.testing.assert_allclose(np.asarray(out.output_batch["draws"]), want)
+        np.testing.assert_array_equal(np.asarray(out.output_batch["mask"]), [True] * 5)
+        np.testing.assert_array_equal(
+            jax.random.key_data(out.input_batch["key"]), jax.random.key_data(keys)
+        )
+
+    # Inside a trace (a runner called in `jax.jit`) the keys are padded there.
+    @jax.jit
+    def draws(keys: jax.Array, x: jax.Array) -> jax.Array:
+        return runner({"key": keys, "x": x})[1].output_batch["draws"]
+
+    with jax.set_mesh(runner.mesh):
+        np.testing.assert_allclose(np.asarray(draws(keys, jnp.asarray(x))), want)
+
+
 # -- donation ----------------------------------------------------------------------
 
 

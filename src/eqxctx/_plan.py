@@ -271,7 +271,15 @@ def batch_rows(
 
 
 def pad_rows(x: ArrayLeaf, size: int) -> ArrayLeaf:
-    """Return `x` with zero rows appended up to `size` rows (on the host if it can)."""
+    """Return `x` with zero rows appended up to `size` rows (on the host if it can).
+
+    A typed PRNG key array (per-example keys, `jax.random.key`) has no NumPy form:
+    its key data (`jax.random.key_data`) is padded with zeros and wrapped again
+    with its implementation, so the padded rows are the key of all-zero data.
+    """
+    if isinstance(x, jax.Array) and jax.numpy.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = pad_rows(jax.random.key_data(x), size)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
     if isinstance(x, Tracer):
         widths = [(0, size - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
         return jax.numpy.pad(x, widths)

@@ -217,7 +217,9 @@ class MethodRunner(TreeEquality):
                 it is split into (the data-parallel device count), or with
                 `batch_sizes` up to the smallest listed size >= the batch; the
                 outputs come back cut to the real rows. A batch that needs no padding
-                is not changed. Each padded size compiles once.
+                is not changed. Each padded size compiles once. Typed PRNG key
+                leaves (per-example keys) are padded too, with keys of all-zero
+                key data.
             batch_sizes: the padded sizes (e.g. `(64, 256, 1024)`), each a multiple
                 of the batch axis' shard count; needs `pad_batches=True`.
             mask_kwarg: if given, the method is also called with
