@@ -975,6 +975,15 @@ def test_running_on_batches_page(capsys: pytest.CaptureFixture[str]) -> None:
         rtol=1e-4,
         atol=1e-4,
     )
+    # The runner passed into `jax.jit` on an Explicit mesh (issue 35 item 15).
+    first = ns["batch"]
+    np.testing.assert_allclose(
+        np.asarray(ns["logits"]),
+        np.asarray(jax.nn.relu(first["x"] @ model.w1) @ model.w2),
+        rtol=1e-4,
+        atol=1e-4,
+    )
+    assert ns["logits"].sharding.mesh.axis_types == (AxisType.Explicit,)
 
 
 def test_is_training_and_param_partition_tree() -> None:
@@ -1414,3 +1423,53 @@ def test_one_trace_per_bucket(devices: int, axis_type: AxisType) -> None:
             np.asarray(out.output_batch["y"]), x @ w + noise, rtol=1e-6
         )
     assert runner.trace_count == 2  # one per bucket
+
+
+def test_explicit_runner_closed_over_in_jit_on_a_traced_host_batch() -> None:
+    # issue 35 item 15: JAX's "Length of device assignment 1 is not equal to the
+    # size of the mesh 8" (a jitted function whose only arguments are not on the
+    # mesh cannot return arrays typed with it); refused with eqxctx's message.
+    mesh = mesh_1d(AxisType.Explicit)
+    runner = MethodRunner.create(
+        {"w": jnp.float32(3.0)},
+        lambda p, b, ctx: ({"y": b["x"] * p["w"]}, ctx),
+        mesh=mesh,
+        prng_key=jax.random.key(0),
+    )
+    x = np.arange(32, dtype=np.float32).reshape(8, 4)
+
+    def closed_over(b: dict[str, Any]) -> jax.Array:
+        return runner(b)[1].output_batch["y"]
+
+    def passed_in(r: MethodRunner, b: dict[str, Any]) -> jax.Array:
+        return r(b)[1].output_batch["y"]
+
+    match = r"Explicit axes.*leaf 'x'.*not placed on its mesh.*jax.set_mesh"
+    for batch in ({"x": x}, {"x": jnp.asarray(x)}):
+        with pytest.raises(ValueError, match=match):
+            jax.jit(closed_over)(batch)
+        with pytest.raises(ValueError, match=match):
+            jax.eval_shape(closed_over, batch)
+        with pytest.raises(ValueError, match=match):
+            jax.grad(lambda b: jnp.sum(closed_over(b)))(batch)
+        # Each fix the message gives works, with the call's values.
+        with jax.set_mesh(mesh):
+            np.testing.assert_array_equal(
+                np.asarray(jax.jit(closed_over)(batch)), x * 3
+            )
+        y = jax.jit(passed_in)(runner, batch)
+        np.testing.assert_array_equal(np.asarray(y), x * 3)
+        placed = {"x": jax.device_put(x, NamedSharding(mesh, P("data")))}
+        np.testing.assert_array_equal(np.asarray(jax.jit(closed_over)(placed)), x * 3)
+    # A batch the traced function closes over is placed there, on the mesh.
+    y = jax.jit(lambda: closed_over({"x": x}))()
+    np.testing.assert_array_equal(np.asarray(y), x * 3)
+    # Auto axes need none of this.
+    auto = MethodRunner.create(
+        {"w": jnp.float32(3.0)},
+        lambda p, b, ctx: ({"y": b["x"] * p["w"]}, ctx),
+        mesh=mesh_1d(AxisType.Auto),
+        prng_key=jax.random.key(0),
+    )
+    y = jax.jit(lambda b: auto(b)[1].output_batch["y"])({"x": x})
+    np.testing.assert_array_equal(np.asarray(y), x * 3)

@@ -418,7 +418,12 @@ class MethodRunner(TreeEquality):
                 names an unknown mesh axis or has non-None entries beyond a leaf's
                 rank, or, with padding or a mask, if the leaves' leading sizes
                 differ or the batch is larger than the largest of `batch_sizes`
-                (naming the sizes), or, with a mask, if no leaf has rank >= 1.
+                (naming the sizes), or, with a mask, if no leaf has rank >= 1; on
+                a mesh with Explicit axes inside a traced function that closes over
+                the runner, with no context mesh, for a traced batch leaf not placed
+                on the mesh (naming it; JAX could not place the traced function's
+                outputs: set the mesh with `jax.set_mesh(runner.mesh)` or pass the
+                runner in as an argument).
             TypeError: if the method does not return `(output_batch, ctx)` (a
                 method returning `(ctx, output)` is told to swap them), or a batch
                 leaf is not an array (a `jax.ShapeDtypeStruct`: use `lower`; an

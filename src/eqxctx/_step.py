@@ -326,6 +326,40 @@ class Step:
             self.masks[(size, sharding)] = mask
         return mask
 
+    def check_traced_batch(self, prng_key: PRNGKeyArray, batch: Batch) -> None:
+        """Refuse a traced batch off the mesh, on Explicit axes, with no context mesh.
+
+        A traced function (`jax.jit`, `jax.eval_shape`, `jax.grad`) that closes
+        over the runner and gets the batch as arguments not placed on the mesh
+        (NumPy or single-device arrays) knows no mesh: its outputs, typed with the
+        runner's Explicit mesh, cannot be placed (JAX: "Length of device assignment
+        1 is not equal to the size of the mesh"; the same for plain JAX code).
+        A runner passed in as an argument (its key is traced on the mesh) or a
+        context mesh gives the trace the mesh. Runs on the slow path only.
+
+        Raises:
+            ValueError: naming the batch leaf and the three ways out.
+        """
+        if (
+            isinstance(prng_key, Tracer)
+            and not jax.typeof(prng_key).sharding.mesh.empty
+        ) or not jax.sharding.get_abstract_mesh().empty:
+            return
+        for path, x in _flatten_with_path(batch)[0]:
+            if isinstance(x, Tracer) and jax.typeof(x).sharding.mesh.empty:
+                raise ValueError(
+                    f"`MethodRunner`: a runner on a mesh with Explicit axes "
+                    f"({dict(self.mesh.shape)}) is called inside a traced function "
+                    f"(`jax.jit`, `jax.eval_shape`, `jax.grad`, ...) on the traced "
+                    f"batch leaf {path_str(path)!r}, which is not placed on its mesh "
+                    "(a NumPy or single-device array passed to the traced function), "
+                    "and no context mesh is set: the traced function's outputs "
+                    "cannot be placed on a mesh it does not know. Set the mesh "
+                    "around the traced call (`with jax.set_mesh(runner.mesh): "
+                    "...`), pass the runner in as an argument of the traced "
+                    "function, or pass a batch placed on the mesh."
+                )
+
     def place_kwargs(self, dynamic: PyTree) -> PyTree:
         """Replicate array keyword arguments committed to devices off the mesh.
 
@@ -447,6 +481,8 @@ class Step:
         if batch is None or last is None:
             leaves, treedef = flat if flat is not None else _flatten(input_batch)
             batch, mask, padding = self.place_batch(leaves, treedef)
+            if self.explicit:
+                self.check_traced_batch(prng_key, batch)
         else:
             mask, padding = last.mask, None
         if self.donate:
