@@ -404,6 +404,51 @@ def test_padding_pads_typed_key_leaves(axis_type: AxisType) -> None:
         np.testing.assert_allclose(np.asarray(draws(keys, jnp.asarray(x))), want)
 
 
+def test_lowering_a_padded_runner_for_rows_that_do_not_divide_names_the_size() -> None:
+    # issue 35 item 14: the message said "use a batch size divisible by 8" without
+    # saying that `lower` takes the padded size.
+    model, data = regressor(), eval_set(12)
+    kw: dict[str, Any] = {"prng_key": jax.random.PRNGKey(0), "mask_kwarg": "mask"}
+
+    def spec(rows: int) -> dict[str, jax.ShapeDtypeStruct]:
+        return {
+            k: jax.ShapeDtypeStruct((rows, v.shape[1]), v.dtype)
+            for k, v in data.items()
+        }
+
+    cases = [  # mesh, input partition, batch_sizes, rows, the size to lower for
+        (mesh_1d(AxisType.Explicit), DataPartition.FULL, None, 5, 8),
+        (mesh_1d(AxisType.Auto), DataPartition.FULL, (8, 16), 12, 16),
+        (mesh_2d(AxisType.Auto), DataPartition.BATCH, None, 5, 8),
+        (mesh_2d(AxisType.Auto), DataPartition.FULL, (4, 16), 7, 16),
+    ]
+    for mesh, partition, sizes, rows, padded in cases:
+        runner = MethodRunner.create(
+            model,
+            "evaluate",
+            mesh=mesh,
+            input_partition=partition,
+            pad_batches=True,
+            batch_sizes=sizes,
+            **kw,
+        )
+        with pytest.raises(
+            ValueError,
+            match=rf"`MethodRunner.lower`.*pad_batches=True.*padded size.*{rows} rows "
+            rf".*Lower for {padded} rows",
+        ):
+            runner.lower(spec(rows))
+        # Lowered for the padded size, it runs the smaller batch.
+        part = {k: v[:rows] for k, v in data.items()}
+        _, out = runner.lower(spec(padded)).compile()(part)
+        ref_y, _ = numpy_reference(model, part)
+        np.testing.assert_allclose(np.asarray(out.output_batch["y"]), ref_y, rtol=1e-5)
+    # Without padding the message is the divisibility one.
+    plain = MethodRunner.create(model, "evaluate", mesh=mesh_1d(AxisType.Auto), **kw)
+    with pytest.raises(ValueError, match=r"Leaf 't' of shape \(5, 3\).*divisible by 8"):
+        plain.lower(spec(5))
+
+
 # -- donation ----------------------------------------------------------------------
 
 

@@ -62,9 +62,19 @@ def _lower(
     )
     shardings: list[Sharding | None] = [getattr(x, "sharding", None) for x in leaves]
     todo = [i for i, s in enumerate(shardings) if not isinstance(s, NamedSharding)]
-    computed = leaf_shardings(
-        [specs[i] for i in todo], [with_path[i] for i in todo], mesh, kind="batch"
-    )
+    settings = step.settings
+
+    def computed_shardings(check: bool) -> list[NamedSharding]:
+        return leaf_shardings(
+            [specs[i] for i in todo],
+            [with_path[i] for i in todo],
+            mesh,
+            kind="batch",
+            check=check,
+        )
+
+    # With padding, rows that do not divide get their own message (below) first.
+    computed = computed_shardings(check=not settings.pad_batches)
     for i, s in zip(todo, computed, strict=True):
         shardings[i] = s
     named = cast("list[NamedSharding]", shardings)  # every entry is one now
@@ -74,13 +84,15 @@ def _lower(
     ]
     plan = step.plan_from(leaves, treedef, specs, named, with_path)
     mask = None
-    settings = step.settings
     if settings.pad_batches or settings.mask_kwarg is not None:
         plan.lowered_rows = batch_rows(leaves, treedef, plan.ranks, settings.mask_kwarg)
-        if settings.mask_kwarg is not None and plan.lowered_rows is not None:
-            mask = jax.ShapeDtypeStruct(
-                (plan.lowered_rows,), np.bool_, sharding=plan.mask_sharding
-            )
+    if settings.pad_batches:
+        _check_padded_rows(plan, settings.batch_sizes)
+        computed_shardings(check=True)  # the other dimensions
+    if plan.lowered_rows is not None and settings.mask_kwarg is not None:
+        mask = jax.ShapeDtypeStruct(
+            (plan.lowered_rows,), np.bool_, sharding=plan.mask_sharding
+        )
     batch = treedef.unflatten(structs)
     if kwargs:
         dynamic, static = step.split_kwargs(kwargs, structs=True)
@@ -90,6 +102,27 @@ def _lower(
         return LoweredRunner(runner, lowered, static, plan)
     lowered = step.jitted.lower(runner.param_leaves, runner.prng_key, batch, mask)
     return LoweredRunner(runner, lowered, None, plan)
+
+
+def _check_padded_rows(plan: BatchPlan, batch_sizes: tuple[int, ...] | None) -> None:
+    """Refuse a lowered batch size that a padded call could not have.
+
+    Raises:
+        ValueError: if the spec's rows do not divide over the batch axis' shards,
+            naming the size to lower for (the one a call pads such a batch to).
+    """
+    rows, multiple = plan.lowered_rows, plan.multiple
+    if rows is None or rows % multiple == 0:
+        return
+    fits = [n for n in batch_sizes or () if n >= rows and n % multiple == 0]
+    padded = fits[0] if fits else -(-rows // multiple) * multiple
+    raise ValueError(
+        "`MethodRunner.lower`: with `pad_batches=True` the batch spec's leading size "
+        "is the padded size the step is compiled for (the compiled runner pads "
+        f"smaller batches to it); {rows} rows do not divide over the {multiple} "
+        f"shards of the batch axis. Lower for {padded} rows, the size a call pads "
+        f"a batch of {rows} rows to."
+    )
 
 
 class _Staged:

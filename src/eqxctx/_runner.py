@@ -455,8 +455,10 @@ class MethodRunner(TreeEquality):
         Args:
             batch_spec: a PyTree of `jax.ShapeDtypeStruct` (with or without
                 shardings; without, the input partition's) or of arrays. With
-                `pad_batches=True`, its leading size is the size that smaller
-                batches are padded to by the compiled runner.
+                `pad_batches=True`, its leading size is the padded size: the
+                compiled runner pads smaller batches to it, so it must divide over
+                the batch axis' shards (lower for the size a call pads your
+                largest batch to).
             **kwargs: the method's keyword arguments (as for a call; an array
                 one may be given as a `jax.ShapeDtypeStruct`). The compiled runner
                 is called with the same names: array values may change, the other
@@ -470,7 +472,9 @@ class MethodRunner(TreeEquality):
         Raises:
             ValueError: if a batch dimension does not divide over the mesh axes it
                 is split over, or the input partition tree does not match
-                `batch_spec` (naming the leaf, its shape and the axes).
+                `batch_spec` (naming the leaf, its shape and the axes); with
+                `pad_batches=True`, a leading size that does not divide over the
+                batch axis' shards names the padded size to lower for.
         """
         return lower_runner(self, batch_spec, **kwargs)
 
