@@ -975,6 +975,15 @@ def test_running_on_batches_page(capsys: pytest.CaptureFixture[str]) -> None:
         rtol=1e-4,
         atol=1e-4,
     )
+    # The loop with a bounded window (issue 35 item 9) equals `run_batches`.
+    assert len(ns["loop_logits"]) == len(batches)
+    for got, batch in zip(ns["loop_logits"], batches, strict=True):
+        np.testing.assert_allclose(
+            np.asarray(got["logits"]),
+            np.asarray(jax.nn.relu(batch["x"] @ model.w1) @ model.w2),
+            rtol=1e-4,
+            atol=1e-4,
+        )
     # The runner passed into `jax.jit` on an Explicit mesh (issue 35 item 15).
     first = ns["batch"]
     np.testing.assert_allclose(
