@@ -33,7 +33,8 @@ def make_model() -> Any:
         ) -> tuple[dict[str, jax.Array], eqxctx.Context]:
             y = batch["x"] @ self.w
             noise = jax.random.uniform(ctx.prng_key, (batch["x"].shape[0],))
-            ctx = ctx.add_summary("y_sum", jnp.sum(y))
+            # The real rows only under `pad_batches=True` (issue 35 item 4).
+            ctx = ctx.add_summary("y_sum", jnp.sum(y, where=ctx.row_where(y)))
             ctx = ctx.add_module_output("w_norm", jnp.sum(self.w * self.w))
             return {"y": y, "noise": noise}, ctx
 

@@ -1,3 +1,5 @@
+import copy
+import pickle
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -9,6 +11,7 @@ import jaxtyping
 import numpy as np
 import pytest
 
+import eqxctx
 from eqxctx import (
     Context,
     OutputCollection,
@@ -334,3 +337,107 @@ def test_is_training_and_root_names_are_checked() -> None:
             Context.root(name=name)  # pyright: ignore[reportArgumentType]
     typed = Context.root(prng_key=jax.random.key(0)).child("a")
     assert jnp.issubdtype(typed.prng_key.dtype, jax.dtypes.prng_key)
+
+
+# -- the padded step's row mask (issue 35 item 4: reachable from any context) -------
+
+
+def test_row_mask_reaches_every_context_and_transformation() -> None:
+    def look(ctx: Context) -> Context:
+        assert ctx.row_mask is not None
+        return ctx.add_summary("mask", ctx.row_mask.astype(jnp.int32))
+
+    def layer(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+        ctx = look(ctx)
+
+        def body(c: jax.Array, x_i: jax.Array, ctx_i: Context) -> Any:
+            return c + x_i, None, look(ctx_i)
+
+        _, _, coll = eqxctx.scan_in_context(
+            body, context=ctx, carry=jnp.float32(0), xs=jnp.arange(2.0)
+        )
+        ctx = ctx.merge(coll)
+        _, coll = eqxctx.vmap_in_context(
+            lambda x_i, c: (x_i, look(c)), context=ctx, xs=x, child_name_prefix="ex"
+        )
+        ctx = ctx.merge(coll)
+        _, coll = eqxctx.cond_in_context(
+            True, lambda c: (None, look(c)), lambda c: (None, look(c)), context=ctx
+        )
+        ctx = ctx.merge(coll)
+        _, coll = eqxctx.fori_in_context(
+            0, 2, lambda i, v, c: (v, look(c)), 0.0, context=ctx, child_name="loop"
+        )
+        ctx = ctx.merge(coll)
+        # A transformation of a function taking the context rebuilds it.
+        inner = jax.jit(lambda c: look(c.child("jit")).collection)(ctx)
+        ctx = ctx.merge(OutputCollection.empty().add_child("jit", inner))
+        return x, ctx
+
+    @jax.jit
+    def step(x: jax.Array, m: jax.Array) -> Any:
+        root = Context.root(prng_key=jax.random.key(0), row_mask=m)
+        _, ctx = root.call("layer", layer, x)
+        ctx = look(ctx.child("other", prng_key=jax.random.key(1)))
+        return root.call("layer", layer, x)[1].collection, ctx.collection
+
+    coll, other = step(jnp.arange(3.0), jnp.asarray([True, True, False]))
+    flat = coll.flatten("summaries") | other.flatten("summaries")
+    assert sorted(flat) == [
+        "layer/cond/mask",
+        *[f"layer/ex{i}/mask" for i in range(3)],  # each example sees every row
+        "layer/iter0/mask",
+        "layer/iter1/mask",
+        "layer/jit/mask",
+        "layer/loop0/mask",
+        "layer/loop1/mask",
+        "layer/mask",
+        "mask",  # the child made with its own key
+    ]
+    for path, value in flat.items():
+        rows = np.asarray(value).reshape(-1, 3)
+        np.testing.assert_array_equal(rows, [[1, 1, 0]] * len(rows), err_msg=path)
+    # Outside a padded step there is none.
+    plain = Context.root()
+    assert plain.row_mask is None
+    assert plain.child("a").row_mask is None
+    assert plain.row_where(jnp.ones((3, 2))) is None
+
+
+def test_row_where_broadcasts_over_the_other_axes() -> None:
+    from eqxctx._rows import check_row_mask
+
+    mask = np.array([True, False, True, False])
+    ctx = Context.root(row_mask=mask).child("stats")
+    x = np.arange(24, dtype=np.float32).reshape(4, 3, 2)
+    where = ctx.row_where(x)
+    assert where is not None
+    assert where.shape == (4, 1, 1)
+    stats = eqxctx.MomentsSummary(x, where=ctx.row_where(x)).value()
+    real = x[mask]
+    assert int(stats["count"]) == real.size
+    np.testing.assert_allclose(float(stats["mean"]), real.mean())
+    np.testing.assert_allclose(float(stats["variance"]), real.var(), rtol=1e-6)
+    hist = eqxctx.HistogramSummary(x, where=ctx.row_where(x), bins=4, range=(0, 24))
+    np.testing.assert_array_equal(
+        np.asarray(hist.value()), np.histogram(real, bins=4, range=(0, 24))[0]
+    )
+    with pytest.raises(
+        ValueError, match=r"row_where\(x\)` in context 'root/stats'.*\(3,\)"
+    ):
+        ctx.row_where(np.ones(3))
+    with pytest.raises(ValueError, match=r"row_where.*shape \(\)"):
+        ctx.row_where(np.float32(1))
+    for bad in (np.ones(4), np.ones((4, 1), bool)):
+        with pytest.raises(TypeError, match=r"`Context.root\(row_mask=...\)`"):
+            Context.root(row_mask=bad)
+    # The suite's runtime type checks refuse a list first (a `TypeError` too).
+    with pytest.raises(TypeError, match="row_mask"):
+        Context.root(row_mask=[True, False])  # pyright: ignore[reportArgumentType]
+    with pytest.raises(TypeError, match=r"`Context\(row_mask=...\)`.*got list"):
+        check_row_mask([True, False], "Context")
+    # Kept by a copy and a pickle round trip, and shown by repr.
+    for c in (copy.deepcopy(ctx), pickle.loads(pickle.dumps(ctx))):
+        np.testing.assert_array_equal(np.asarray(c.row_mask), mask)
+    assert "row_mask=" in repr(ctx)
+    assert "row_mask" not in repr(Context.root())

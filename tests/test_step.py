@@ -4,6 +4,7 @@ padding with a mask, donation; on 8 simulated CPU devices."""
 import dataclasses
 import gc
 import re
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any
@@ -402,6 +403,145 @@ def test_padding_pads_typed_key_leaves(axis_type: AxisType) -> None:
 
     with jax.set_mesh(runner.mesh):
         np.testing.assert_allclose(np.asarray(draws(keys, jnp.asarray(x))), want)
+
+
+class Deep(eqx.Module):
+    """Summaries of the rows two levels down (a call, then a scan over layers)."""
+
+    w: jax.Array  # [layers, features, features]
+
+    def evaluate(
+        self, batch: dict[str, jax.Array], ctx: Context
+    ) -> tuple[dict[str, jax.Array], Context]:
+        def layer(h: jax.Array, w: jax.Array, ctx: Context) -> Any:
+            h = jnp.tanh(h @ w)
+            rows = ctx.row_mask
+            assert rows is not None  # a padded step
+            n = jnp.sum(rows.astype(jnp.float32))
+            mean = jnp.sum(jnp.where(rows[:, None], h, 0.0)) / (n * h.shape[1])
+            ctx = ctx.add_summary("mean", eqxctx.WeightedSummary(mean, n))
+            ctx = ctx.add_summary("h", eqxctx.MomentsSummary(h, where=ctx.row_where(h)))
+            return h, None, ctx
+
+        def stack(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+            h, _, coll = eqxctx.scan_in_context(
+                layer, context=ctx, carry=x, xs=self.w, merge_summaries=True
+            )
+            return h, ctx.merge(coll)
+
+        h, ctx = ctx.call("stack", stack, batch["x"])
+        return {"h": h}, ctx
+
+
+def deep_reference(model: Deep, x: np.ndarray) -> list[np.ndarray]:
+    """Each layer's activations over the real rows, in NumPy (float64)."""
+    h, out = x.astype(np.float64), []
+    for w in np.asarray(model.w):
+        h = np.tanh(h @ w)
+        out.append(h)
+    return out
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_padded_summaries_read_the_row_mask_from_any_context(
+    axis_type: AxisType,
+) -> None:
+    # issue 35 item 4: without `mask_kwarg` the zero rows counted in every summary
+    # (a mean of 0.192 with weight 24 where the 9 real rows give 0.513 with weight
+    # 9), and with it the mask had to be threaded by hand down to each summary.
+    model = Deep(jax.random.normal(jax.random.PRNGKey(3), (2, 4, 4)) / 2)
+    runner = MethodRunner.create(
+        model,
+        "evaluate",
+        mesh=mesh_1d(axis_type),
+        prng_key=jax.random.PRNGKey(0),
+        pad_batches=True,
+    )
+    x = np.random.default_rng(0).normal(size=(29, 4)).astype(np.float32)
+    batches = [x[:9], x[9:25], x[25:]]  # 9 -> 16, 16 (no padding), 4 -> 8 rows
+    acc = eqxctx.SummaryAccumulator()
+    for batch, out in zip(
+        batches, eqxctx.run_batches(runner, [{"x": b} for b in batches]), strict=True
+    ):
+        assert out.output_batch["h"].shape == (len(batch), 4)
+        acc = acc.update(out.summaries)
+    got = acc.summaries()["stack"]["iter"]
+    layers = deep_reference(model, x)
+    every = np.concatenate(layers)  # merged over the layers, as the scan does
+    assert float(got["mean"].weight) == 2 * len(x)  # real rows, once per layer
+    np.testing.assert_allclose(float(got["mean"].value()), every.mean(), rtol=1e-5)
+    stats = got["h"].value()
+    assert int(stats["count"]) == every.size
+    np.testing.assert_allclose(float(stats["mean"]), every.mean(), rtol=1e-5)
+    np.testing.assert_allclose(float(stats["variance"]), every.var(), rtol=1e-4)
+    np.testing.assert_allclose(float(stats["min"]), every.min(), rtol=1e-5)
+    np.testing.assert_allclose(float(stats["max"]), every.max(), rtol=1e-5)
+    # The same ahead of time: the compiled runner passes the mask too.
+    spec = {"x": jax.ShapeDtypeStruct((16, 4), jnp.float32)}
+    _, out = runner.lower(spec).compile()({"x": x[:9]})
+    _, want = runner({"x": x[:9]})
+    np.testing.assert_allclose(
+        float(out.summaries["stack"]["iter"]["mean"].value()),
+        float(want.summaries["stack"]["iter"]["mean"].value()),
+        rtol=1e-6,
+    )
+
+
+def unmasked_mean(
+    model: Any, batch: dict[str, jax.Array], ctx: Context
+) -> tuple[dict[str, jax.Array], Context]:
+    n = jnp.float32(batch["x"].shape[0])
+    ctx = ctx.add_summary("mean", eqxctx.WeightedSummary(jnp.mean(batch["x"]), n))
+    return {"y": batch["x"]}, ctx
+
+
+def test_a_padded_step_whose_summaries_never_read_the_mask_warns_once() -> None:
+    # issue 35 item 4: the padded rows counted "without a word".
+    mesh = mesh_1d(AxisType.Auto)
+    kw: dict[str, Any] = {"mesh": mesh, "prng_key": jax.random.PRNGKey(0)}
+
+    def method(*args: Any) -> Any:  # a step of its own: it warns once
+        return unmasked_mean(*args)
+
+    runner = MethodRunner.create({}, method, pad_batches=True, **kw)
+    x = np.ones((9, 2), np.float32)
+    with pytest.warns(
+        UserWarning, match=r"pad_batches=True.*summaries \('mean'\).*ctx.row_mask"
+    ):
+        _, out = runner({"x": x})
+    # What it warns about: the mean counts the 7 zero rows of the padded 16.
+    assert float(out.summaries["mean"].weight) == 16
+    np.testing.assert_allclose(float(out.summaries["mean"].value()), 9 / 16)
+    # Once: not again for this signature, nor for a new padded size.
+    runner({"x": x})
+    runner({"x": np.ones((3, 2), np.float32)})
+    assert runner.trace_count == 2
+    # The documented filter silences it.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*never read the row mask")
+
+        def again(*args: Any) -> Any:
+            return unmasked_mean(*args)
+
+        MethodRunner.create({}, again, pad_batches=True, **kw)({"x": x})
+    # A method that reads the mask, or gets it as `mask_kwarg`, is not warned.
+
+    def reads(model: Any, batch: Any, ctx: Context) -> Any:
+        del model
+        assert ctx.row_mask is not None
+        return unmasked_mean({}, batch, ctx)
+
+    MethodRunner.create({}, reads, pad_batches=True, **kw)({"x": x})
+
+    def takes(model: Any, batch: Any, ctx: Context, *, mask: jax.Array) -> Any:
+        assert ctx.row_mask is mask  # the same array
+        return unmasked_mean(model, batch, ctx)
+
+    MethodRunner.create({}, takes, pad_batches=True, mask_kwarg="mask", **kw)({"x": x})
+    # Without padding there is no mask and nothing to warn about.
+    plain = MethodRunner.create({}, method, **kw)
+    _, out = plain({"x": np.ones((8, 2), np.float32)})
+    assert float(out.summaries["mean"].weight) == 8
 
 
 def test_lowering_a_padded_runner_for_rows_that_do_not_divide_names_the_size() -> None:

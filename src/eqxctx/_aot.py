@@ -89,7 +89,7 @@ def _lower(
     if settings.pad_batches:
         _check_padded_rows(plan, settings.batch_sizes)
         computed_shardings(check=True)  # the other dimensions
-    if plan.lowered_rows is not None and settings.mask_kwarg is not None:
+    if plan.lowered_rows is not None and step.makes_mask:
         mask = jax.ShapeDtypeStruct(
             (plan.lowered_rows,), np.bool_, sharding=plan.mask_sharding
         )

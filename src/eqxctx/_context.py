@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
-from jaxtyping import Array
+from jaxtyping import Array, ArrayLike, Bool
 
 from . import _traces
 from ._checks import note_missing_key
@@ -30,6 +30,7 @@ from ._collection import (
 from ._errors import CALL_TWICE_HINT, PREFIX_HINT, OutputConflictError
 from ._frozen import TreeEquality
 from ._leaves import validate_leaf_name
+from ._rows import RowMask, check_row_mask, row_where
 from ._scope import child_scope
 from ._typing import ArrayTree, Children, Leaf, MaybeKey, Names, PRNGKey, R
 
@@ -134,12 +135,14 @@ class Context(TreeEquality):
         is_training: training mode.
         collection: the context's outputs.
         summary_level: the summary level (see `Context.root`), or None.
+        row_mask: the batch's real rows (see `Context.root`), or None.
 
     Raises:
         TypeError: if `path` is not a non-empty tuple (or list) of names, `prng_key`
             is neither None, a raw `uint32[2]` key nor a typed key, `is_training` is
-            not a bool, `collection` is not an `OutputCollection`, or
-            `summary_level` is neither None nor an int.
+            not a bool, `collection` is not an `OutputCollection`,
+            `summary_level` is neither None nor an int, or `row_mask` is neither
+            None nor a `bool[batch]` array.
         ValueError: for an invalid name in `path` (names match `^[a-z][a-z0-9_]*$`).
 
     Attributes:
@@ -153,6 +156,9 @@ class Context(TreeEquality):
             are dropped (static; None keeps everything). Set at the root
             (`Context.root`, `functional`, `MethodRunner.create`) and inherited by
             every child and every iteration of a scan, vmap, branch or loop.
+        row_mask: under a padded `MethodRunner` step, `bool[batch]` (True for the
+            batch's real rows, traced); None elsewhere. Inherited like
+            `summary_level`; see `Context.row_mask`.
 
     Examples:
         >>> ctx = Context.root(prng_key=jax.random.PRNGKey(0))
@@ -174,13 +180,15 @@ class Context(TreeEquality):
         is_training: bool,
         collection: OutputCollection,
         summary_level: int | None = None,
+        row_mask: Bool[Array, " batch"] | np.ndarray | None = None,
     ):
         names = _check_path(path)
         key = check_prng_key(prng_key, "Context")
         training = check_is_training(is_training, "Context")
         check_is_collection(collection, "Context", "collection")
         level = check_summary_level(summary_level, "Context")
-        frame = _Frame(names, key, training, False, level, None)
+        mask = check_row_mask(row_mask, "Context")
+        frame = _Frame(names, key, training, False, level, None, row_mask=mask)
         _set_frame(self, frame)
         _set_collection(self, collection)
 
@@ -188,13 +196,17 @@ class Context(TreeEquality):
         raise dataclasses.FrozenInstanceError(f"cannot assign to field '{name}'")
 
     def __repr__(self) -> str:
+        mask = self._frame.row_mask
         return (
             f"Context(path={self.path!r}, prng_key={self.prng_key!r}, "
             f"is_training={self.is_training!r}, collection={self.collection!r}, "
-            f"summary_level={self.summary_level!r})"
+            f"summary_level={self.summary_level!r}"
+            + ("" if mask is None else f", row_mask={mask.array!r}")
+            + ")"
         )
 
     def __reduce__(self) -> tuple[object, ...]:
+        mask = self._frame.row_mask
         return (
             Context,
             (
@@ -203,6 +215,7 @@ class Context(TreeEquality):
                 self.is_training,
                 self.collection,
                 self.summary_level,
+                None if mask is None else mask.array,
             ),
         )
 
@@ -239,6 +252,54 @@ class Context(TreeEquality):
         """The summary level (static): see `Context.root`."""
         return self._frame.summary_level
 
+    @property
+    def row_mask(self) -> Bool[Array, " batch"] | np.ndarray | None:
+        """The real rows of the padded batch: `bool[batch]`, or None (traced).
+
+        Under a `MethodRunner` step with `pad_batches=True` (or a `mask_kwarg`),
+        True for the batch's real rows and False for the zero rows it was padded
+        with (all True for a batch that needed no padding); None in any other
+        context. Set at the root (`Context.root(row_mask=...)`) and inherited by
+        every child and every iteration of a scan, vmap, branch or loop, and kept
+        through JAX transformations of a function taking the context; inside a
+        `vmap_in_context` it is still the whole batch's mask. Summaries over the
+        rows should count only the real ones: `MomentsSummary(x,
+        where=ctx.row_where(x))`, `HistogramSummary(x, where=ctx.row_where(x))`,
+        a `WeightedSummary` weighted by `jnp.sum(ctx.row_mask)`.
+
+        Reading it tells the runner that the method handles padding: a padded step
+        whose summaries never read it warns once (see `MethodRunner.create`).
+        """
+        mask = self._frame.row_mask
+        if mask is None:
+            return None
+        mask.reads.read = True
+        return mask.array
+
+    def row_where(self, x: ArrayLike) -> Bool[Array, "batch ..."] | np.ndarray | None:
+        """Return `where=` for a summary of `x`'s rows: the row mask, or None.
+
+        The mask (`Context.row_mask`) reshaped to `[batch, 1, ..., 1]` with `x`'s
+        rank, so that it broadcasts over `x`'s other axes as NumPy's `where=` does;
+        None outside a padded step (so `MomentsSummary(x, where=ctx.row_where(x))`
+        is right in both).
+
+        Args:
+            x: an array whose leading axis is the batch's (any dtype; only its
+                shape is read).
+
+        Returns:
+            `bool[batch, 1, ..., 1]` of `x`'s rank, or None.
+
+        Raises:
+            ValueError: under a padded step, for a scalar `x` or one whose leading
+                size is not the batch's (naming the context path).
+        """
+        mask = self.row_mask
+        if mask is None:
+            return None
+        return row_where(mask, x, "/".join(self.path))
+
     @classmethod
     def root(
         cls,
@@ -247,6 +308,7 @@ class Context(TreeEquality):
         is_training: bool | np.bool_ = False,
         name: str = "root",
         summary_level: int | None = None,
+        row_mask: Bool[Array, " batch"] | np.ndarray | None = None,
     ) -> "Context":
         """Return a root context with an empty collection.
 
@@ -258,18 +320,24 @@ class Context(TreeEquality):
             summary_level: keep only summaries and module outputs added with
                 `level <= summary_level` (static, inherited by every child and
                 iteration context); None keeps everything.
+            row_mask: `bool[batch]`, True for the real rows of a padded batch
+                (traced), inherited by every child and iteration context and read
+                as `ctx.row_mask`; None (the default) outside a padded step. A
+                `MethodRunner` with `pad_batches=True` sets it.
 
         Raises:
             ValueError: for an invalid name.
             TypeError: if `is_training` is not a bool, `summary_level` is neither
-                None nor an int, or `prng_key` is neither None, a raw `uint32[2]` key
-                nor a typed key (the message says what it got).
+                None nor an int, `prng_key` is neither None, a raw `uint32[2]` key
+                nor a typed key (the message says what it got), or `row_mask` is
+                neither None nor a rank-1 bool array.
         """
         validate_child_name(name, where="Context.root(name=...)")
         key = check_prng_key(prng_key, "Context.root")
         training = check_is_training(is_training, "Context.root")
         level = check_summary_level(summary_level, "Context.root")
-        frame = _Frame((name,), key, training, False, level, None)
+        mask = check_row_mask(row_mask, "Context.root")
+        frame = _Frame((name,), key, training, False, level, None, row_mask=mask)
         return _make(frame, OutputCollection.empty())
 
     @property
@@ -330,6 +398,7 @@ class Context(TreeEquality):
                 frame.shape_only,
                 frame.summary_level,
                 frame.gradients,
+                row_mask=frame.row_mask,
             ),
             _EMPTY,
         )
@@ -570,6 +639,7 @@ class _Frame:
         "is_training",
         "name",
         "path",
+        "row_mask",
         "shape_only",
         "summary_level",
         "trace",
@@ -587,6 +657,8 @@ class _Frame:
         gradients: GradientSinks,
         up: "_Frame | None" = None,
         name: str | None = None,
+        *,
+        row_mask: RowMask | None = None,
     ) -> None:
         self.path = path
         self.base_key = base_key
@@ -599,6 +671,8 @@ class _Frame:
         self.gradients = gradients
         self.up = up
         self.name = name
+        # The padded step's row mask (`Context.row_mask`), inherited as is.
+        self.row_mask = row_mask
         # A child's frame: the JAX trace it was made under, and its key derived as a
         # tracer of that trace, kept and reused only under it (`_derive_key`).
         self.trace: object = None
@@ -646,6 +720,7 @@ def _child_frame(parent: _Frame, name: str, is_training: bool) -> _Frame:
         parent.gradients,
         parent,
         name,
+        row_mask=parent.row_mask,
     )
     frame.trace = _traces.current_trace()
     return frame
@@ -747,6 +822,7 @@ def iteration_context(
             shape_only or frame.shape_only,
             frame.summary_level,
             frame.gradients if gradients is _UNSET else gradients,
+            row_mask=frame.row_mask,
         ),
         _EMPTY,
     )
@@ -772,6 +848,12 @@ def gradient_root(
     return _make(frame, _EMPTY)
 
 
+def row_mask_read(ctx: Context) -> bool:
+    """Whether model code read `ctx`'s row mask (in any context of its root)."""
+    mask = ctx._frame.row_mask  # pyright: ignore[reportPrivateUsage]
+    return mask is not None and mask.reads.read
+
+
 def is_shape_only(ctx: Context) -> bool:
     """Whether `ctx` is used inside one of eqxctx's shape-only passes."""
     return ctx._frame.shape_only  # pyright: ignore[reportPrivateUsage]
@@ -788,6 +870,7 @@ _KEYS = (
     jax.tree_util.GetAttrKey("prng_key"),
     jax.tree_util.GetAttrKey("collection"),
     jax.tree_util.GetAttrKey("gradients"),
+    jax.tree_util.GetAttrKey("row_mask"),
 )
 
 
@@ -804,19 +887,23 @@ def _flatten_with_keys(ctx: Context) -> tuple[list[Any], _Aux]:
 
 
 def _flatten(ctx: Context) -> tuple[tuple[object, ...], _Aux]:
-    # The gradient sinks (under `value_and_grad` only) are children too, so that
-    # they pass through transformations of a function taking the context.
+    # The gradient sinks (under `value_and_grad` only) and the row mask (in a padded
+    # runner step only) are children too, so that they pass through transformations
+    # of a function taking the context; None (an empty subtree) where one is absent.
     aux = (ctx.path, ctx.is_training, ctx.summary_level)
-    grads = ctx._frame.gradients  # pyright: ignore[reportPrivateUsage]
-    if grads is None:
+    frame = ctx._frame  # pyright: ignore[reportPrivateUsage]
+    grads, mask = frame.gradients, frame.row_mask
+    if grads is None and mask is None:
         return (ctx.prng_key, ctx.collection), aux
-    return (ctx.prng_key, ctx.collection, grads), aux
+    return (ctx.prng_key, ctx.collection, grads, mask), aux
 
 
 def _unflatten(aux: _Aux, children: Children) -> Context:
     path, is_training, level = aux
-    grads = children[2] if len(children) == 3 else None
-    frame = _Frame(path, children[0], is_training, False, level, grads)
+    grads = mask = None
+    if len(children) == 4:
+        grads, mask = children[2], children[3]
+    frame = _Frame(path, children[0], is_training, False, level, grads, row_mask=mask)
     return _make(frame, children[1])
 
 

@@ -219,14 +219,21 @@ class MethodRunner(TreeEquality):
                 outputs come back cut to the real rows. A batch that needs no padding
                 is not changed. Each padded size compiles once. Typed PRNG key
                 leaves (per-example keys) are padded too, with keys of all-zero
-                key data.
+                key data. Every context of the step holds the real rows' mask,
+                `ctx.row_mask` (`bool[padded_batch]`, split like the batch axis),
+                for summaries to count only those rows (`MomentsSummary(x,
+                where=ctx.row_where(x))`); if the method adds summaries but never
+                reads it (and has no `mask_kwarg`), a `UserWarning` says so, once
+                per runner settings: the padded zero rows would count in them.
             batch_sizes: the padded sizes (e.g. `(64, 256, 1024)`), each a multiple
                 of the batch axis' shard count; needs `pad_batches=True`.
             mask_kwarg: if given, the method is also called with
                 `**{mask_kwarg: mask}`, `mask` a `bool[padded_batch]` that is True for
                 real rows (all True for a batch that needs no padding), split like
                 the batch axis; use it to weight summaries (`WeightedSummary(mean,
-                weight=mask.sum())`). Every batch needs a leaf of rank >= 1.
+                weight=mask.sum())`). It is `ctx.row_mask` too, which every context
+                of the step holds (no need to pass it down). Every batch needs a
+                leaf of rank >= 1.
             donate_batch: donate the placed batch's buffers to the step (JAX's
                 `donate_argnums`): XLA may reuse them for outputs of the same shape
                 and dtype, and such donated input arrays are deleted after the call

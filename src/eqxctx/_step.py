@@ -126,6 +126,7 @@ class Step:
         "jitted",
         "jitted_kwargs",
         "last",
+        "makes_mask",
         "masks",
         "mesh",
         "mesh_devices",
@@ -136,6 +137,7 @@ class Step:
         "settings",
         "static_model",
         "traces",
+        "warned_unmasked",
     )
 
     def __init__(self, settings: Settings, output_cls: Any):
@@ -155,6 +157,11 @@ class Step:
         self.plans: dict[TreeDef, BatchPlan] = {}
         self.last: BatchPlan | None = None
         self.masks: dict[tuple[int, NamedSharding], jax.Array] = {}
+        # The rows mask goes to the method (`mask_kwarg`) and to the root context
+        # (`Context.row_mask`) of a padding runner.
+        self.makes_mask = settings.pad_batches or settings.mask_kwarg is not None
+        # Whether a padded step's summaries that never read the mask were reported.
+        self.warned_unmasked = False
         self.output_cls = output_cls  # `MethodRunner.Output`
         self.donate = donate = settings.donate_batch
         # ~1 µs per call saved over `jax.jit(..., static_argnums=...)` on the
@@ -259,7 +266,7 @@ class Step:
         placed = place(leaves, plan.shardings, paths=paths, process_local=True)
         tracing = any(isinstance(x, Tracer) for x in placed)
         mask = None
-        if rows is not None and settings.mask_kwarg is not None:
+        if rows is not None and self.makes_mask:
             size = rows if padding is None else padding.size
             mask = self.mask(rows, size, plan.mask_sharding, tracing=tracing)
         if lowered is None and not tracing:
@@ -319,10 +326,14 @@ class Step:
         if tracing:
             return host
         if rows != size:
-            return to_global(host, sharding, path=str(self.settings.mask_kwarg))
+            return to_global(
+                host, sharding, path=self.settings.mask_kwarg or "row_mask"
+            )
         mask = self.masks.get((size, sharding))
         if mask is None:
-            mask = to_global(host, sharding, path=str(self.settings.mask_kwarg))
+            mask = to_global(
+                host, sharding, path=self.settings.mask_kwarg or "row_mask"
+            )
             self.masks[(size, sharding)] = mask
         return mask
 

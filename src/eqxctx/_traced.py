@@ -7,6 +7,7 @@ treedef (`StaticOut`, as `eqx.filter_jit` does). `Step` (`_step.py`) jits these
 functions closed over itself.
 """
 
+import warnings
 from typing import TYPE_CHECKING
 
 import equinox as eqx
@@ -14,7 +15,7 @@ import jax
 from jaxtyping import Array
 
 from ._collection import OutputCollection
-from ._context import Context, check_returns_context
+from ._context import Context, check_returns_context, row_mask_read
 from ._frozen import Frozen
 from ._transfer import (
     constrain,
@@ -75,7 +76,9 @@ def run_step(
         prng_key=iter_key,
         is_training=settings.is_training,
         summary_level=settings.summary_level,
+        row_mask=mask,
     )
+    root = ctx
     method = settings.method
     if isinstance(method, str):
         result = getattr(model, method)(batch, ctx, **kwargs)
@@ -94,6 +97,8 @@ def run_step(
             "context last, as in `y, state = layer(x, state)`). Swap the order."
         )
     output_batch, ctx = check_returns_context(result, what)
+    if settings.pad_batches and settings.mask_kwarg is None and mask is not None:
+        _warn_unmasked(step, root, ctx)
     output_batch = constrain_tree(
         output_batch,
         step.output_partition,
@@ -116,6 +121,33 @@ def run_step(
     has_static = any(x is not None for x in jax.tree.leaves(static))
     # None (an empty PyTree, unflattened in C++) when every output is an array.
     return new_key, dynamic, StaticOut(static) if has_static else None
+
+
+def _warn_unmasked(step: "Step", root: Context, ctx: Context) -> None:
+    """Warn once per step when a padded step's summaries never read the row mask.
+
+    The padded rows are zeros that every summary over the rows would count (a mean
+    of 0.19 with weight 24 where the 9 real rows give 0.51 with weight 9). Reading
+    `ctx.row_mask` (or `row_where`) anywhere in the method counts as handling it.
+    """
+    summaries = ctx.collection.summaries
+    if step.warned_unmasked or not summaries or row_mask_read(root):
+        return
+    step.warned_unmasked = True
+    names = ", ".join(repr(str(k)) for k in list(summaries)[:3])
+    warnings.warn(
+        f"`MethodRunner(pad_batches=True)`: the method added summaries ({names}"
+        f"{', ...' if len(summaries) > 3 else ''}) but never read the row mask "
+        "(`ctx.row_mask`): the zero rows a batch is padded with count in every "
+        "summary computed over its rows. Count only the real rows: "
+        "`MomentsSummary(x, where=ctx.row_where(x))`, `HistogramSummary(x, "
+        "where=ctx.row_where(x))`, a `WeightedSummary` weighted by "
+        "`jnp.sum(ctx.row_mask)`. Summaries that do not depend on the rows are "
+        "right as they are: read `ctx.row_mask` once to say so. (Warned once per "
+        "runner settings.)",
+        UserWarning,
+        stacklevel=2,
+    )
 
 
 def run_step_without_kwargs(
