@@ -134,7 +134,7 @@ def name_stack_bytes_per_level() -> list[str]:
         _chain_bottom(300, lambda: None)
         for label in ("child_scope", "named_scope"):
             if label == "named_scope":
-                context_module.child_scope = jax.named_scope  # pyright: ignore[reportAttributeAccessIssue]
+                context_module.child_scope = jax.named_scope
             tracemalloc.start()
             try:
                 size = {k: _chain_bottom(k, name_stack_bytes) for k in (200, 300)}

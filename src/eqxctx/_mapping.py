@@ -24,6 +24,8 @@ keeps its spans in a second trie; `reserver(name)` splits the trailing digits of
 `name` and looks the prefix up there.
 """
 
+# pyright: reportPrivateUsage=false
+
 import copy
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import Any, TypeAlias
