@@ -317,7 +317,6 @@ def test_a_traced_child_does_not_extend_a_concrete_collection_in_place() -> None
     with jax.checking_leaks():
         assert jax.jit(step)(jnp.float32(2.0)) == 2.0
     assert list(outer.collection.summaries) == ["lr"]
-    assert outer.collection.summaries._log == [0.1]  # pyright: ignore[reportPrivateUsage]
 
 
 def test_a_traced_scan_entry_does_not_extend_a_concrete_collection_in_place() -> None:
@@ -334,7 +333,7 @@ def test_a_traced_scan_entry_does_not_extend_a_concrete_collection_in_place() ->
     with jax.checking_leaks():
         jax.jit(step)(jnp.arange(3.0))
     assert list(outer.summaries) == ["lr"]
-    assert outer.summaries._log == [0.1]  # pyright: ignore[reportPrivateUsage]
+    assert outer.summaries == {"lr": 0.1}
 
 
 @pytest.mark.parametrize("kind", ["summaries", "state_updates", "module_outputs"])
@@ -372,7 +371,7 @@ def test_a_traced_unflattened_child_does_not_extend_a_concrete_collection() -> N
 
     with jax.checking_leaks():
         jax.jit(step)(jnp.float32(1.0))
-    assert outer.summaries._log == [0.1]  # pyright: ignore[reportPrivateUsage]
+    assert outer.summaries == {"lr": 0.1}
 
 
 def test_adding_to_a_deep_unflattened_collection() -> None:
@@ -482,8 +481,7 @@ def test_a_traced_summary_does_not_extend_a_concrete_collection_in_place(
 
     with jax.checking_leaks():
         f(jnp.float32(3.0))
-    log = outer.collection.summaries._log  # pyright: ignore[reportPrivateUsage]
-    leaves = jax.tree_util.tree_leaves(list(log))
+    leaves = jax.tree_util.tree_leaves(outer.collection)
     assert not any(isinstance(leaf, Tracer) for leaf in leaves)
     assert list(outer.collection.summaries) == ["pre"]
 
