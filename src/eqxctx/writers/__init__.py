@@ -27,6 +27,7 @@ from ._base import (
     HostValue as HostValue,
     fetch_summaries as fetch_summaries,
 )
+from ._buffer import SummaryBuffer as SummaryBuffer
 from ._jsonl import JsonlWriter as JsonlWriter
 from ._tensorboard import TensorBoardWriter as TensorBoardWriter
 from ._wandb import WandbWriter as WandbWriter

@@ -32,18 +32,22 @@ from ._base import (
     Prefetched,
     Step,
     Summaries,
+    buffer_hosts,
+    check_lost,
     check_positive_int,
     check_step,
     fetch_host,
     is_writing_process,
     prefetch,
 )
+from ._buffer import BufferFetch, SummaryBuffer, buffer_rows, start_fetch
 
 
 _FLUSH = "flush"
 _STOP = "stop"
 _WRITE = "write"
 _FETCH = "fetch"
+_BUFFER = "buffer"
 
 #: `(kind, item)` on the queue: a `HostSummaries` to write, `(step, summary trees)`
 #: to fetch, or None. The item is untyped: its type follows the kind, which pyright
@@ -249,6 +253,7 @@ class AsyncWriter(AbstractWriter):
         self._deferred: tuple[int, Summaries | Prefetched] | None = None
         self._error: BaseException | None = None
         self._error_step: int | None = None
+        self._error_kind: str | None = None
         self._reported = False
         self._closed = False
         self._thread = threading.Thread(
@@ -272,12 +277,19 @@ class AsyncWriter(AbstractWriter):
                 elif kind == _FETCH:
                     step, trees = item
                     self.writer.write_host(self.writer.fetch(step, trees))
+                elif kind == _BUFFER:
+                    self._write_fetched(item)
                 else:
                     self.writer.write_host(item)
             except BaseException as e:  # surfaced on the next call
                 self._error = e
+                self._error_kind = kind
                 self._error_step = (
-                    None if item is None else item[0] if kind == _FETCH else item.step
+                    None
+                    if item is None or kind == _BUFFER
+                    else item[0]
+                    if kind == _FETCH
+                    else item.step
                 )
             finally:
                 # Not kept while waiting for the next job: the last step's host
@@ -289,7 +301,13 @@ class AsyncWriter(AbstractWriter):
     def _raise_if_failed(self, where: str) -> None:
         if self._error is None:
             return
-        what = f"step {self._error_step}" if self._error_step is not None else "flush"
+        what = (
+            f"step {self._error_step}"
+            if self._error_step is not None
+            else "a buffer of steps (write_buffer)"
+            if self._error_kind == _BUFFER
+            else "flush"
+        )
         inner = type(self.writer).__name__
         if self._reported:
             raise ValueError(
@@ -367,6 +385,55 @@ class AsyncWriter(AbstractWriter):
             # After the fetch, a collective that every process runs in step: a
             # failure on process 0 leaves the others waiting for none.
             self._raise_if_failed(where)
+
+    def write_buffer(self, buffer: SummaryBuffer) -> SummaryBuffer:
+        """Queue every step held in `buffer`; return it emptied, without waiting.
+
+        In one process the calling thread starts the buffer's copy to the host (one
+        jitted copy on the device, one transfer per width of raw bits) and queues
+        it: the background thread waits for the device, checks the steps and
+        writes them. So the buffer may be donated to the next step at once, and
+        an invalid summary (or steps lost to a full buffer) is raised by the next
+        `write`, `write_buffer`, `flush` or `close`, like a background write error.
+        With several processes the buffer is fetched here (a collective) and its
+        steps are checked here. A step deferred by `defer_fetch` is queued first,
+        so steps stay in order. Passing the same buffer again queues nothing.
+
+        Raises:
+            TypeError: if `buffer` is not a concrete `SummaryBuffer`.
+            ValueError: for a closed writer; with several processes, as
+                `AbstractWriter.write_buffer`.
+            BaseException: the error of a failed background write, if any.
+        """
+        where = "AsyncWriter.write_buffer"
+        several = jax.process_count() > 1
+        if not several:
+            self._raise_if_failed(where)
+        if self._closed:
+            raise ValueError(f"`{where}`: the writer is closed.")
+        fetch = start_fetch(buffer, where=where)  # (checks the buffer)
+        done, token = self._buffer_done, buffer.count
+        if done is not None and done[0] is token:
+            return buffer.cleared()  # queued before (e.g. an interrupted call)
+        self._fetch_deferred()  # the steps before the buffer's
+        if several:
+            fetched = buffer_rows(fetch)
+            for host in buffer_hosts(self.writer, fetched):
+                self._submit(host)
+            self._buffer_done = (token, len(fetched.rows))
+            check_lost(fetched, where=where)
+            self._raise_if_failed(where)
+        else:
+            self._queue.put((_BUFFER, fetch))
+            self._buffer_done = (token, 0)
+        return buffer.cleared()
+
+    def _write_fetched(self, fetch: BufferFetch) -> None:
+        """Write a buffer queued by `write_buffer` (on the background thread)."""
+        fetched = buffer_rows(fetch)
+        for host in buffer_hosts(self.writer, fetched):
+            self.writer.write_host(host)
+        check_lost(fetched, where="AsyncWriter.write_buffer")
 
     def fetch(self, step: Step, summaries: Summaries) -> HostSummaries:
         """Fetch with the wrapped writer (`AbstractWriter.fetch`)."""
