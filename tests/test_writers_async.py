@@ -503,10 +503,13 @@ def test_writers_doc_examples_run(
 ) -> None:
     doc = Path(__file__).parent.parent / "docs" / "api" / "writers.md"
     blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), re.DOTALL)
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     monkeypatch.setattr(tempfile, "mkdtemp", lambda: str(tmp_path))
     exec(compile("\n".join(blocks), str(doc), "exec"), {})
     assert [line["step"] for line in read_jsonl(tmp_path / "async.jsonl")] == [0, 1, 2]
+    buffered = read_jsonl(tmp_path / "buffered.jsonl")  # issue 39
+    assert [line["step"] for line in buffered] == list(range(40))
+    assert buffered[3]["train/loss"] == pytest.approx(np.exp(-0.3), rel=1e-6)
     assert len(read_jsonl(tmp_path / "summaries.jsonl")) == 3
     assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 2
 
