@@ -109,7 +109,7 @@ def run(args: argparse.Namespace, run_dir: str) -> Evaluation:
     history = History(progress)
     # Fetching and file I/O on a background thread; `train` hands it a buffer of
     # steps every 32 steps.
-    writer = AsyncWriter(MultiWriter(*file_writers, history), defer_fetch=True)
+    writer = AsyncWriter(MultiWriter(*file_writers, history))
     try:
         model = train(
             model,

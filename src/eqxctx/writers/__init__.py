@@ -7,8 +7,7 @@ in `AsyncWriter` so that the training loop never waits for the disk, and in
 
 ```python
 writer = AsyncWriter(
-    MultiWriter(JsonlWriter("runs/exp/summaries.jsonl"), TensorBoardWriter("runs/exp")),
-    defer_fetch=True,
+    MultiWriter(JsonlWriter("runs/exp/summaries.jsonl"), TensorBoardWriter("runs/exp"))
 )
 with writer:
     for step in range(num_steps):

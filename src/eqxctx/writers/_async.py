@@ -155,27 +155,28 @@ class AsyncWriter(AbstractWriter):
 
     A write has two halves (`AbstractWriter`): `fetch` (check the step, validate the
     summaries, copy them to the host) and `write_host` (PNG and WAV encoding,
-    protobuf, disk). `AsyncWriter` runs `write_host` on a background thread, and
-    `fetch`:
+    protobuf, disk). `AsyncWriter` runs `write_host` on a background thread, and by
+    default never makes the calling thread wait for the device:
 
-    - on the calling thread (the default): `write` validates the summaries and
-      copies them to the host, so an invalid summary is raised by that `write`. The
-      fetch may be a collective (`eqxctx.to_host` all-gathers arrays split over
-      processes) that every process must run in program order. With
-      `defer_fetch=True`, step n is fetched when step n + 1 is written (or at
-      `flush`/`close`): a training loop that dispatches step n + 1 before writing
-      step n never waits for the device, as the fetched arrays are ready. An
-      invalid summary of step n is then raised by the call that fetches it (the
-      next `write`, `flush` or `close`), with a note naming step n; step n is not
-      written, and the step passed to that `write` is kept.
-    - with `background_fetch=True`, in a one-process run, on the background thread
-      too: `write` checks the step and queues the summaries' device arrays, so
-      the calling thread pays a queue `put` (~10 µs) instead of the fetch (~0.3 ms for
-      the demo's 39 values on CPU, more while a step runs beside it). An invalid
-      summary (a `TypeError` or `ValueError` of `fetch`) is then raised by the next
-      `write`, `flush` or `close`, like a background write error. A
-      `CallbackSummary`'s function runs on the background thread. In a
-      multi-process run the fetch stays on the calling thread.
+    - in a one-process run (the default, `background_fetch=True`), `fetch` runs on
+      the background thread too: `write` checks the step and queues the
+      summaries' device arrays, so the calling thread pays a queue `put` (~10 µs)
+      instead of the fetch (which waits for the step that computes the summaries,
+      then ~0.3 ms for the demo's 39 values on CPU). An invalid summary (a
+      `TypeError` or `ValueError` of `fetch`) is then raised by the next `write`,
+      `flush` or `close`, like a background write error. A `CallbackSummary`'s
+      function runs on the background thread.
+    - with several processes (the fetch may be a collective, `eqxctx.to_host`
+      all-gathering arrays split over processes, which every process must run in
+      program order) or `background_fetch=False`, `fetch` runs on the calling
+      thread, by default one step late (`defer_fetch=True`): step n is fetched when
+      step n + 1 is written (or at `flush`/`close`), so a training loop that
+      dispatches step n + 1 before writing step n does not wait for the device,
+      as the fetched arrays are ready. An invalid summary of step n is then raised
+      by the call that fetches it (the next `write`, `flush` or `close`), with a
+      note naming step n; step n is not written, and the step passed to that
+      `write` is kept. With `defer_fetch=False` each `write` fetches its own step
+      (waiting for it), and raises for an invalid summary itself.
 
     What is written is what the summaries held when `write` was called, whatever
     the caller does to its own mappings and NumPy arrays afterwards: `write` takes
@@ -190,7 +191,8 @@ class AsyncWriter(AbstractWriter):
     `write` that finds it full waits for the thread (memory stays bounded). With a
     background fetch the queued steps are device arrays: up to `max_pending` steps
     of summaries stay alive in device memory until the thread has fetched them (do
-    not donate them to a later step: a deleted array fails the fetch). An error in
+    not donate them to a later step: a deleted array fails the fetch; a
+    `SummaryBuffer`, written with `write_buffer`, may be donated). An error in
     the background thread is raised by the next `write`, `flush` or `close` (the
     exception itself, with a note naming the step); steps after the failed one are
     not written, and later calls raise `ValueError` (close the writer). With
@@ -209,13 +211,15 @@ class AsyncWriter(AbstractWriter):
             `JsonlWriter` and a `TensorBoardWriter`); `AsyncWriter` owns it and
             closes it.
         max_pending: the most steps waiting for the thread (>= 1).
-        defer_fetch: where the calling thread fetches (the default; several
-            processes), fetch each step at the next write, one step late. In one
-            process, a step's copies to the host start at its own write and run
-            during the next step (where the wrapped writer's `fetch` is
-            `AbstractWriter.fetch`, as for the writers here and `MultiWriter`).
+        defer_fetch: where the calling thread fetches (several processes, or
+            `background_fetch=False`), fetch each step at the next write, one step
+            late (default True). In one process, a step's copies to the host start
+            at its own write and run during the next step (where the wrapped
+            writer's `fetch` is `AbstractWriter.fetch`, as for the writers here and
+            `MultiWriter`).
         background_fetch: in a one-process run, fetch on the background thread
-            (errors in the summaries then surface at the next call).
+            (default True; errors in the summaries then surface at the next call).
+            False: fetch on the calling thread (see `defer_fetch`).
 
     Raises:
         TypeError: if `max_pending` is not an int.
@@ -225,7 +229,7 @@ class AsyncWriter(AbstractWriter):
         >>> import pathlib, tempfile
         >>> from eqxctx.writers import JsonlWriter
         >>> path = pathlib.Path(tempfile.mkdtemp()) / "s.jsonl"
-        >>> with AsyncWriter(JsonlWriter(path), defer_fetch=True) as writer:
+        >>> with AsyncWriter(JsonlWriter(path)) as writer:
         ...     for step in range(3):
         ...         writer.write(step, {"loss": 1.0 / (step + 1)})
         >>> len(path.read_text().splitlines())
@@ -237,8 +241,8 @@ class AsyncWriter(AbstractWriter):
         writer: AbstractWriter,
         *,
         max_pending: object = 8,  # an int, checked here with a message naming it
-        defer_fetch: bool = False,
-        background_fetch: bool = False,
+        defer_fetch: bool = True,
+        background_fetch: bool = True,
     ):
         self.max_pending = check_positive_int(
             max_pending,
