@@ -22,8 +22,12 @@ from tb_events import scalars, summary_values
 
 
 def run_demo(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    # conftest asks for 8 devices in XLA_FLAGS: --devices must override it.
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # also on an accelerator host
+    # conftest asks for 8 devices in XLA_FLAGS (on the CPU; here also elsewhere):
+    # --devices must override it.
+    flag = "--xla_force_host_platform_device_count=8"
+    if "xla_force_host_platform_device_count" not in env.get("XLA_FLAGS", ""):
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}"
     assert "xla_force_host_platform_device_count=8" in env["XLA_FLAGS"]
     return subprocess.run(
         [sys.executable, "-m", "eqxctx.demo", *args],
