@@ -1,13 +1,42 @@
 import os
+import warnings
 
 
-# Simulated CPU devices for the sharding tests; must be set before JAX starts a backend.
-os.environ.setdefault("XLA_FLAGS", "")
-if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+#: `EQXCTX_TEST_PLATFORM=tpu` (or `gpu`) runs the suite on that platform: JAX's
+#: platform is left alone (no `JAX_PLATFORMS=cpu`), tests that need more devices
+#: than it has skip, and tests marked `cpu_only` (pinned CPU digits, XLA:CPU
+#: instruction counts) skip with their reason. Unset (CI): 8 simulated CPU devices.
+PLATFORM = os.environ.get("EQXCTX_TEST_PLATFORM", "cpu")
 
-import jax
-from hypothesis import HealthCheck, settings
+if PLATFORM == "cpu":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    # Simulated CPU devices for the sharding tests; before JAX starts a backend.
+    os.environ.setdefault("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+        os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402 (after the device flags)
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+
+if PLATFORM != "cpu":
+    # Start the backend now, so that JAX's start-up warnings on an accelerator
+    # host (e.g. about a TPU's other chips) are not errors of the first test.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        jax.devices()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Skip `cpu_only` tests on another platform, with the marker's reason."""
+    if PLATFORM == "cpu":
+        return
+    for item in items:
+        marker = item.get_closest_marker("cpu_only")
+        if marker is not None:
+            reason = marker.kwargs.get("reason") or (marker.args or ["CPU only"])[0]
+            item.add_marker(pytest.mark.skip(reason=f"{PLATFORM}: {reason}"))
 
 
 # Must run before any array exists.

@@ -22,8 +22,12 @@ from tb_events import scalars, summary_values
 
 
 def run_demo(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    # conftest asks for 8 devices in XLA_FLAGS: --devices must override it.
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # also on an accelerator host
+    # conftest asks for 8 devices in XLA_FLAGS (on the CPU; here also elsewhere):
+    # --devices must override it.
+    flag = "--xla_force_host_platform_device_count=8"
+    if "xla_force_host_platform_device_count" not in env.get("XLA_FLAGS", ""):
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}"
     assert "xla_force_host_platform_device_count=8" in env["XLA_FLAGS"]
     return subprocess.run(
         [sys.executable, "-m", "eqxctx.demo", *args],
@@ -422,3 +426,50 @@ def test_training_loss_gradient_summaries_equal_a_perturbation_reference() -> No
             np.sqrt(np.mean(np.asarray(cts[i]) ** 2)),
             rtol=1e-5,
         )
+
+
+def test_training_through_the_buffer_writes_what_step_by_step_writing_does(
+    tmp_path: Path,
+) -> None:
+    # issue 39: the demo logs every step through a `SummaryBuffer`.
+    import optax
+
+    from eqxctx.demo._train import LOG_EVERY, make_train_step, train
+    from eqxctx.writers import AsyncWriter, JsonlWriter
+
+    split, _ = load_digits_split(seed=0)
+    model = Classifier(num_layers=1, width=16, dropout=0.1, key=jax.random.key(0))
+    steps = LOG_EVERY + 3  # a full buffer and a partial one
+    # optax's Adam raises its decay to an int32 power: standard promotion.
+    with (
+        jax.numpy_dtype_promotion("standard"),
+        AsyncWriter(JsonlWriter(tmp_path / "b.jsonl")) as writer,
+    ):
+        train(
+            model,
+            split,
+            steps=steps,
+            batch_size=16,
+            seed=0,
+            learning_rate=3e-3,
+            writer=writer,
+        )
+    # The reference: the same steps, each step's summaries written as it returns.
+    schedule = optax.cosine_decay_schedule(3e-3, steps, alpha=0.05)
+    optimizer = optax.adam(schedule)
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+    step_fn = make_train_step(optimizer)
+    key = jax.random.fold_in(jax.random.PRNGKey(0), 1)
+    batches = train_batches(split, batch_size=16, seed=0)
+    with (
+        jax.numpy_dtype_promotion("standard"),
+        JsonlWriter(tmp_path / "s.jsonl") as reference,
+    ):
+        for step in range(steps):
+            model, opt_state, summaries = step_fn(
+                model, opt_state, next(batches), jax.random.fold_in(key, step)
+            )
+            reference.write(step, {"train": summaries})
+    got = (tmp_path / "b.jsonl").read_bytes()
+    assert got == (tmp_path / "s.jsonl").read_bytes()
+    assert len(got.splitlines()) == steps

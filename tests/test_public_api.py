@@ -48,6 +48,7 @@ def test_importing_eqxctx_starts_no_jax_backend() -> None:
     # Programs set device flags (XLA_FLAGS, `jax.config`) after their imports; the
     # import-time checks of JAX's internals (`_scope.py`, `_context.py`) trace
     # abstractly and must not start a backend.
+    import os
     import subprocess
     import sys
 
@@ -56,7 +57,12 @@ def test_importing_eqxctx_starts_no_jax_backend() -> None:
         "from jax._src import xla_bridge\n"
         "print(sorted(xla_bridge._backends))\n"
     )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # also on an accelerator host
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -1,6 +1,7 @@
 """AsyncWriter and MultiWriter: order, errors, bounded queue, deferred fetch."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -215,7 +216,7 @@ def test_defer_fetch_starts_each_steps_copies_at_its_write(
     monkeypatch.setattr(writers_base, "start", recording)
     step_fn = jax.jit(lambda i: {"x": i * 0.5, "v": jnp.stack([i, -i]), "n": i > 2})
     path = tmp_path / "s.jsonl"
-    with AsyncWriter(JsonlWriter(path), defer_fetch=True) as w:
+    with AsyncWriter(JsonlWriter(path), defer_fetch=True, background_fetch=False) as w:
         for step in range(5):
             w.write(step, step_fn(jnp.float32(step)))
             assert started == [3] * (step + 1)  # this step's copies run from now
@@ -235,7 +236,7 @@ def test_defer_fetch_hands_a_writer_with_its_own_fetch_the_summaries() -> None:
             return super().fetch(step, summaries)
 
     inner = OwnFetch()
-    with AsyncWriter(inner, defer_fetch=True) as w:
+    with AsyncWriter(inner, defer_fetch=True, background_fetch=False) as w:
         w.write(0, {"x": jnp.float32(1)})
         w.write(1, {"x": jnp.float32(2)})
     assert seen == [dict, dict]  # not the prefetched form: its `fetch` is its own
@@ -243,7 +244,7 @@ def test_defer_fetch_hands_a_writer_with_its_own_fetch_the_summaries() -> None:
 
 
 def test_async_errors_on_the_calling_thread() -> None:
-    w = AsyncWriter(Recorder(), background_fetch=False)
+    w = AsyncWriter(Recorder(), background_fetch=False, defer_fetch=False)
     with pytest.raises(ValueError, match="step must be >= 0"):
         w.write(-1, {"x": 1.0})
     with pytest.raises(
@@ -365,7 +366,7 @@ def test_async_defer_fetch_error_names_its_step_and_keeps_the_next(
     tmp_path: Path,
 ) -> None:
     path = tmp_path / "s.jsonl"
-    w = AsyncWriter(JsonlWriter(path), defer_fetch=True)
+    w = AsyncWriter(JsonlWriter(path), defer_fetch=True, background_fetch=False)
     w.write(0, {"x": 0.0})
     w.write(1, {"img": eqxctx.ImageSummary(jnp.zeros((0, 2, 2)))})  # invalid
     with pytest.raises(ValueError, match=r"the summary at 'img'.*no image") as info:
@@ -385,7 +386,12 @@ def test_async_defer_fetch_error_names_its_step_and_keeps_the_next(
     assert read_jsonl(path) == [{"step": s, "x": float(s)} for s in (0, 2, 3)]
 
 
-def test_async_background_fetch_runs_on_the_thread_and_keeps_values() -> None:
+@pytest.mark.parametrize("background_fetch", [True, None])
+def test_async_background_fetch_runs_on_the_thread_and_keeps_values(
+    background_fetch: bool | None,
+) -> None:
+    # None: the default, which never waits for the device on the calling thread
+    # in one process (issue 39): the fetch runs on the background thread.
     threads: list[str] = []
 
     def record(x: Any) -> Any:
@@ -398,7 +404,8 @@ def test_async_background_fetch_runs_on_the_thread_and_keeps_values() -> None:
         "x": jnp.float32(1.0),
         "cb": eqxctx.CallbackSummary(record, jnp.float32(3)),
     }
-    with AsyncWriter(inner, background_fetch=True) as w:
+    kwargs = {} if background_fetch is None else {"background_fetch": True}
+    with AsyncWriter(inner, **kwargs) as w:
         w.write(0, summaries)
         summaries["x"] = jnp.float32(-1.0)  # the caller's mapping may change now
         w.write(1, summaries)
@@ -424,8 +431,9 @@ def test_async_background_fetch_error_raises_on_the_next_call() -> None:
     assert inner.steps == [0]
 
 
+@pytest.mark.parametrize("defer_fetch", [False, True])
 def test_async_several_processes_fetch_on_the_calling_thread(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, defer_fetch: bool
 ) -> None:
     # A fetch may be a collective: with several processes it stays in program order.
     threads: list[str] = []
@@ -436,10 +444,13 @@ def test_async_several_processes_fetch_on_the_calling_thread(
 
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     inner = Recorder()
-    with AsyncWriter(inner) as w:
+    # (The default defers: step n is fetched at the write of step n + 1.)
+    kwargs = {} if defer_fetch else {"defer_fetch": False}
+    with AsyncWriter(inner, **kwargs) as w:
         for step in range(3):
             w.write(step, {"x": eqxctx.CallbackSummary(record, jnp.float32(step))})
-            assert len(threads) == step + 1  # fetched before `write` returned
+            # Fetched before `write` returned (the previous step, if deferred).
+            assert len(threads) == step + (not defer_fetch)
     assert set(threads) == {threading.main_thread().name}
     assert inner.steps == [0, 1, 2]
     assert [float(v["x"]) for v in inner.values] == [0.0, 1.0, 2.0]
@@ -503,10 +514,13 @@ def test_writers_doc_examples_run(
 ) -> None:
     doc = Path(__file__).parent.parent / "docs" / "api" / "writers.md"
     blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), re.DOTALL)
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     monkeypatch.setattr(tempfile, "mkdtemp", lambda: str(tmp_path))
     exec(compile("\n".join(blocks), str(doc), "exec"), {})
     assert [line["step"] for line in read_jsonl(tmp_path / "async.jsonl")] == [0, 1, 2]
+    buffered = read_jsonl(tmp_path / "buffered.jsonl")  # issue 39
+    assert [line["step"] for line in buffered] == list(range(40))
+    assert buffered[3]["train/loss"] == pytest.approx(np.exp(-0.3), rel=1e-6)
     assert len(read_jsonl(tmp_path / "summaries.jsonl")) == 3
     assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 2
 
@@ -564,7 +578,8 @@ UNCLOSED = """
 import sys
 import jax.numpy as jnp
 from eqxctx.writers import AsyncWriter, JsonlWriter
-w = AsyncWriter(JsonlWriter(sys.argv[1]), defer_fetch=sys.argv[2] == "defer")
+defer = sys.argv[2] == "defer"  # else the default: fetched on the thread
+w = AsyncWriter(JsonlWriter(sys.argv[1]), background_fetch=not defer)
 for step in range(20):
     w.write(step, {"x": jnp.float32(step), "y": jnp.arange(3.0) * step})
 if sys.argv[2] == "raise":
@@ -582,6 +597,7 @@ def test_an_unclosed_async_writer_writes_every_step_at_exit(
     path = tmp_path / "s.jsonl"
     done = subprocess.run(
         [sys.executable, "-c", UNCLOSED, str(path), mode],
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
         capture_output=True,
         text=True,
         timeout=300,

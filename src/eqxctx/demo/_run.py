@@ -107,8 +107,9 @@ def run(args: argparse.Namespace, run_dir: str) -> Evaluation:
         bar.update(1)
 
     history = History(progress)
-    # File I/O on a background thread; step n is fetched while step n + 1 runs.
-    writer = AsyncWriter(MultiWriter(*file_writers, history), defer_fetch=True)
+    # Fetching and file I/O on a background thread; `train` hands it a buffer of
+    # steps every 32 steps.
+    writer = AsyncWriter(MultiWriter(*file_writers, history))
     try:
         model = train(
             model,

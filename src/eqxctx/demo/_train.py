@@ -1,6 +1,7 @@
 """Training (optax Adam under `eqx.filter_jit`) and evaluation (a `MethodRunner`)."""
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -18,6 +19,7 @@ from eqxctx.writers import (
     AbstractWriter,
     HostSummaries,
     HostValue,
+    SummaryBuffer,
     fetch_summaries,
 )
 
@@ -26,6 +28,14 @@ TrainStep = Callable[
     [Classifier, optax.OptState, Batch, PRNGKeyArray],
     tuple[Classifier, optax.OptState, Mapping[str, Any]],
 ]
+BufferedTrainStep = Callable[
+    [Classifier, optax.OptState, SummaryBuffer, Batch, PRNGKeyArray, Array],
+    tuple[Classifier, optax.OptState, SummaryBuffer],
+]
+
+#: The training steps whose summaries the demo's `SummaryBuffer` holds: written
+#: (fetched in one transfer) every 32 steps.
+LOG_EVERY = 32
 
 
 def loss_fn(
@@ -46,17 +56,48 @@ def make_train_step(optimizer: optax.GradientTransformation) -> TrainStep:
     the summaries are those of the root context (nested mapping, with the per-layer
     ones as `layers/iter{i}/...`).
     """
+    return eqx.filter_jit(functools.partial(_train_step, optimizer))
+
+
+def _train_step(
+    optimizer: optax.GradientTransformation,
+    model: Classifier,
+    opt_state: optax.OptState,
+    batch: dict[str, Any],  # NumPy arrays, or their tracers (`Batch` when called)
+    key: PRNGKeyArray,
+) -> tuple[Classifier, optax.OptState, Mapping[str, Any]]:
+    grad_fn = eqxctx.value_and_grad(loss_fn)
+    (_, collection), grads = grad_fn(model, batch, prng_key=key, is_training=True)
+    summaries = collection.summaries
+    params = eqx.filter(model, eqx.is_array)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return eqx.apply_updates(model, updates), opt_state, summaries
+
+
+def make_buffered_train_step(
+    optimizer: optax.GradientTransformation,
+) -> BufferedTrainStep:
+    """Return the jitted training step of `optimizer` that logs into a buffer.
+
+    The step is `(model, opt_state, buffer, batch, key, step) -> (model, opt_state,
+    buffer)`: `make_train_step`'s, whose summaries `{"train": summaries}` are added
+    to the `SummaryBuffer` as step `step` (an int32 scalar array) instead of being
+    returned.
+    """
 
     @eqx.filter_jit
     def step(
-        model: Classifier, opt_state: optax.OptState, batch: Batch, key: PRNGKeyArray
-    ) -> tuple[Classifier, optax.OptState, Mapping[str, Any]]:
-        grad_fn = eqxctx.value_and_grad(loss_fn)
-        (_, collection), grads = grad_fn(model, batch, prng_key=key, is_training=True)
-        summaries = collection.summaries
-        params = eqx.filter(model, eqx.is_array)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return eqx.apply_updates(model, updates), opt_state, summaries
+        model: Classifier,
+        opt_state: optax.OptState,
+        buffer: SummaryBuffer,
+        batch: dict[str, Any],  # (traced: tracers, not NumPy arrays)
+        key: PRNGKeyArray,
+        step: Array,
+    ) -> tuple[Classifier, optax.OptState, SummaryBuffer]:
+        model, opt_state, summaries = _train_step(
+            optimizer, model, opt_state, batch, key
+        )
+        return model, opt_state, buffer.add(step, {"train": summaries})
 
     return step
 
@@ -116,8 +157,10 @@ def train(
 ) -> Classifier:
     """Train `model` for `steps` Adam steps; write `{"train": summaries}` each step.
 
-    The summaries go to `writer` as device arrays; with an `AsyncWriter` (as the
-    demo uses, with `defer_fetch=True`) step n is fetched while step n + 1 runs.
+    Every step's summaries are added to a `SummaryBuffer` on the device, which
+    `writer.write_buffer` writes every `LOG_EVERY` steps (one transfer each) and
+    once at the end, also when the loop is interrupted (an exception, Ctrl-C): the
+    files hold every step that ran, once.
 
     Returns:
         The trained model.
@@ -125,15 +168,32 @@ def train(
     schedule = optax.cosine_decay_schedule(learning_rate, steps, alpha=0.05)
     optimizer = optax.adam(schedule)
     opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
-    step_fn = make_train_step(optimizer)
+    step_fn = make_buffered_train_step(optimizer)
     key = jax.random.fold_in(jax.random.PRNGKey(seed), 1)
     batches = train_batches(data, batch_size=batch_size, seed=seed)
-    for step in range(steps):
-        batch = next(batches)
-        model, opt_state, summaries = step_fn(
-            model, opt_state, batch, jax.random.fold_in(key, step)
-        )
-        writer.write(step, {"train": summaries})
+    batch = next(batches)
+    # The rows of the step's summaries, reserved now (traced, not compiled): the
+    # step then compiles once.
+    like = eqx.filter_eval_shape(
+        functools.partial(_train_step, optimizer), model, opt_state, batch, key
+    )[2]
+    buffer = SummaryBuffer.create(LOG_EVERY, {"train": like})
+    try:
+        for step in range(steps):
+            if step:
+                batch = next(batches)
+            model, opt_state, buffer = step_fn(
+                model,
+                opt_state,
+                buffer,
+                batch,
+                jax.random.fold_in(key, step),
+                jnp.int32(step),
+            )
+            if (step + 1) % buffer.size == 0:
+                buffer = writer.write_buffer(buffer)
+    finally:
+        buffer = writer.write_buffer(buffer)
     return model
 
 

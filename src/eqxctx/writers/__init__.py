@@ -7,8 +7,7 @@ in `AsyncWriter` so that the training loop never waits for the disk, and in
 
 ```python
 writer = AsyncWriter(
-    MultiWriter(JsonlWriter("runs/exp/summaries.jsonl"), TensorBoardWriter("runs/exp")),
-    defer_fetch=True,
+    MultiWriter(JsonlWriter("runs/exp/summaries.jsonl"), TensorBoardWriter("runs/exp"))
 )
 with writer:
     for step in range(num_steps):
@@ -27,6 +26,7 @@ from ._base import (
     HostValue as HostValue,
     fetch_summaries as fetch_summaries,
 )
+from ._buffer import SummaryBuffer as SummaryBuffer
 from ._jsonl import JsonlWriter as JsonlWriter
 from ._tensorboard import TensorBoardWriter as TensorBoardWriter
 from ._wandb import WandbWriter as WandbWriter

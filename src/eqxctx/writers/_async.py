@@ -32,18 +32,22 @@ from ._base import (
     Prefetched,
     Step,
     Summaries,
+    buffer_hosts,
+    check_lost,
     check_positive_int,
     check_step,
     fetch_host,
     is_writing_process,
     prefetch,
 )
+from ._buffer import BufferFetch, SummaryBuffer, buffer_rows, start_fetch
 
 
 _FLUSH = "flush"
 _STOP = "stop"
 _WRITE = "write"
 _FETCH = "fetch"
+_BUFFER = "buffer"
 
 #: `(kind, item)` on the queue: a `HostSummaries` to write, `(step, summary trees)`
 #: to fetch, or None. The item is untyped: its type follows the kind, which pyright
@@ -151,27 +155,28 @@ class AsyncWriter(AbstractWriter):
 
     A write has two halves (`AbstractWriter`): `fetch` (check the step, validate the
     summaries, copy them to the host) and `write_host` (PNG and WAV encoding,
-    protobuf, disk). `AsyncWriter` runs `write_host` on a background thread, and
-    `fetch`:
+    protobuf, disk). `AsyncWriter` runs `write_host` on a background thread, and by
+    default never makes the calling thread wait for the device:
 
-    - on the calling thread (the default): `write` validates the summaries and
-      copies them to the host, so an invalid summary is raised by that `write`. The
-      fetch may be a collective (`eqxctx.to_host` all-gathers arrays split over
-      processes) that every process must run in program order. With
-      `defer_fetch=True`, step n is fetched when step n + 1 is written (or at
-      `flush`/`close`): a training loop that dispatches step n + 1 before writing
-      step n never waits for the device, as the fetched arrays are ready. An
-      invalid summary of step n is then raised by the call that fetches it (the
-      next `write`, `flush` or `close`), with a note naming step n; step n is not
-      written, and the step passed to that `write` is kept.
-    - with `background_fetch=True`, in a one-process run, on the background thread
-      too: `write` checks the step and queues the summaries' device arrays, so
-      the calling thread pays a queue `put` (~10 µs) instead of the fetch (~0.3 ms for
-      the demo's 39 values on CPU, more while a step runs beside it). An invalid
-      summary (a `TypeError` or `ValueError` of `fetch`) is then raised by the next
-      `write`, `flush` or `close`, like a background write error. A
-      `CallbackSummary`'s function runs on the background thread. In a
-      multi-process run the fetch stays on the calling thread.
+    - in a one-process run (the default, `background_fetch=True`), `fetch` runs on
+      the background thread too: `write` checks the step and queues the
+      summaries' device arrays, so the calling thread pays a queue `put` (~10 µs)
+      instead of the fetch (which waits for the step that computes the summaries,
+      then ~0.3 ms for the demo's 39 values on CPU). An invalid summary (a
+      `TypeError` or `ValueError` of `fetch`) is then raised by the next `write`,
+      `flush` or `close`, like a background write error. A `CallbackSummary`'s
+      function runs on the background thread.
+    - with several processes (the fetch may be a collective, `eqxctx.to_host`
+      all-gathering arrays split over processes, which every process must run in
+      program order) or `background_fetch=False`, `fetch` runs on the calling
+      thread, by default one step late (`defer_fetch=True`): step n is fetched when
+      step n + 1 is written (or at `flush`/`close`), so a training loop that
+      dispatches step n + 1 before writing step n does not wait for the device,
+      as the fetched arrays are ready. An invalid summary of step n is then raised
+      by the call that fetches it (the next `write`, `flush` or `close`), with a
+      note naming step n; step n is not written, and the step passed to that
+      `write` is kept. With `defer_fetch=False` each `write` fetches its own step
+      (waiting for it), and raises for an invalid summary itself.
 
     What is written is what the summaries held when `write` was called, whatever
     the caller does to its own mappings and NumPy arrays afterwards: `write` takes
@@ -186,7 +191,8 @@ class AsyncWriter(AbstractWriter):
     `write` that finds it full waits for the thread (memory stays bounded). With a
     background fetch the queued steps are device arrays: up to `max_pending` steps
     of summaries stay alive in device memory until the thread has fetched them (do
-    not donate them to a later step: a deleted array fails the fetch). An error in
+    not donate them to a later step: a deleted array fails the fetch; a
+    `SummaryBuffer`, written with `write_buffer`, may be donated). An error in
     the background thread is raised by the next `write`, `flush` or `close` (the
     exception itself, with a note naming the step); steps after the failed one are
     not written, and later calls raise `ValueError` (close the writer). With
@@ -205,13 +211,15 @@ class AsyncWriter(AbstractWriter):
             `JsonlWriter` and a `TensorBoardWriter`); `AsyncWriter` owns it and
             closes it.
         max_pending: the most steps waiting for the thread (>= 1).
-        defer_fetch: where the calling thread fetches (the default; several
-            processes), fetch each step at the next write, one step late. In one
-            process, a step's copies to the host start at its own write and run
-            during the next step (where the wrapped writer's `fetch` is
-            `AbstractWriter.fetch`, as for the writers here and `MultiWriter`).
+        defer_fetch: where the calling thread fetches (several processes, or
+            `background_fetch=False`), fetch each step at the next write, one step
+            late (default True). In one process, a step's copies to the host start
+            at its own write and run during the next step (where the wrapped
+            writer's `fetch` is `AbstractWriter.fetch`, as for the writers here and
+            `MultiWriter`).
         background_fetch: in a one-process run, fetch on the background thread
-            (errors in the summaries then surface at the next call).
+            (default True; errors in the summaries then surface at the next call).
+            False: fetch on the calling thread (see `defer_fetch`).
 
     Raises:
         TypeError: if `max_pending` is not an int.
@@ -221,7 +229,7 @@ class AsyncWriter(AbstractWriter):
         >>> import pathlib, tempfile
         >>> from eqxctx.writers import JsonlWriter
         >>> path = pathlib.Path(tempfile.mkdtemp()) / "s.jsonl"
-        >>> with AsyncWriter(JsonlWriter(path), defer_fetch=True) as writer:
+        >>> with AsyncWriter(JsonlWriter(path)) as writer:
         ...     for step in range(3):
         ...         writer.write(step, {"loss": 1.0 / (step + 1)})
         >>> len(path.read_text().splitlines())
@@ -233,8 +241,8 @@ class AsyncWriter(AbstractWriter):
         writer: AbstractWriter,
         *,
         max_pending: object = 8,  # an int, checked here with a message naming it
-        defer_fetch: bool = False,
-        background_fetch: bool = False,
+        defer_fetch: bool = True,
+        background_fetch: bool = True,
     ):
         self.max_pending = check_positive_int(
             max_pending,
@@ -249,6 +257,7 @@ class AsyncWriter(AbstractWriter):
         self._deferred: tuple[int, Summaries | Prefetched] | None = None
         self._error: BaseException | None = None
         self._error_step: int | None = None
+        self._error_kind: str | None = None
         self._reported = False
         self._closed = False
         self._thread = threading.Thread(
@@ -272,12 +281,19 @@ class AsyncWriter(AbstractWriter):
                 elif kind == _FETCH:
                     step, trees = item
                     self.writer.write_host(self.writer.fetch(step, trees))
+                elif kind == _BUFFER:
+                    self._write_fetched(item)
                 else:
                     self.writer.write_host(item)
             except BaseException as e:  # surfaced on the next call
                 self._error = e
+                self._error_kind = kind
                 self._error_step = (
-                    None if item is None else item[0] if kind == _FETCH else item.step
+                    None
+                    if item is None or kind == _BUFFER
+                    else item[0]
+                    if kind == _FETCH
+                    else item.step
                 )
             finally:
                 # Not kept while waiting for the next job: the last step's host
@@ -289,7 +305,13 @@ class AsyncWriter(AbstractWriter):
     def _raise_if_failed(self, where: str) -> None:
         if self._error is None:
             return
-        what = f"step {self._error_step}" if self._error_step is not None else "flush"
+        what = (
+            f"step {self._error_step}"
+            if self._error_step is not None
+            else "a buffer of steps (write_buffer)"
+            if self._error_kind == _BUFFER
+            else "flush"
+        )
         inner = type(self.writer).__name__
         if self._reported:
             raise ValueError(
@@ -367,6 +389,55 @@ class AsyncWriter(AbstractWriter):
             # After the fetch, a collective that every process runs in step: a
             # failure on process 0 leaves the others waiting for none.
             self._raise_if_failed(where)
+
+    def write_buffer(self, buffer: SummaryBuffer) -> SummaryBuffer:
+        """Queue every step held in `buffer`; return it emptied, without waiting.
+
+        In one process the calling thread starts the buffer's copy to the host (one
+        jitted copy on the device, one transfer per width of raw bits) and queues
+        it: the background thread waits for the device, checks the steps and
+        writes them. So the buffer may be donated to the next step at once, and
+        an invalid summary (or steps lost to a full buffer) is raised by the next
+        `write`, `write_buffer`, `flush` or `close`, like a background write error.
+        With several processes the buffer is fetched here (a collective) and its
+        steps are checked here. A step deferred by `defer_fetch` is queued first,
+        so steps stay in order. Passing the same buffer again queues nothing.
+
+        Raises:
+            TypeError: if `buffer` is not a concrete `SummaryBuffer`.
+            ValueError: for a closed writer; with several processes, as
+                `AbstractWriter.write_buffer`.
+            BaseException: the error of a failed background write, if any.
+        """
+        where = "AsyncWriter.write_buffer"
+        several = jax.process_count() > 1
+        if not several:
+            self._raise_if_failed(where)
+        if self._closed:
+            raise ValueError(f"`{where}`: the writer is closed.")
+        fetch = start_fetch(buffer, where=where)  # (checks the buffer)
+        done, token = self._buffer_done, buffer.count
+        if done is not None and done[0] is token:
+            return buffer.cleared()  # queued before (e.g. an interrupted call)
+        self._fetch_deferred()  # the steps before the buffer's
+        if several:
+            fetched = buffer_rows(fetch)
+            for host in buffer_hosts(self.writer, fetched):
+                self._submit(host)
+            self._buffer_done = (token, len(fetched.rows))
+            check_lost(fetched, where=where)
+            self._raise_if_failed(where)
+        else:
+            self._queue.put((_BUFFER, fetch))
+            self._buffer_done = (token, 0)
+        return buffer.cleared()
+
+    def _write_fetched(self, fetch: BufferFetch) -> None:
+        """Write a buffer queued by `write_buffer` (on the background thread)."""
+        fetched = buffer_rows(fetch)
+        for host in buffer_hosts(self.writer, fetched):
+            self.writer.write_host(host)
+        check_lost(fetched, where="AsyncWriter.write_buffer")
 
     def fetch(self, step: Step, summaries: Summaries) -> HostSummaries:
         """Fetch with the wrapped writer (`AbstractWriter.fetch`)."""

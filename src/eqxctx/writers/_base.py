@@ -30,6 +30,7 @@ from eqxctx._summary import (
 from eqxctx._transfer import to_host
 from eqxctx._typing import ArrayTree, Leaf, SummaryTree, TreeDef
 
+from ._buffer import BufferRows, SummaryBuffer, buffer_rows, start_fetch
 from ._fetch import Started, device_get_leaves, finish, start
 from ._host import (
     HostValue,
@@ -682,6 +683,45 @@ class AbstractWriter(abc.ABC):
         if is_writing_process():
             self.write_host(host)
 
+    def write_buffer(self, buffer: SummaryBuffer) -> SummaryBuffer:
+        """Write every step held in `buffer` (files only on process 0); empty it.
+
+        Fetches the whole buffer with one transfer per width of raw bits, then
+        writes its steps in the order they were added, each as `write(step,
+        summaries)` would (the same lines, events and rows). Every step is checked
+        before any is written. Each step is written once: passing the same buffer
+        again (e.g. from a `finally` block after an interrupted call) writes only
+        the steps not written yet. Every process must call it (see `write`).
+
+        Args:
+            buffer: a `SummaryBuffer` returned by a step (not a tracer).
+
+        Returns:
+            The buffer emptied (`SummaryBuffer.cleared`): carry it into the next
+            step.
+
+        Raises:
+            TypeError: if `buffer` is not a concrete `SummaryBuffer`; and as `write`.
+            ValueError: as `write`; and, after writing the steps it held, if steps
+                were added to the full buffer (lost; write it every `buffer.size`
+                steps).
+        """
+        where = f"{type(self).__name__}.write_buffer"
+        fetched = buffer_rows(start_fetch(buffer, where=where))
+        done, token = self._buffer_done, buffer.count
+        skip = done[1] if done is not None and done[0] is token else 0
+        hosts = buffer_hosts(self, fetched)
+        if is_writing_process():
+            for k in range(skip, len(hosts)):
+                self.write_host(hosts[k])
+                self._buffer_done = (token, k + 1)
+        self._buffer_done = (token, len(hosts))
+        check_lost(fetched, where=where)
+        return buffer.cleared()
+
+    #: `(buffer.count, steps written)` of the last buffer `write_buffer` wrote.
+    _buffer_done: tuple[object, int] | None = None
+
     def fetch(self, step: Step, summaries: Summaries) -> HostSummaries:
         """Check, validate and fetch one step's summaries to the host; write nothing.
 
@@ -733,6 +773,45 @@ class AbstractWriter(abc.ABC):
                 f"Closing {type(self).__name__} as the block was left then raised "
                 f"{type(e).__name__}: {e}"
             )
+
+
+def buffer_hosts(writer: AbstractWriter, fetched: BufferRows) -> list[HostSummaries]:
+    """Each step of a fetched buffer, fetched by `writer` (`AbstractWriter.fetch`).
+
+    With `AbstractWriter`'s own `fetch`, the steps of one structure share their
+    flattening and the key of their recipe (`host_values`), found once.
+
+    Raises as `AbstractWriter.write` does.
+    """
+    if type(writer).fetch is not AbstractWriter.fetch:
+        return [writer.fetch(step, tree) for step, tree, _ in fetched.rows]
+    flats: dict[int, tuple[TreeDef, object]] = {}
+    hosts: list[HostSummaries] = []
+    for step, tree, layout in fetched.rows:
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        known = flats.get(id(layout))
+        if known is None:
+            known = flats[id(layout)] = (treedef, _recipe_key(treedef, leaves, tree))
+        flat = _Flat(tree, leaves, known[0], known[1])
+        done = Started(leaves, [], None, None, False)
+        hosts.append(fetch_host(writer, step, Prefetched(flat, done)))
+    return hosts
+
+
+def check_lost(fetched: BufferRows, *, where: str) -> None:
+    """Raise if steps were added to the full buffer (after its steps are written).
+
+    Raises:
+        ValueError: naming the number of steps lost.
+    """
+    if fetched.lost:
+        last = fetched.rows[-1][0]
+        raise ValueError(
+            f"`{where}`: {fetched.lost} step(s) were added to the full buffer of "
+            f"{len(fetched.rows)} rows and lost (each overwrote the last row, which "
+            f"holds step {last}). Write the buffer every `buffer.size` steps: `if "
+            "(step + 1) % buffer.size == 0: buffer = writer.write_buffer(buffer)`."
+        )
 
 
 def fetch_host(

@@ -41,13 +41,16 @@ class _Plan(NamedTuple):
             (raw bits) or dtype.
         splits: per output of `fn`, `(position, start, stop, shape, dtype)` of each
             array (a view of the output's bits as `dtype`).
-        alone: the array positions fetched one by one.
+        alone: the array positions fetched one by one (with `owned`, copied by
+            `fn` too: its outputs after the batched ones, in this order).
+        owned: whether `fn` copies every array (`start_owned`).
     """
 
     batched: tuple[int, ...]
     fn: Callable[[list[jax.Array]], list[jax.Array]]
     splits: tuple[tuple[tuple[int, int, int, tuple[int, ...], DType], ...], ...]
     alone: tuple[int, ...]
+    owned: bool = False
 
 
 #: The shape, dtype and sharding of each array of a write.
@@ -60,12 +63,15 @@ _plans: dict[_Signature | Hashable, _Plan | None] = {}
 
 
 def _batchable(
-    x: jax.Array, sharding: jax.sharding.Sharding, bits: dict[DType, DType]
+    x: jax.Array,
+    sharding: jax.sharding.Sharding,
+    bits: dict[DType, DType],
+    max_size: int,
 ) -> bool:
     # Only dtypes that travel as raw bits, and bool: XLA may canonicalize the NaNs
     # of a float8 concatenation, and aborts on one of sub-byte integers (int2).
     return (
-        x.size <= MAX_BATCHED_SIZE
+        x.size <= max_size
         and x.sharding == sharding
         and (x.dtype in bits or x.dtype == np.bool_)
     )
@@ -96,20 +102,30 @@ def raw_bits(platform: str) -> dict[DType, DType]:
     return _TPU_BITS if platform == "tpu" else _BITS
 
 
-def _make_plan(arrays: list[jax.Array]) -> _Plan | None:
-    """The plan for `arrays`, or None where batching saves nothing (< 2 arrays)."""
+def _make_plan(
+    arrays: list[jax.Array], *, max_size: int | None = None, owned: bool = False
+) -> _Plan | None:
+    """The plan for `arrays`, or None where batching saves nothing (< 2 arrays).
+
+    `max_size`: the largest array batched (default `MAX_BATCHED_SIZE`). With
+    `owned`, a plan is always made, with no size limit, and its function copies
+    the arrays it does not batch.
+    """
+    if max_size is None:
+        max_size = MAX_BATCHED_SIZE
     first = arrays[0].sharding
+    groups: dict[DType, list[int]] = {}
     # One sharding, replicated (one device, or every device holding the whole
     # array): the batched output is read from one device, as each array would be.
-    if not first.is_fully_replicated:
+    if first.is_fully_replicated:
+        bits = raw_bits(next(iter(first.device_set)).platform)
+        for i, x in enumerate(arrays):
+            if _batchable(x, first, bits, max_size):
+                groups.setdefault(bits.get(x.dtype, x.dtype), []).append(i)
+    elif not owned:
         return None
-    bits = raw_bits(next(iter(first.device_set)).platform)
-    groups: dict[DType, list[int]] = {}
-    for i, x in enumerate(arrays):
-        if _batchable(x, first, bits):
-            groups.setdefault(bits.get(x.dtype, x.dtype), []).append(i)
     batched = tuple(i for group in groups.values() for i in group)
-    if len(batched) < 2:
+    if len(batched) < 2 and not owned:
         return None
     order = {i: k for k, i in enumerate(batched)}
     slots = [([order[i] for i in group], dtype) for dtype, group in groups.items()]
@@ -118,10 +134,13 @@ def _make_plan(arrays: list[jax.Array]) -> _Plan | None:
         x = jnp.ravel(x)
         return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
 
+    alone = tuple(i for i in range(len(arrays)) if i not in order)
+    copied = [len(batched) + j for j in range(len(alone))] if owned else []
+
     def concatenate(xs: list[jax.Array]) -> list[jax.Array]:
         return [
             jnp.concatenate([raw(xs[k], dtype) for k in slot]) for slot, dtype in slots
-        ]
+        ] + [jnp.copy(xs[k]) for k in copied]
 
     splits = []
     for group in groups.values():
@@ -132,8 +151,8 @@ def _make_plan(arrays: list[jax.Array]) -> _Plan | None:
             items.append((i, start, stop, shape, np.dtype(arrays[i].dtype)))
             start = stop
         splits.append(tuple(items))
-    alone = tuple(i for i in range(len(arrays)) if i not in order)
-    return _Plan(batched, jax.jit(concatenate), tuple(splits), alone)
+    inputs = batched + alone if owned else batched
+    return _Plan(inputs, jax.jit(concatenate), tuple(splits), alone, owned)
 
 
 def _plan(arrays: list[jax.Array], signature: Hashable | None) -> _Plan | None:
@@ -217,6 +236,58 @@ def start(leaves: list[object], signature: Hashable | None = None) -> Started:
     return Started(leaves, where, plan, outs, False)
 
 
+#: signature -> the plan of `start_owned` (made at the first sighting).
+_owned_plans: dict[Hashable, _Plan | None] = {}
+
+
+def start_owned(arrays: list[jax.Array], signature: Hashable) -> Started:
+    """Start copying `arrays` to the host through copies that the fetch owns.
+
+    One jitted call copies the arrays on the device (one flat array per width of
+    raw bits, as `start`, whatever their size; the others copied alone) and starts
+    the copies of its outputs to the host. `finish` reads those outputs with one
+    `jax.device_get`, so the caller may donate or delete `arrays` as soon as this
+    returns (a buffer carried through a donating step). `signature`: a hashable
+    key for the shapes, dtypes and shardings of `arrays`.
+
+    Never raises: an error is raised by `finish` (where starting failed, the
+    arrays are read by `jax.device_get` here, before they can be donated).
+    """
+    leaves: list[object] = list(arrays)
+    try:
+        if signature not in _owned_plans:
+            if len(_owned_plans) >= MAX_PLANS:
+                _owned_plans.clear()
+            _owned_plans[signature] = _make_plan(arrays, max_size=2**62, owned=True)
+        plan = _owned_plans[signature]
+        if plan is None:
+            raise RuntimeError  # (not made: read below)
+        outs = plan.fn([arrays[k] for k in plan.batched])
+        for x in outs:
+            x.copy_to_host_async()
+    except Exception:  # anything unusual: read now, JAX's own errors at `finish`
+        try:
+            return Started(jax.device_get(leaves), [], None, None, False)
+        except Exception:
+            return Started(leaves, list(range(len(leaves))), None, None, True)
+    return Started(leaves, list(range(len(leaves))), plan, outs, False)
+
+
+def _split(plan: _Plan, flats: list[np.ndarray], n: int) -> list[np.ndarray | None]:
+    """The arrays of a plan's fetched outputs (NumPy views of their bits)."""
+    host: list[np.ndarray | None] = [None] * n
+    for flat, items in zip(flats, plan.splits, strict=False):
+        for k, begin, stop, shape, dtype in items:
+            part = flat[begin:stop]
+            if part.dtype != dtype:
+                part = part.view(dtype)
+            host[k] = part.reshape(shape)
+    if plan.owned:
+        for k, copy in zip(plan.alone, flats[len(plan.splits) :], strict=True):
+            host[k] = np.asarray(copy)
+    return host
+
+
 def finish(started: Started) -> list[object]:
     """The fetched leaves of a `start`ed fetch (a new list).
 
@@ -233,15 +304,10 @@ def finish(started: Started) -> list[object]:
             raise RuntimeError  # read again by `jax.device_get`, below
         if plan is None or outs is None:
             host = [np.asarray(x) for x in arrays]
+        elif plan.owned:
+            host = _split(plan, jax.device_get(outs), len(arrays))
         else:
-            host: list[np.ndarray | None] = [None] * len(arrays)
-            for out, items in zip(outs, plan.splits, strict=True):
-                flat = np.asarray(out)
-                for k, begin, stop, shape, dtype in items:
-                    part = flat[begin:stop]
-                    if part.dtype != dtype:
-                        part = part.view(dtype)
-                    host[k] = part.reshape(shape)
+            host = _split(plan, [np.asarray(x) for x in outs], len(arrays))
             for k in plan.alone:
                 host[k] = np.asarray(arrays[k])
     except Exception:  # anything unusual (e.g. a key array): JAX's own errors

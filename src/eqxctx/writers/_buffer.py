@@ -1,0 +1,376 @@
+"""SummaryBuffer: the summaries of up to N steps, stacked on the device.
+
+A training step adds its summaries as one row of `[N, ...]` arrays (the way a scan
+stacks its per-iteration summaries), inside the jitted step; a writer fetches the
+whole buffer with one transfer per width of raw bits (`_fetch.start_owned`) and
+writes each row as the step it was. Each structure of summaries (a summary level's
+step and another level's) has its own rows; which structure and which step each row
+holds is recorded on the device too, so the rows are written in the order they
+were added.
+"""
+
+from collections.abc import Hashable, Mapping
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.core import Tracer
+from jaxtyping import Array, ArrayLike, Int
+
+from eqxctx._collection import OutputCollection, summary_tree
+from eqxctx._mapping import FrozenMapping
+from eqxctx._transfer import to_host
+from eqxctx._typing import ArrayTree, DType, Leaf, TreeDef
+
+from ._fetch import Started, finish, start_owned
+
+
+class _Layout(NamedTuple):
+    """One structure of summaries: the treedef and, per leaf, what it is.
+
+    `leaves[j]` is `(shape, dtype)` for an array or a Python number (stacked as a
+    row) or `(type, value)` for another (hashable) leaf, which is static.
+    """
+
+    treedef: TreeDef
+    leaves: tuple[tuple[Any, Any], ...]
+    arrays: tuple[bool, ...]
+
+    def rebuild(self, rows: list[Any]) -> ArrayTree:
+        """The summaries of one row: the row's arrays and the static numbers."""
+        it = iter(rows)
+        leaves = [
+            next(it) if is_array else value
+            for (_, value), is_array in zip(self.leaves, self.arrays, strict=True)
+        ]
+        return self.treedef.unflatten(leaves)
+
+
+def _is_array(x: object) -> bool:
+    """Whether `x` is stacked: an array, an abstract one (`like=`), a Python number.
+
+    (Python numbers are arrays in a jitted function's outputs and `jax.eval_shape`'s.)
+    """
+    return eqx.is_array(x) or isinstance(x, (jax.ShapeDtypeStruct, bool, int, float))
+
+
+def _trees(summaries: object) -> object:
+    """The summaries' tree, as `summary_tree` lays it out, without checking it.
+
+    For `SummaryBuffer.create(like=...)`, whose leaves may be abstract
+    (`jax.eval_shape`'s): mappings become `FrozenMapping`s and each
+    `OutputCollection` its summaries.
+    """
+    if isinstance(summaries, OutputCollection):
+        return summaries.summaries
+    if isinstance(summaries, FrozenMapping) and not any(
+        isinstance(v, OutputCollection) for _, v in summaries.items_list()
+    ):
+        return summaries
+    if isinstance(summaries, Mapping):
+        return FrozenMapping([(k, _trees(v)) for k, v in summaries.items()])
+    return summaries
+
+
+def _layout(tree: object, where: str) -> tuple[_Layout, list[Leaf]]:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    specs: list[tuple[Any, Any]] = []
+    arrays: list[bool] = []
+    for x in leaves:
+        if _is_array(x):
+            dtype = x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
+            specs.append((tuple(np.shape(x)), np.dtype(dtype)))
+            arrays.append(True)
+        else:
+            try:
+                hash(x)
+            except TypeError:
+                raise TypeError(
+                    f"`{where}`: a summary leaf of type {type(x).__name__} is neither "
+                    "an array nor a hashable number; make it an array."
+                ) from None
+            specs.append((type(x), x))
+            arrays.append(False)
+    return _Layout(treedef, tuple(specs), tuple(arrays)), leaves
+
+
+def _zeros(layout: _Layout, size: int) -> tuple[Array, ...]:
+    return tuple(
+        jnp.zeros((size, *shape), dtype)
+        for (shape, dtype), is_array in zip(layout.leaves, layout.arrays, strict=True)
+        if is_array
+    )
+
+
+def _step_dtype() -> DType:
+    """int32, or int64 where 64-bit types are on (`jax_enable_x64`)."""
+    return jnp.zeros((), int).dtype
+
+
+class SummaryBuffer(eqx.Module):
+    """The summaries of up to `size` steps, stacked on the device.
+
+    A functional value, like an optimizer state: create it once, carry it through
+    the jitted training step (in the train state, or as an argument that the step
+    returns), add each step's summaries there with `add`, and hand it to a writer's
+    `write_buffer` every `size` steps and once at the end. The writer fetches the
+    whole buffer in one transfer per width of raw bits and writes each step as
+    `writer.write(step, summaries)` would have: the same JSON lines, TensorBoard
+    events and W&B rows. `write_buffer` returns the buffer emptied (the same
+    arrays: donating the buffer to the step updates them in place).
+
+    ```python
+    buffer = SummaryBuffer.create(32)
+    with AsyncWriter(JsonlWriter(path)) as writer:
+        try:
+            for step in range(num_steps):
+                state, buffer = train_step(state, buffer, batch, step)
+                if (step + 1) % buffer.size == 0:
+                    buffer = writer.write_buffer(buffer)
+        finally:  # also on an exception or Ctrl-C: every step added is written
+            buffer = writer.write_buffer(buffer)
+    ```
+
+    where `train_step` (under `jax.jit` / `eqx.filter_jit`) ends with
+    `buffer = buffer.add(step, {"train": collection})`. Pass the step as an array
+    (`jnp.asarray(step)`, or a counter in the train state): `eqx.filter_jit` makes a
+    Python int static and would compile the step once per value.
+
+    Each structure of summaries has its own rows (`[size, ...]` per array leaf), so
+    steps of different summary levels (a cheap step and a full one) share a buffer;
+    the rows keep the order in which steps were added. A structure first added
+    inside a jitted step changes the buffer's structure, so that step is traced
+    once more; `create(size, like)` reserves the rows of known structures up front.
+    Python numbers among the summaries are stored as arrays, as `jax.jit` returns
+    them (a float as float32). Memory: `size` times the bytes of one step's
+    summaries per structure, plus three int32 arrays of `size`.
+
+    Adding to a full buffer overwrites its last row; the writer then writes what
+    the buffer holds and raises a `ValueError` saying how many steps were lost.
+
+    Attributes:
+        size: the number of rows N (steps the buffer holds), static.
+        layouts: the structures of summaries the buffer has rows for, static.
+        rows: per structure, its array leaves stacked `[size, ...]` (traced).
+        steps: `int32[size]` (int64 with `jax_enable_x64`), each row's step.
+        slots: `int32[size]`, the structure (index into `layouts`) of each row.
+        count: `int32[]`, the number of steps added since the buffer was created
+            or emptied (rows `0 .. min(count, size) - 1` hold steps).
+    """
+
+    size: int = eqx.field(static=True)
+    layouts: tuple[_Layout, ...] = eqx.field(static=True)
+    rows: tuple[tuple[Array, ...], ...]
+    steps: Int[Array, " size"]
+    slots: Int[Array, " size"]
+    count: Int[Array, ""]
+
+    @classmethod
+    def create(cls, size: object, *like: object) -> "SummaryBuffer":
+        """Return an empty buffer of `size` rows, with rows for the structures `like`.
+
+        Args:
+            size: the number of steps held, an int >= 1.
+            *like: summaries (as `add` takes them) whose structures get rows now:
+                e.g. `jax.eval_shape` of the step's summaries (abstract leaves are
+                fine). A structure not given gets its rows at its first `add`.
+
+        Raises:
+            TypeError: if `size` is not an int.
+            ValueError: if `size` is less than 1.
+
+        Examples:
+            >>> buffer = SummaryBuffer.create(4)
+            >>> buffer = buffer.add(0, {"loss": jnp.float32(0.5)})
+            >>> buffer.rows[0][0].shape, int(buffer.count)
+            ((4,), 1)
+        """
+        where = "SummaryBuffer.create(size)"
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
+            raise TypeError(
+                f"`{where}`: size must be an int >= 1 (the steps the buffer holds), "
+                f"got {type(size).__name__} {size!r}."
+            )
+        if size < 1:
+            raise ValueError(
+                f"`{where}`: size must be an int >= 1 (the steps the buffer holds), "
+                f"got {size}."
+            )
+        n = int(size)
+        layouts: list[_Layout] = []
+        for summaries in like:
+            layout = _layout(_trees(summaries), "SummaryBuffer.create(like)")[0]
+            if layout not in layouts:
+                layouts.append(layout)
+        return cls(
+            n,
+            tuple(layouts),
+            tuple(_zeros(layout, n) for layout in layouts),
+            jnp.zeros(n, _step_dtype()),
+            jnp.zeros(n, jnp.int32),
+            jnp.zeros((), jnp.int32),
+        )
+
+    def add(self, step: ArrayLike, summaries: object) -> "SummaryBuffer":
+        """Return the buffer with one more step: `summaries` as the next row.
+
+        Inside a jitted step or outside; `self` is unchanged. The row is written
+        with `jax.lax.dynamic_update_index_in_dim` (in place when the buffer is
+        donated).
+
+        Args:
+            step: the step number, an integer scalar (an array, traced or not, or
+                a Python int).
+            summaries: what `AbstractWriter.write` takes: an `OutputCollection`
+                (its summaries) or a nested mapping of summaries and
+                `OutputCollection`s (`{"train": collection}`).
+
+        Returns:
+            A new `SummaryBuffer`; a structure not seen before gets its rows (and
+            the buffer a new structure, `layouts`).
+
+        Raises:
+            TypeError: for a step that is not an integer scalar, or summaries that
+                are not summaries (naming the leaf's path).
+            ValueError: for an invalid summary name (naming it).
+        """
+        where = "SummaryBuffer.add"
+        step_array = jnp.asarray(step)
+        if step_array.ndim != 0 or not jnp.issubdtype(step_array.dtype, jnp.integer):
+            raise TypeError(
+                f"`{where}(step, summaries)`: step must be an integer scalar, got "
+                f"{step_array.dtype}{list(step_array.shape)}."
+            )
+        layout, leaves = _layout(summary_tree(summaries, where=where), where)
+        layouts, rows = self.layouts, self.rows
+        if layout in layouts:
+            k = layouts.index(layout)
+        else:
+            k = len(layouts)
+            layouts += (layout,)
+            rows += (_zeros(layout, self.size),)
+        i = jnp.minimum(self.count, self.size - 1)
+        arrays = [x for x in leaves if _is_array(x)]
+        row = tuple(
+            jax.lax.dynamic_update_index_in_dim(r, jnp.asarray(x, r.dtype), i, 0)
+            for r, x in zip(rows[k], arrays, strict=True)
+        )
+        update = jax.lax.dynamic_update_index_in_dim
+        return SummaryBuffer(
+            self.size,
+            layouts,
+            (*rows[:k], row, *rows[k + 1 :]),
+            update(self.steps, step_array.astype(self.steps.dtype), i, 0),
+            update(self.slots, jnp.asarray(k, jnp.int32), i, 0),
+            self.count + 1,
+        )
+
+    def cleared(self) -> "SummaryBuffer":
+        """Return the buffer emptied (`count` 0), with the same row arrays."""
+        return SummaryBuffer(
+            self.size,
+            self.layouts,
+            self.rows,
+            self.steps,
+            self.slots,
+            jnp.zeros((), jnp.int32),
+        )
+
+
+class BufferFetch(NamedTuple):
+    """A buffer whose copy to the host has started (`start_fetch`).
+
+    Attributes:
+        layouts: the buffer's structures.
+        size: its number of rows.
+        started: the fetch of `[count, steps, slots, *rows]`, or None where
+            `host` holds them already (several processes).
+        host: the fetched arrays, or None.
+    """
+
+    layouts: tuple[_Layout, ...]
+    size: int
+    started: Started | None
+    host: list[Any] | None
+
+
+def _arrays(buffer: SummaryBuffer, where: str) -> list[jax.Array]:
+    arrays = [buffer.count, buffer.steps, buffer.slots]
+    arrays += [x for row in buffer.rows for x in row]
+    for x in arrays:
+        if isinstance(x, Tracer):
+            raise TypeError(
+                f"`{where}`: the buffer holds tracers: write it outside the jitted "
+                "step (return it from the step, then pass it to `write_buffer`)."
+            )
+    return arrays
+
+
+# `buffer: object`: checked here, with a message naming `where`.
+def start_fetch(buffer: object, *, where: str) -> BufferFetch:
+    """Start copying `buffer` to the host; the buffer may be donated after this.
+
+    One process: one jitted copy of the buffer into one flat array per width of
+    raw bits (and a copy of each array of another dtype), whose transfers start
+    here and are read by `buffer_rows`. Several processes: fetched here with
+    `eqxctx.to_host` (a collective).
+
+    Raises:
+        TypeError: if `buffer` is not a `SummaryBuffer` or holds tracers.
+    """
+    if not isinstance(buffer, SummaryBuffer):
+        raise TypeError(
+            f"`{where}`: expected a `SummaryBuffer` (from `SummaryBuffer.create`), "
+            f"got {type(buffer).__name__}."
+        )
+    arrays = _arrays(buffer, where)
+    if jax.process_count() > 1:
+        return BufferFetch(buffer.layouts, buffer.size, None, list(to_host(arrays)))
+    signature: Hashable = (
+        buffer.size,
+        buffer.layouts,
+        tuple(x.sharding for x in arrays),
+    )
+    return BufferFetch(
+        buffer.layouts, buffer.size, start_owned(arrays, signature), None
+    )
+
+
+class BufferRows(NamedTuple):
+    """A fetched buffer: each step's summaries (NumPy leaves), in the added order.
+
+    Attributes:
+        rows: `(step, summaries, layout)` per step held.
+        lost: the number of steps added after the buffer was full.
+    """
+
+    rows: list[tuple[int, ArrayTree, _Layout]]
+    lost: int
+
+
+def buffer_rows(fetch: BufferFetch) -> BufferRows:
+    """Read a started fetch (waiting for the device): the steps it holds.
+
+    Raises:
+        Exception: what `jax.device_get` raises (e.g. for a deleted array).
+    """
+    host = fetch.host if fetch.started is None else finish(fetch.started)
+    assert host is not None
+    count = int(np.asarray(host[0]))
+    steps, slots = np.asarray(host[1]), np.asarray(host[2])
+    tables: list[list[np.ndarray]] = []
+    start = 3
+    for layout in fetch.layouts:
+        stop = start + sum(layout.arrays)
+        tables.append([np.asarray(x) for x in host[start:stop]])
+        start = stop
+    n = min(count, fetch.size)
+    rows: list[tuple[int, ArrayTree, _Layout]] = []
+    for i in range(n):
+        k = int(slots[i])
+        layout = fetch.layouts[k]
+        tree = layout.rebuild([x[i, ...] for x in tables[k]])
+        rows.append((int(steps[i]), tree, layout))
+    return BufferRows(rows, count - n)

@@ -1,0 +1,391 @@
+"""SummaryBuffer: steps stacked on the device, written as if written one by one.
+
+The reference is the same jitted step returning its summaries, written with
+`write(step, summaries)` after each step (issue 39).
+"""
+
+import functools
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqxctx
+from eqxctx.writers import (
+    AbstractWriter,
+    AsyncWriter,
+    HostSummaries,
+    JsonlWriter,
+    MultiWriter,
+    SummaryBuffer,
+    TensorBoardWriter,
+)
+from tb_events import read_events
+
+
+def _log(x: jax.Array) -> np.ndarray:
+    return np.round(np.asarray(x) * 1000.0) / 1000.0
+
+
+def _summaries(i: jax.Array, level: int | None) -> eqxctx.OutputCollection:
+    """One step's summaries: every kind, a scan's per-iteration children, a level."""
+    x = i.astype(jnp.float32)
+    v = jnp.sin(x + jnp.arange(6.0, dtype=jnp.float32))
+    ctx = eqxctx.Context.root(summary_level=level)
+    ctx = ctx.add_summary("loss", eqxctx.WeightedSummary(v[0], jnp.float32(2.0) + x))
+    ctx = ctx.add_summary("raw", v * 3.0)
+    ctx = ctx.add_summary("count", i * 2)
+    ctx = ctx.add_summary("flag", v[1] > 0)
+    ctx = ctx.add_summary("const", 0.25)  # a Python number: static
+    ctx = ctx.add_summary("min", eqxctx.MinSummary(v))
+    ctx = ctx.add_summary("max", eqxctx.MaxSummary(v[2]))
+    ctx = ctx.add_summary("sum", eqxctx.SumSummary(v.sum()))
+    ctx = ctx.add_summary("moments", eqxctx.MomentsSummary(v * x), level=1)
+    ctx = ctx.add_summary(
+        "hist", eqxctx.HistogramSummary(v * 2.0, bins=5, range=(-2.0, 2.0)), level=1
+    )
+    image = jnp.abs(jnp.sin(x + jnp.arange(2 * 3 * 4.0))).reshape(2, 3, 4)
+    ctx = ctx.add_summary("image", eqxctx.ImageSummary(image), level=1)
+    audio = jnp.sin(x + jnp.arange(8.0)) * 0.5
+    ctx = ctx.add_summary(
+        "audio", eqxctx.AudioSummary(audio, sample_rate=8000), level=1
+    )
+    ctx = ctx.add_summary("callback", eqxctx.CallbackSummary(_log, v[3]), level=1)
+
+    def body(c: jax.Array, y: jax.Array, ctx: eqxctx.Context) -> Any:
+        ctx = ctx.add_summary("y", y * x)
+        ctx = ctx.add_summary("w", eqxctx.WeightedSummary(y, jnp.float32(1.0)))
+        return c + y, None, ctx
+
+    _, _, scanned = eqxctx.scan_in_context(
+        body, context=ctx, carry=jnp.float32(0.0), xs=v[:3], child_name_prefix="layer"
+    )
+    return ctx.merge(scanned).collection
+
+
+@functools.cache
+def _make_step(level: int | None) -> Callable[..., Any]:
+    @eqx.filter_jit
+    def step(buffer: SummaryBuffer, i: jax.Array) -> Any:
+        collection = _summaries(i, level)
+        return buffer.add(i, {"train": collection}), {"train": collection}
+
+    return step
+
+
+def _levels(step: int) -> int | None:
+    return None
+
+
+def _run(
+    writer: AbstractWriter,
+    reference: AbstractWriter | None,
+    *,
+    size: int,
+    steps: int,
+    level: Callable[[int], int | None] = _levels,
+) -> None:
+    """Run `steps` steps, writing the buffer every `size` steps and at the end."""
+    fns: dict[int | None, Callable[..., Any]] = {}
+    buffer = SummaryBuffer.create(size)
+    with writer:
+        try:
+            for step in range(steps):
+                lv = level(step)
+                fn = fns.get(lv) or fns.setdefault(lv, _make_step(lv))
+                buffer, out = fn(buffer, jnp.int32(step))
+                if reference is not None:
+                    reference.write(step, out)
+                if (step + 1) % size == 0:
+                    buffer = writer.write_buffer(buffer)
+        finally:
+            buffer = writer.write_buffer(buffer)
+    if reference is not None:
+        reference.close()
+
+
+def _alternate(step: int) -> int:
+    return step % 2  # a cheap step (level 0) and a full step (level 1)
+
+
+@pytest.mark.parametrize(
+    ("size", "level"), [(1, _alternate), (7, _alternate), (32, _levels)]
+)
+def test_buffered_jsonl_equals_step_by_step(
+    tmp_path: Path, size: int, level: Callable[[int], int | None]
+) -> None:
+    steps = 40  # a partial buffer at the end for 7 and 32
+    _run(
+        JsonlWriter(tmp_path / "b.jsonl"),
+        JsonlWriter(tmp_path / "s.jsonl"),
+        size=size,
+        steps=steps,
+        level=level,
+    )
+    got = (tmp_path / "b.jsonl").read_bytes()
+    want = (tmp_path / "s.jsonl").read_bytes()
+    assert got == want
+    assert len(got.splitlines()) == steps
+    if level is _alternate:  # the full step's summaries in odd lines only
+        lines = got.decode().splitlines()
+        assert '"train/hist"' in lines[1]
+        assert '"train/hist"' not in lines[0]
+
+
+def _events(logdir: Path) -> list[tuple[int, str, bytes]]:
+    """Every summary value as (step, tag, serialized value): no wall times."""
+    return [
+        (event.step, value.tag, value.SerializeToString())  # pyright: ignore[reportAttributeAccessIssue]
+        for event in read_events(str(logdir))
+        if event.HasField("summary")
+        for value in event.summary.value
+    ]
+
+
+def test_buffered_tensorboard_equals_step_by_step(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboardX")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "s").mkdir()
+    _run(
+        TensorBoardWriter(tmp_path / "b"),
+        TensorBoardWriter(tmp_path / "s"),
+        size=7,
+        steps=10,
+        level=_alternate,
+    )
+    got, want = _events(tmp_path / "b"), _events(tmp_path / "s")
+    assert got == want
+    assert sorted({step for step, _, _ in got}) == list(range(10))
+
+
+def test_buffered_wandb_equals_step_by_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wandb = pytest.importorskip("wandb", reason="needs eqxctx's `wandb` extra")
+    from eqxctx.writers import WandbWriter
+    from wandb_records import history
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
+    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        folder = tmp_path / var.lower()
+        folder.mkdir()
+        monkeypatch.setenv(var, str(folder))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+
+    def writer() -> Any:
+        return WandbWriter(
+            project="eqxctx-test",
+            mode="offline",
+            dir=str(tmp_path),
+            settings=wandb.Settings(console="off", x_disable_stats=True),
+        )
+
+    # One run at a time (W&B keeps one run per process).
+    reference = writer()
+    want_file = Path(reference.run.settings.sync_file)
+    _run(JsonlWriter(os.devnull), reference, size=7, steps=9, level=_alternate)
+    buffered = writer()
+    got_file = Path(buffered.run.settings.sync_file)
+    _run(buffered, None, size=7, steps=9, level=_alternate)
+    got, want = history(got_file), history(want_file)
+    drop = {"_timestamp", "_runtime"}
+
+    def rows(rs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        # Media files are named by the run: compare their content's digests.
+        return [{k: v for k, v in r.items() if k not in drop} for r in rs]
+
+    assert [r["_step"] for r in got] == list(range(9))
+    assert _without_paths(rows(got)) == _without_paths(rows(want))
+
+
+def _without_paths(rows: object) -> object:
+    if isinstance(rows, dict):
+        return {k: _without_paths(v) for k, v in rows.items() if k != "path"}
+    if isinstance(rows, list):
+        return [_without_paths(v) for v in rows]
+    return rows
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("interrupt", [_Stop, KeyboardInterrupt])
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_an_interrupted_loop_leaves_exactly_its_steps(
+    tmp_path: Path, interrupt: type[BaseException], asynchronous: bool
+) -> None:
+    step_fn = _make_step(None)
+    for k in (0, 5, 7, 13):
+        path = tmp_path / f"{k}.jsonl"
+        jsonl = JsonlWriter(path)
+        writer = AsyncWriter(jsonl) if asynchronous else jsonl
+        buffer = SummaryBuffer.create(7)
+        raised = False
+        with writer:
+            try:
+                for step in range(20):
+                    if step == k:
+                        raise interrupt
+                    buffer, _ = step_fn(buffer, jnp.int32(step))
+                    if (step + 1) % buffer.size == 0:
+                        buffer = writer.write_buffer(buffer)
+            except interrupt:
+                raised = True
+            finally:
+                buffer = writer.write_buffer(buffer)
+        assert raised
+        lines = path.read_text().splitlines()
+        assert [int(line.split(",")[0].split(": ")[1]) for line in lines] == list(
+            range(k)
+        )
+
+
+class _Flaky(JsonlWriter):
+    """Raises KeyboardInterrupt at its `fail_at`-th write, once."""
+
+    fail_at = 3
+
+    def write_host(self, host: HostSummaries) -> None:
+        self.fail_at -= 1
+        if self.fail_at == 0:
+            raise KeyboardInterrupt
+        super().write_host(host)
+
+
+def test_a_write_interrupted_midway_resumes_without_writing_twice(
+    tmp_path: Path,
+) -> None:
+    step_fn = _make_step(None)
+    buffer = SummaryBuffer.create(8)
+    for step in range(5):
+        buffer, _ = step_fn(buffer, jnp.int32(step))
+    with _Flaky(tmp_path / "s.jsonl") as writer:
+        with pytest.raises(KeyboardInterrupt):
+            writer.write_buffer(buffer)
+        assert len((tmp_path / "s.jsonl").read_text().splitlines()) == 2
+        empty = writer.write_buffer(buffer)  # the `finally` of the loop
+        writer.write_buffer(buffer)  # once more: nothing
+        assert int(empty.count) == 0
+    lines = (tmp_path / "s.jsonl").read_text().splitlines()
+    assert [line.split(",")[0] for line in lines] == [
+        f'{{"step": {s}' for s in range(5)
+    ]
+
+
+def test_async_buffer_writes_the_same_files_with_a_donated_buffer(
+    tmp_path: Path,
+) -> None:
+    @jax.jit
+    def step(buffer: SummaryBuffer, i: jax.Array) -> Any:
+        collection = _summaries(i, 0)
+        return buffer.add(i, collection), collection
+
+    donating = jax.jit(step, donate_argnums=0)
+    buffer = SummaryBuffer.create(
+        4, jax.eval_shape(step, SummaryBuffer.create(4), 0)[1]
+    )
+    reference = JsonlWriter(tmp_path / "s.jsonl")
+    with AsyncWriter(MultiWriter(JsonlWriter(tmp_path / "b.jsonl"))) as writer:
+        for i in range(10):
+            buffer, out = donating(buffer, jnp.int32(i))
+            reference.write(i, out)
+            if (i + 1) % 4 == 0:
+                before = buffer.rows[0][0]
+                buffer = writer.write_buffer(buffer)
+                assert buffer.rows[0][0] is before  # the same arrays, emptied
+        buffer = writer.write_buffer(buffer)
+    reference.close()
+    assert (tmp_path / "b.jsonl").read_bytes() == (tmp_path / "s.jsonl").read_bytes()
+    assert donating._cache_size() == 1  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def test_one_transfer_per_width_for_a_whole_buffer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Count the JAX arrays that `jax.device_get` reads (through the array type's
+    # `__array__`); implicit reads (`numpy.asarray` of a JAX array) are refused
+    # by the transfer guard where they are transfers (not on the CPU: zero-copy).
+    fetched: list[tuple[str, tuple[int, ...]]] = []
+    array_type = type(jnp.zeros(1))
+    real = array_type.__array__
+
+    def counting(self: jax.Array, *args: Any, **kwargs: Any) -> Any:
+        fetched.append((str(self.dtype), tuple(self.shape)))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(array_type, "__array__", counting)
+    step_fn = _make_step(None)
+    buffer = SummaryBuffer.create(32)
+    with JsonlWriter(tmp_path / "s.jsonl") as writer:
+        for n in (32, 5):
+            for step in range(n):
+                buffer, _ = step_fn(buffer, jnp.int32(step))
+            jax.block_until_ready(buffer)
+            fetched.clear()
+            with jax.transfer_guard_device_to_host("disallow"):
+                buffer = writer.write_buffer(buffer)
+            # Every leaf is 32-bit (float32, int32) or bool: two transfers for the
+            # 32 (or 5) steps. A step has 71 32-bit values (loss 2, raw 6, count 1,
+            # const 1, min 6, max 1, sum 1, moments 6, hist 5, image 24, audio 8,
+            # callback 1, the scan's 3 x 3) and one bool; with the 32 steps, 32
+            # slots and the count: 32 * 71 + 65.
+            assert sorted(fetched) == [("bool", (32,)), ("uint32", (32 * 71 + 65,))]
+    assert len((tmp_path / "s.jsonl").read_text().splitlines()) == 37
+
+
+def test_a_full_buffer_writes_its_rows_then_says_how_many_were_lost(
+    tmp_path: Path,
+) -> None:
+    step_fn = _make_step(None)
+    buffer = SummaryBuffer.create(4)
+    for step in range(6):
+        buffer, _ = step_fn(buffer, jnp.int32(step))
+    with (
+        JsonlWriter(tmp_path / "s.jsonl") as writer,
+        pytest.raises(ValueError, match=r"2 step\(s\) were added to the full"),
+    ):
+        writer.write_buffer(buffer)
+    lines = (tmp_path / "s.jsonl").read_text().splitlines()
+    assert [line.split(",")[0] for line in lines] == [
+        f'{{"step": {s}' for s in (0, 1, 2, 5)
+    ]
+
+
+def test_buffer_errors() -> None:
+    with pytest.raises(TypeError, match=r"size must be an int >= 1"):
+        SummaryBuffer.create(2.0)
+    with pytest.raises(ValueError, match=r"size must be an int >= 1.*got 0"):
+        SummaryBuffer.create(0)
+    buffer = SummaryBuffer.create(2)
+    with pytest.raises(TypeError, match=r"step must be an integer scalar"):
+        buffer.add(jnp.float32(1.0), {"x": jnp.float32(1.0)})
+    with pytest.raises(TypeError, match=r"'x'"):
+        buffer.add(0, {"x": "text"})
+    with JsonlWriter(os.devnull) as writer:
+        with pytest.raises(TypeError, match=r"SummaryBuffer"):
+            writer.write_buffer({"x": 1.0})  # pyright: ignore[reportArgumentType]
+
+        @jax.jit
+        def inside(b: SummaryBuffer) -> SummaryBuffer:
+            return writer.write_buffer(b.add(0, {"x": jnp.float32(1.0)}))
+
+        with pytest.raises(TypeError, match=r"outside the jitted step"):
+            inside(buffer)
+
+
+def test_the_buffer_holds_n_times_one_steps_summaries() -> None:
+    one = {"a": jnp.zeros((3,), jnp.float32), "b": eqxctx.MaxSummary(jnp.int32(1))}
+    buffer = SummaryBuffer.create(32, one)
+    nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(buffer.rows))
+    assert nbytes == 32 * (3 * 4 + 4)
+    extra = buffer.steps.nbytes + buffer.slots.nbytes + buffer.count.nbytes
+    assert extra == 32 * 4 * 2 + 4
