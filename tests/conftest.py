@@ -15,17 +15,17 @@ if PLATFORM == "cpu":
     if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
         os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 
-import jax  # noqa: E402 (after the device flags)
+# JAX's start-up warnings on an accelerator host (transparent hugepages, a TPU's
+# other chips) are not errors: import JAX and start its backend with them ignored.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    import jax  # (after the device flags)
+
+    if PLATFORM != "cpu":
+        jax.devices()
+
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
-
-
-if PLATFORM != "cpu":
-    # Start the backend now, so that JAX's start-up warnings on an accelerator
-    # host (e.g. about a TPU's other chips) are not errors of the first test.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        jax.devices()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
