@@ -83,3 +83,60 @@ def run_two_processes(
     if no_collectives in codes:
         pytest.skip(f"this platform has no CPU collectives: {outputs}")
     assert codes == [0, 0], "\n\n".join(o[-3000:] for o in outputs)
+
+
+def _flush(x: Any) -> Any:
+    """`x` with float32 subnormals flushed to zero (sign kept), as a TPU does."""
+    x = np.asarray(x)
+    if x.dtype != np.float32:
+        return x
+    zero = np.copysign(np.float32(0), x)
+    return np.where(np.abs(x) < np.finfo(np.float32).tiny, zero, x)
+
+
+def _eval_flushing(jaxpr: Any, consts: list[Any], args: list[Any]) -> list[Any]:
+    from jax.extend.core import ClosedJaxpr, Literal
+
+    env: dict[Any, Any] = {}
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, Literal) else env[v]
+
+    for v, x in [
+        *zip(jaxpr.constvars, consts, strict=True),
+        *zip(jaxpr.invars, args, strict=True),
+    ]:
+        env[v] = _flush(x)
+    for eqn in jaxpr.eqns:
+        ins = [_flush(read(v)) for v in eqn.invars]
+        subs = [p for p in eqn.params.values() if isinstance(p, ClosedJaxpr)]
+        if subs and eqn.primitive.name in ("jit", "pjit", "closed_call"):
+            outs = _eval_flushing(subs[0].jaxpr, subs[0].consts, ins)
+        elif eqn.primitive.name == "div" and ins[0].dtype == np.float32:
+            # A TPU divides by multiplying with the reciprocal, which it flushes:
+            # 1 / 2**127 is subnormal, so x / 2**127 is 0.
+            with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+                reciprocal = _flush(np.float32(1) / ins[1])
+                outs = [ins[0] * reciprocal]
+        else:
+            out = eqn.primitive.bind(*ins, **eqn.params)
+            outs = list(out) if eqn.primitive.multiple_results else [out]
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            env[v] = _flush(x)
+    return [read(v) for v in jaxpr.outvars]
+
+
+def run_flushing_subnormals(fn: Any, *args: Any) -> Any:
+    """`fn(*args)` op by op, as a TPU computes float32: subnormals flushed to zero.
+
+    Emulates on the CPU what a TPU does and XLA's CPU backend does not always do:
+    every float32 input and result of every operation below float32's smallest
+    normal (1.2e-38) is flushed to zero, and `x / y` is `x * (1 / y)` with the
+    reciprocal flushed (so dividing by a number above 2**126 gives 0).
+    """
+    closed = jax.make_jaxpr(fn)(*args)
+    flat = jax.tree_util.tree_leaves(args)
+    outs = _eval_flushing(closed.jaxpr, closed.consts, flat)
+    return jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(jax.eval_shape(fn, *args)), outs
+    )

@@ -583,6 +583,39 @@ def test_pending_value_cannot_be_read_inside() -> None:
         eqxctx.value_and_grad(loss)(jnp.ones(2), prng_key=None, is_training=True)
 
 
+_READS: dict[str, Any] = {
+    "g + 1": lambda g: g + 1.0,
+    "1 + g": lambda g: 1.0 + g,
+    "g * array": lambda g: g * jnp.ones(2),
+    "array - g": lambda g: jnp.ones(2) - g,
+    "-g": lambda g: -g,
+    "g ** 2": lambda g: g**2,
+    "g > 0": lambda g: g > 0,
+    "jnp.asarray": lambda g: jnp.asarray(g),
+    "jnp.sum": lambda g: jnp.sum(g),
+    "jnp.tanh": lambda g: jnp.tanh(g),
+    "np.asarray": lambda g: np.asarray(g),
+    "float": lambda g: float(g),
+    "g[0]": lambda g: g[0],
+}
+
+
+@pytest.mark.parametrize("read", _READS.values(), ids=_READS.keys())
+def test_pending_value_read_by_arithmetic_or_asarray_names_the_probe(
+    read: Any,
+) -> None:
+    # issue 35 item 11: arithmetic and `jnp.asarray` on the placeholder gave JAX's
+    # (or Python's) messages.
+    def loss(x: Any, ctx: Context) -> tuple[Any, Context]:
+        h, ctx = ctx.add_gradient_summary("g", x)
+        read(ctx.collection.flatten("summaries")["g"])
+        return jnp.sum(h), ctx
+
+    with pytest.raises(TypeError, match=r"'root/g' is filled in by") as info:
+        eqxctx.value_and_grad(loss)(jnp.ones(2), prng_key=None, is_training=True)
+    assert "PendingGradient" not in str(info.value)
+
+
 def test_probe_under_plain_jax_vmap_is_refused() -> None:
     def loss(xs: Any, ctx: Context) -> tuple[Any, Context]:
         def one(x: Any, ctx: Context) -> tuple[Any, Context]:

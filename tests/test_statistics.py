@@ -12,6 +12,7 @@ from hypothesis import given, strategies as st
 import eqxctx
 from eqxctx import Context, HistogramSummary, MomentsSummary
 from eqxctx._statistics import tensorflow_edges
+from eqxctx.writers import JsonlWriter, fetch_summaries
 
 
 values = hnp.arrays(
@@ -38,7 +39,7 @@ def test_histogram_equals_numpy(x: np.ndarray, lo: int, width: int, bins: int) -
     h = HistogramSummary(x, bins=bins, range=(lo, lo + width))
     np.testing.assert_allclose(h.edges, np.linspace(lo, lo + width, bins + 1))
     got = np.asarray(h.counts)
-    assert got.dtype == np.int32
+    assert got.dtype == np.int64  # exact, read on the host (issue 35 item 2)
     np.testing.assert_array_equal(got, np_histogram(x, h.edges))
     jitted = jax.jit(lambda v: HistogramSummary(v, bins=bins, range=(lo, lo + width)))
     np.testing.assert_array_equal(jitted(x).counts, got)
@@ -88,6 +89,34 @@ def test_histogram_edge_rules_and_explicit_edges() -> None:
     assert h.bins == 3
     ref = np.histogram(x[np.isfinite(x)], bins=[0.0, 1.0, 2.0, 3.0])[0]
     assert h.counts.tolist() == ref.tolist()
+
+
+def test_float64_values_are_bucketed_with_edges_checked_in_float64() -> None:
+    # issue 35 item 12: edges distinct only in float64 were refused with a float32
+    # message, for float64 values which are compared in float64.
+    edges = [1.0, 1.0 + 1e-12, 2.0]
+    x = np.array([1.0, 1.0 + 5e-13, 1.0 + 2e-12, 1.5, 2.0], np.float64)
+    with jax.enable_x64(True):
+        h = HistogramSummary(x, edges=edges)
+        assert h.edges == tuple(edges)
+        np.testing.assert_array_equal(h.counts, np.histogram(x, bins=edges)[0])
+        assert h.counts.tolist() == [2, 3]
+    with pytest.raises(ValueError, match="also when rounded to float32") as info:
+        HistogramSummary(x.astype(np.float32), edges=edges)
+    assert "compared in float32" in str(info.value)
+
+
+@pytest.mark.parametrize("kind", [HistogramSummary, MomentsSummary])
+@pytest.mark.parametrize(
+    "value",
+    [np.array(["a"]), np.array([object()]), np.array([b"x"])],
+    ids=["str", "object", "bytes"],
+)
+def test_non_numeric_values_get_the_kinds_error(kind: Any, value: Any) -> None:
+    # issue 35 item 13: JAX's "Error interpreting argument" instead of this error.
+    name = kind.__name__
+    with pytest.raises(TypeError, match=rf"`{name}`: expected real \(bool, integer"):
+        kind(value)
 
 
 def test_histogram_default_edges_are_tensorflows() -> None:
@@ -416,9 +445,10 @@ def test_statistics_from_the_runner_and_accumulated_over_batches() -> None:
     batches = [{"x": rng.normal(size=(8, 3)).astype(np.float32)} for _ in range(3)]
     acc = eqxctx.SummaryAccumulator()
     for out in eqxctx.run_batches(runner, batches):
-        counts = out.summaries["hist"].counts
-        assert isinstance(counts, jax.Array)
-        assert counts.sharding.is_fully_replicated
+        hist = out.summaries["hist"]
+        for words in (hist.counts_high, hist.counts_low):
+            assert isinstance(words, jax.Array)
+            assert words.sharding.is_fully_replicated
         acc = acc.update(out.summaries)
     flat = acc.flatten()
     y = np.concatenate([b["x"] for b in batches]) * np.float32(2.0)
@@ -453,3 +483,123 @@ def test_moments_with_an_empty_side_keep_large_means_finite() -> None:
         assert float(value["variance"]) == 0.0
         assert float(value["mean"]) == pytest.approx(2e19)
         assert int(got.count) == 2
+
+
+# -- counts past 2**31 (issue 35 item 2) ------------------------------------------
+
+_add = jax.jit(lambda a, b: a.accumulate(b))
+
+
+def repeated(summary: Any, times: int) -> Any:
+    """The summary of `times` copies of `summary`'s values, by doubling (jitted)."""
+    out, power = None, summary
+    while times:
+        if times & 1:
+            out = power if out is None else _add(out, power)
+        times >>= 1
+        if times:
+            power = _add(power, power)
+    return out
+
+
+def test_moments_count_stays_exact_past_2_31_and_the_moments_right() -> None:
+    # issue 35 item 2: the count was int32 and wrapped at 2**31 (then mean 1e7,
+    # variance 1.5e16, negative, NaN).
+    base_a, base_b = (
+        np.array([1, 2, 6], np.float32),
+        np.array([10, 20, np.inf], np.float32),
+    )
+    ra, rb = 715_827_882, 1_000_000_007  # 2**31 - 2 values, and 3e9 (1e9 inf)
+    a = repeated(MomentsSummary(base_a), ra)
+    b = repeated(MomentsSummary(base_b[:2]), rb)
+    acc, parts = a, [(ra * 3, 3.0, 14 / 3)]
+    for k in range(1, 9):
+        acc = _add(acc, b if k % 2 else a)
+        parts.append((rb * 2, 15.0, 25.0) if k % 2 else (ra * 3, 3.0, 14 / 3))
+    # The reference, analytically in float64 NumPy.
+    n, mu, var = (np.array(column, np.float64) for column in zip(*parts, strict=True))
+    mean = np.sum(n * mu) / np.sum(n)
+    variance = np.sum(n * (var + (mu - mean) ** 2)) / np.sum(n)
+    count = sum(p[0] for p in parts)
+    assert count > 2**34
+    value = acc.value()
+    np.testing.assert_allclose(float(value["mean"]), mean, rtol=1e-5)
+    np.testing.assert_allclose(float(value["variance"]), variance, rtol=1e-4)
+    np.testing.assert_allclose(float(value["count"]), count, rtol=1e-6)
+    assert int(acc.count) == count  # exact, on the host
+    assert acc.count.dtype == np.int64
+    # What the writers write: the exact count.
+    host = fetch_summaries({"m": acc})
+    assert int(np.asarray(host["m/count"])) == count
+    np.testing.assert_allclose(np.asarray(host["m/variance"]), variance, rtol=1e-4)
+    # The non-finite count too: 1e9 infinities in each of 3e9 values.
+    inf = repeated(MomentsSummary(base_b), rb)
+    assert int(inf.count) == 3 * rb
+    assert int(inf.nonfinite) == rb
+    assert int(np.asarray(fetch_summaries({"m": inf})["m/nonfinite"])) == rb
+
+
+def test_histogram_counts_stay_exact_past_2_31(tmp_path: Any) -> None:
+    # issue 35 item 2: bucket counts were int32 (2**31 - 1 at most, then wrapped).
+    h = HistogramSummary(np.array([0.5, 1.5, 1.5], np.float32), bins=2, range=(0, 2))
+    times = 2**33 + 5
+    big = repeated(h, times)
+    assert big.counts.tolist() == [times, 2 * times]
+    assert big.counts.dtype == np.int64
+    with JsonlWriter(tmp_path / "s.jsonl") as writer:
+        writer.write(3, {"h": big})
+    import json
+
+    line = json.loads((tmp_path / "s.jsonl").read_text())
+    assert line["h"] == {"edges": [0.0, 1.0, 2.0], "counts": [times, 2 * times]}
+
+
+def test_exact_counts_of_values_split_into_chunks(monkeypatch: Any) -> None:
+    # Values with more elements than one uint32 (or int32) sum can count are counted
+    # in chunks; emulated here with chunks of 4 elements.
+    import eqxctx._counting as counting
+
+    monkeypatch.setattr(counting, "MAX_CHUNK", 4)
+    x = np.array(
+        [0.5, np.inf, 1.5, 1.5, np.nan, 0.25, 1.0, 3.0, 1.75, 0.0, 1.0], np.float32
+    )
+    keep = np.array([True] * 9 + [False, True])
+    for mask in (np.ones_like(keep), keep):
+        moments = MomentsSummary(x, where=mask)
+        assert int(moments.count) == int(mask.sum())
+        assert int(moments.nonfinite) == int((~np.isfinite(x) & mask).sum())
+    h = HistogramSummary(x, bins=2, range=(0, 2))
+    np.testing.assert_array_equal(h.counts, np_histogram(x, h.edges))
+    h = HistogramSummary(x, bins=2, range=(0, 2), where=keep)
+    np.testing.assert_array_equal(h.counts, np_histogram(x[keep], h.edges))
+
+
+# -- infinite and overflowing means (issue 35 item 3) ------------------------------
+
+
+@pytest.mark.parametrize(
+    "parts",
+    [
+        [[3e38, np.inf], [1.0]],  # the issue's case: NaN instead of inf
+        [[1.0], [3e38, np.inf]],
+        [[-np.inf, 2.0], [1.0, 5.0]],
+        [[np.inf], [-np.inf]],  # inf - inf: NaN, as in NumPy
+        [[np.inf, -np.inf], [1.0]],
+        [[np.nan], [np.inf]],
+        [[3e38, 3e38], [1.0]],  # the sum overflows float32; the mean does not
+        [[-3e38], [3e38]],  # the means' difference overflows
+        [[-3e38, -3e38, -3e38], [3e38]],
+    ],
+)
+def test_moments_of_infinite_and_huge_values_follow_numpy(parts: list[Any]) -> None:
+    chunks = [np.float32(p) for p in parts]
+    everything = np.concatenate(chunks).astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        want_mean = np.mean(everything)
+    a, b = (MomentsSummary(c) for c in chunks)
+    for got in (a.accumulate(b), _add(a, b)):
+        np.testing.assert_allclose(float(got.value()["mean"]), want_mean, rtol=1e-6)
+    for c in chunks:  # each part alone too
+        with np.errstate(invalid="ignore", over="ignore"):
+            want = np.mean(c.astype(np.float64))
+        np.testing.assert_allclose(float(MomentsSummary(c).mean), want, rtol=1e-6)

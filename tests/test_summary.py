@@ -179,3 +179,75 @@ def test_summaries_made_from_a_refilled_numpy_buffer_keep_their_values() -> None
         assert float(largest.value().min()) == v
         assert float(moments.value()["mean"]) == v
         assert int(histogram.counts[v]) == 4096
+
+
+@pytest.mark.parametrize(
+    ("w1", "w2"),
+    [
+        (2.0**127, 2.0**127),  # issue 39: NaN on a TPU
+        (3e38, 3e38),
+        (1.0, 2.0**127),
+        (2.0**127, 5.0),
+        (2.0**-120, 2.0**-125),  # tiny weights: their total's reciprocal is huge
+        (1e-30, 3e38),
+        (3.0, 0.0),
+        (0.0, 0.0),
+    ],
+)
+def test_weighted_accumulate_with_subnormals_flushed_as_on_a_tpu(
+    w1: float, w2: float
+) -> None:
+    # issue 39: weights above ~2**126 gave NaN on the TPU, where the overflow-safe
+    # mean divided by the larger weight through a flushed subnormal reciprocal.
+    from helpers import run_flushing_subnormals
+
+    a = WeightedSummary(jnp.float32(1.0), jnp.float32(w1))
+    b = WeightedSummary(jnp.float32(3.0), jnp.float32(w2))
+    w64 = np.float64(np.float32(w1)), np.float64(np.float32(w2))
+    want = (w64[0] * 1 + w64[1] * 3) / sum(w64) if sum(w64) > 0 else 0.0
+    for got in (
+        run_flushing_subnormals(lambda a, b: a.accumulate(b).mean, a, b),
+        a.accumulate(b).mean,
+    ):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+
+
+def test_documented_limits_of_weight_totals_and_raw_sums() -> None:
+    # issue 35 item 2: the documented limits (WeightedSummary, Summary, SumSummary
+    # docstrings and docs/api/summaries.md), pinned.
+    from eqxctx import Context, scan_in_context
+
+    # float32 weights: a unit weight no longer changes a total of 2**24 ...
+    s = WeightedSummary(jnp.float32(0.0), jnp.float32(2**24)) + WeightedSummary(
+        jnp.float32(1000.0), jnp.float32(1.0)
+    )
+    assert float(s.weight) == 2**24
+    # ... and still moves the mean by its fraction, 1 / (2**24 + 1).
+    np.testing.assert_allclose(float(s.mean), 1000.0 / (2**24 + 1), rtol=1e-6)
+    # int32 weights add exactly up to 2**31 - 1, then wrap.
+    i = WeightedSummary(1.0, jnp.int32(2**31 - 2)) + WeightedSummary(1.0, jnp.int32(1))
+    assert int(i.weight) == 2**31 - 1
+    wrapped = i + WeightedSummary(1.0, jnp.int32(1))
+    assert int(wrapped.weight) == -(2**31)
+
+    # Raw bfloat16 summaries (and SumSummary) sum in bfloat16: 1,000 ones read 256.
+    def body(
+        c: jax.Array, x: jax.Array, ctx: Context
+    ) -> tuple[jax.Array, None, Context]:
+        ctx = ctx.add_summary("raw", x)
+        ctx = ctx.add_summary("sum", SumSummary(x))
+        return c, None, ctx.add_summary("f32", x.astype(jnp.float32))
+
+    _, _, coll = jax.jit(
+        lambda xs: scan_in_context(
+            body,
+            context=Context.root(),
+            carry=jnp.zeros(()),
+            xs=xs,
+            merge_summaries=True,
+        )
+    )(jnp.ones(1000, jnp.bfloat16))
+    flat = coll.flatten("summaries")
+    assert float(flat["iter/raw"]) == 256.0
+    assert float(flat["iter/sum"].value()) == 256.0
+    assert float(flat["iter/f32"]) == 1000.0  # the documented remedy

@@ -18,7 +18,7 @@ nothing.
 
 import dataclasses
 from collections.abc import Callable
-from typing import Literal, TypeAlias
+from typing import Literal, NoReturn, TypeAlias
 
 import equinox as eqx
 import jax
@@ -122,11 +122,31 @@ class PendingGradient(Summary):
 
     def value(self) -> ArrayTree:
         """Raise: the value exists only after the backward pass."""
-        raise TypeError(
+        raise self._unreadable()
+
+    def _unreadable(self, *_: object) -> TypeError:
+        return TypeError(
             f"The gradient summary at {'/'.join((*self.key[0], self.key[2]))!r} is "
             "filled in by `eqxctx.value_and_grad` after the backward pass; it cannot "
             "be read inside the function being differentiated."
         )
+
+    def _refuse(self, *_: object) -> NoReturn:
+        """Raise `value()`'s error: for arithmetic, `jnp.asarray`, `float`, ..."""
+        raise self._unreadable()
+
+    # Reading the placeholder as a number inside the differentiated function (JAX
+    # reads `__jax_array__`, NumPy `__array__`) raises `value()`'s error, not
+    # JAX's or Python's, which name neither the probe nor the cause.
+    __jax_array__ = __array__ = _refuse
+    __float__ = __int__ = __complex__ = __index__ = _refuse
+    __getitem__ = _refuse
+    __neg__ = __pos__ = __abs__ = __invert__ = _refuse
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _refuse
+    __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = _refuse
+    __mod__ = __rmod__ = __pow__ = __rpow__ = __matmul__ = __rmatmul__ = _refuse
+    __and__ = __rand__ = __or__ = __ror__ = __xor__ = __rxor__ = _refuse
+    __lt__ = __le__ = __gt__ = __ge__ = _refuse
 
     def validate(self) -> None:
         """Validate the inner summary."""

@@ -1,7 +1,7 @@
 """On-device statistics summaries: `HistogramSummary` and `MomentsSummary`.
 
 Both reduce their values on the device when they are made, so a writer fetches O(bins)
-(or six) numbers per summary, not the values; both accumulate exactly across scan
+(or eight) numbers per summary, not the values; both accumulate exactly across scan
 iterations, vmap lanes and steps (histograms by adding counts, moments with the
 parallel-variance formula).
 """
@@ -16,8 +16,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, ArrayLike, Float, Int, Shaped
+from jaxtyping import Array, ArrayLike, Float, Int, Shaped, UInt32
 
+from ._counting import (
+    add_words,
+    chunked_count,
+    count_true,
+    host_count,
+    static_words,
+    words_to_float,
+    zero_words,
+)
 from ._summary import (
     Summary,
     _extreme,  # pyright: ignore[reportPrivateUsage]
@@ -74,6 +83,25 @@ def _where(where: ArrayLike, x: Array, owner: str) -> Array:
         ) from None
 
 
+def _real_array(value: ArrayLike, where: str) -> Array:
+    """`value` as a JAX array (a private copy of a NumPy one), or this kind's error.
+
+    Raises:
+        TypeError: for values that are not real numbers (strings, objects,
+            complex numbers): JAX's own error would not name the kind.
+    """
+    try:
+        x = private_asarray(value)
+    except TypeError as e:
+        dtype = getattr(value, "dtype", None)
+        got = type(value).__name__ + ("" if dtype is None else f" of dtype {dtype}")
+        raise TypeError(
+            f"`{where}`: expected real (bool, integer or floating) values, got {got}."
+        ) from e
+    _check_real(x, where)
+    return x
+
+
 def _check_real(x: Array, where: str) -> None:
     if not (jnp.issubdtype(x.dtype, jnp.number) or x.dtype == jnp.bool_) or (
         jnp.issubdtype(x.dtype, jnp.complexfloating)
@@ -85,11 +113,16 @@ def _check_real(x: Array, where: str) -> None:
         )
 
 
+_FLOAT32 = np.dtype(np.float32)
+
+
 def _make_edges(
     bins: int | None,
     range: tuple[float | int, float | int] | None,
     edges: Sequence[float | int] | np.ndarray | None,
+    compare: np.dtype[Any] = _FLOAT32,
 ) -> tuple[float, ...]:
+    """The edges, checked strictly increasing also in `compare` (`_compare_dtype`)."""
     where = "HistogramSummary"
     if edges is not None:
         if bins is not None or range is not None:
@@ -124,11 +157,13 @@ def _make_edges(
         raise ValueError(
             f"`{where}(edges=...)`: expected at least 2 edges and no NaN, got {out!r}."
         )
-    rounded = np.asarray(out, dtype=np.float64).astype(np.float32)
+    with np.errstate(over="ignore"):  # ±DBL_MAX-sized edges round to ±inf
+        rounded = np.asarray(out, dtype=np.float64).astype(compare)
     if np.any(rounded[1:] <= rounded[:-1]):
         raise ValueError(
             f"`{where}(edges=...)`: edges must be strictly increasing, also when "
-            f"rounded to float32 (values are compared in float32), got {out!r}."
+            f"rounded to {compare} (these values are compared in {compare}), got "
+            f"{out!r}."
         )
     # -0.0 -> 0.0: the edges are static, and tuples holding 0.0 and -0.0 compare (and
     # hash) equal, so JAX's caches and the writers' would mix the two spellings.
@@ -213,7 +248,10 @@ def _counts_impl(values: Array, edges: tuple[float, ...]) -> Int[Array, " bins"]
 
 
 def _counts(values: Array, edges: tuple[float, ...]) -> Int[Array, " bins"]:
-    """`numpy.histogram(values, bins=edges)[0]` on the device, as int32, replicated."""
+    """`numpy.histogram(values, bins=edges)[0]` on the device, as int32, replicated.
+
+    `values` has at most `MAX_CHUNK` elements (int32 counts do not wrap).
+    """
     mesh = jax.typeof(values).sharding.mesh
     explicit = tuple(getattr(mesh, "explicit_axes", ()))
     if not explicit:
@@ -236,7 +274,7 @@ class HistogramSummary(Summary):
     1,550 buckets whose edges grow by 10% from 1e-12 to 1e20 on each side of 0,
     open-ended at ±inf), so any two histograms accumulate. For a known range pass
     `range=(low, high)` (and `bins=`, default 30, evenly spaced) or explicit
-    `edges=`. Only the counts are kept: a writer fetches `len(edges) - 1` integers,
+    `edges=`. Only the counts are kept: a writer fetches two words per bucket,
     whatever the size of `value`.
 
     Bucket `i` holds the values in `[edges[i], edges[i + 1])`; the last bucket also
@@ -249,13 +287,20 @@ class HistogramSummary(Summary):
     a value of -1e-40 is counted in the bucket holding 0.
 
     Accumulating (merged scan or vmap summaries, `SummaryAccumulator`) adds the
-    counts. Counts are int32: at most 2**31 - 1 per bucket.
+    counts, exactly: each bucket's count is kept as two uint32 words on the device
+    (`high * 2**32 + low`, no x64 needed), exact up to 2**63 - 1 as read on the
+    host. `counts` reads them there as NumPy int64, as the writers do; `value()`
+    gives them as float32 (exact up to 2**24 per bucket), for use under a trace.
 
     Attributes:
-        counts: `int32[..., bins]`, the count of each bucket (traced); a leading
-            axis appears when histograms are stacked by a scan or vmap.
+        counts_high: `uint32[*batch, bins]`, the high words of the bucket counts
+            (traced); a leading axis appears when histograms are stacked by a scan
+            or vmap.
+        counts_low: `uint32[*batch, bins]`, their low words (traced).
         edges: the `bins + 1` bucket edges, strictly increasing (static, a tuple
             of floats; an edge -0.0 is kept as 0.0, the same boundary).
+        counts: `int64[*batch, bins]`, the exact count of each bucket, a NumPy
+            array read on the host (a property; `TypeError` under a trace).
 
     Construct as `HistogramSummary(value, *, bins=None, range=None, edges=None,
     where=None)`: `value` is an array of any shape and a real dtype; `where`, a bool
@@ -266,9 +311,11 @@ class HistogramSummary(Summary):
     Raises:
         ValueError: for `bins` without `range`, `edges` together with `bins` or
             `range`, a non-finite or empty range, fewer than 2 edges, edges that
-            are not strictly increasing (also in float32), or a `where` that does not
-            broadcast to `value`'s shape.
-        TypeError: for complex or non-numeric values, or a `where` that is not bool.
+            are not strictly increasing (also rounded to the dtype in which the
+            values are compared: float32, or float64 for float64 values), or a
+            `where` that does not broadcast to `value`'s shape.
+        TypeError: for complex or non-numeric values (strings, objects), or a
+            `where` that is not bool.
 
     Examples:
         >>> h = HistogramSummary(jnp.array([0.1, 0.5, 0.5, 2.0]), bins=2, range=(0, 1))
@@ -276,7 +323,8 @@ class HistogramSummary(Summary):
         ([1, 2], (0.0, 0.5, 1.0))
     """
 
-    counts: Int[Array, "*batch bins"]
+    counts_high: UInt32[Array, "*batch bins"]
+    counts_low: UInt32[Array, "*batch bins"]
     edges: tuple[float, ...] = eqx.field(static=True)
 
     def __init__(
@@ -288,21 +336,37 @@ class HistogramSummary(Summary):
         edges: Sequence[float | int] | np.ndarray | None = None,
         where: ArrayLike | None = None,
     ):
-        values = private_asarray(value)
-        _check_real(values, "HistogramSummary")
-        self.edges = _make_edges(bins, range, edges)
+        values = _real_array(value, "HistogramSummary")
+        self.edges = _make_edges(bins, range, edges, _compare_dtype(values.dtype))
         if where is not None:  # NaN is in no bucket
             keep = _where(where, values, "HistogramSummary")
             values = values.astype(_compare_dtype(values.dtype))
             values = jnp.where(keep, values, jnp.nan)
-        self.counts = _counts(values, self.edges)
+        edges = self.edges
+        high, low = chunked_count(values.ravel(), lambda chunk: _counts(chunk, edges))
+        self.counts_high = high
+        self.counts_low = low
 
     def __check_init__(self) -> None:
-        if jnp.shape(self.counts)[-1:] != (len(self.edges) - 1,):
+        shapes = {jnp.shape(self.counts_high), jnp.shape(self.counts_low)}
+        if len(shapes) != 1 or jnp.shape(self.counts_low)[-1:] != (self.bins,):
             raise ValueError(
-                f"`HistogramSummary`: counts of shape {jnp.shape(self.counts)} do not "
+                f"`HistogramSummary`: counts of shapes {sorted(shapes)} do not "
                 f"match {len(self.edges)} edges."
             )
+
+    @property
+    def counts(self) -> np.ndarray:
+        """The exact count of each bucket: NumPy `int64[*batch, bins]`, on the host.
+
+        Raises:
+            TypeError: under a trace (use `value()` there).
+        """
+        return host_count(*self._words, "HistogramSummary.counts")
+
+    @property
+    def _words(self) -> tuple[Any, Any]:  # NumPy words on the host
+        return self.counts_high, self.counts_low
 
     @property
     def bins(self) -> int:
@@ -310,8 +374,11 @@ class HistogramSummary(Summary):
         return len(self.edges) - 1
 
     def value(self) -> ArrayValue:
-        """Return the counts (the edges are the static field `edges`)."""
-        return self.counts
+        """Return the counts as float32 (exact up to 2**24; the edges are `edges`).
+
+        The writers read the exact counts (`counts`) on the host instead.
+        """
+        return words_to_float(self._words, jnp.float32)
 
     def accumulate(self, other: Any) -> "HistogramSummary":
         """Return the histogram with both counts added; both are unchanged.
@@ -329,16 +396,21 @@ class HistogramSummary(Summary):
                 f"({_describe(self.edges)} vs {_describe(other.edges)}); make both "
                 "with the same `bins`/`range` or `edges` to add their counts."
             )
-        if jnp.shape(other.counts) != jnp.shape(self.counts):
+        if jnp.shape(other.counts_low) != jnp.shape(self.counts_low):
             raise ValueError(
                 "`HistogramSummary.accumulate`: counts of shapes "
-                f"{jnp.shape(self.counts)} and {jnp.shape(other.counts)}."
+                f"{jnp.shape(self.counts_low)} and {jnp.shape(other.counts_low)}."
             )
-        return eqx.tree_at(lambda h: h.counts, self, self.counts + other.counts)
+        return eqx.tree_at(_words, self, add_words(self._words, other._words))
 
     def identity(self) -> "HistogramSummary":
         """Return the same edges with zero counts: adding it changes no count."""
-        return eqx.tree_at(lambda h: h.counts, self, jnp.zeros_like(self.counts))
+        return eqx.tree_at(_words, self, zero_words(self.counts_low))
+
+
+def _words(h: HistogramSummary) -> tuple[Any, Any]:
+    """The count words (`eqx.tree_at`'s `where`: it passes placeholders)."""
+    return h.counts_high, h.counts_low
 
 
 def _describe(edges: tuple[float, ...]) -> str:
@@ -349,7 +421,7 @@ class MomentsSummary(Summary):
     """Count, mean, variance, min, max and non-finite count of values, on the device.
 
     The "cheap statistics" of activations, gradients or weights: `MomentsSummary(x)`
-    reduces all elements of `x` (any shape) to six numbers when it is made. Writers
+    reduces all elements of `x` (any shape) to six statistics when it is made. Writers
     write them as `path/count`, `path/mean`, `path/variance` (the population
     variance, `numpy.var` with `ddof=0`), `path/min`, `path/max` and `path/nonfinite`
     (the number of NaN and ±inf elements).
@@ -357,17 +429,33 @@ class MomentsSummary(Summary):
     Accumulating (merged scan or vmap summaries, `SummaryAccumulator`) combines two
     summaries exactly as if their values had been concatenated, with the
     parallel-variance formula (no catastrophic cancellation). A NaN value makes the
-    mean, variance, min and max NaN (and ±inf makes the mean and variance non-finite)
-    as in NumPy; `nonfinite` counts them. With no element, the mean and variance are 0
+    mean, variance, min and max NaN, and ±inf makes the mean ±inf (NaN with both
+    signs) and the variance NaN, as NumPy does over all the values; `nonfinite`
+    counts them. Finite values whose sum passes the float's maximum still have a
+    finite mean (as in float64 NumPy). With no element, the mean and variance are 0
     and min/max are the dtype's identities (`+inf`/`-inf`, or the integer limits).
 
+    The counts are exact far past 2**31 without x64: each is kept on the device as
+    two uint32 words, `high * 2**32 + low`, added with a carry, and read on the host
+    as NumPy int64 (exact up to 2**63 - 1) by `count`, `nonfinite` and the writers.
+    `value()`, for use under a trace, gives them as floats of the mean's dtype
+    (float32: exact up to 2**24, then rounded); the mean and variance use them so.
+
     Attributes:
-        count: `int32[*batch]`, the number of elements (traced).
+        count_high: `uint32[*batch]`, the high word of the number of elements
+            (traced).
+        count_low: `uint32[*batch]`, its low word (traced).
         mean: `float[*batch]`, their mean, in float32 (float64 for float64 values).
         m2: `float[*batch]`, the sum of squared deviations from the mean.
         min_: `[*batch]`, the minimum, in the values' dtype (bool as int32).
         max_: `[*batch]`, the maximum, in the values' dtype (bool as int32).
-        nonfinite: `int32[*batch]`, the number of NaN and ±inf elements.
+        nonfinite_high: `uint32[*batch]`, the high word of the number of NaN and
+            ±inf elements (traced).
+        nonfinite_low: `uint32[*batch]`, its low word (traced).
+        count: `int64[*batch]`, the exact number of elements, a NumPy array read on
+            the host (a property; `TypeError` under a trace).
+        nonfinite: `int64[*batch]`, the exact number of NaN and ±inf elements, as
+            `count`.
 
     Construct as `MomentsSummary(value, where=None)` with `value` an array of any
     shape and a real dtype; a leading `*batch` axis appears when summaries are
@@ -377,7 +465,8 @@ class MomentsSummary(Summary):
     others count nowhere, not even in `nonfinite`.
 
     Raises:
-        TypeError: for complex or non-numeric values, or a `where` that is not bool.
+        TypeError: for complex or non-numeric values (strings, objects), or a
+            `where` that is not bool.
         ValueError: for a `where` that does not broadcast to `value`'s shape.
 
     References:
@@ -389,19 +478,22 @@ class MomentsSummary(Summary):
         >>> {k: float(v) for k, v in m.value().items()}
         {'count': 3.0, 'mean': 3.0, 'variance': 4.666666507720947, 'min': 1.0, \
 'max': 6.0, 'nonfinite': 0.0}
+        >>> int(m.count)
+        3
     """
 
-    count: Int[Array, "*batch"]
+    count_high: UInt32[Array, "*batch"]
+    count_low: UInt32[Array, "*batch"]
     mean: Float[Array, "*batch"]
     m2: Float[Array, "*batch"]
     min_: Shaped[Array, "*batch"]
     max_: Shaped[Array, "*batch"]
-    nonfinite: Int[Array, "*batch"]
+    nonfinite_high: UInt32[Array, "*batch"]
+    nonfinite_low: UInt32[Array, "*batch"]
 
     def __init__(self, value: ArrayLike, where: ArrayLike | None = None):
-        x = private_asarray(value)
-        _check_real(x, "MomentsSummary")
-        keep = None if where is None else _where(where, x, "MomentsSummary")
+        x = _real_array(value, "MomentsSummary")
+        keep = None if where is None else _where(where, x, "MomentsSummary").ravel()
         if x.dtype == jnp.bool_:
             x = x.astype(jnp.int32)
         dtype = _compare_dtype(x.dtype)
@@ -410,38 +502,73 @@ class MomentsSummary(Summary):
             top, bottom = jnp.inf, -jnp.inf
         else:
             top, bottom = jnp.iinfo(x.dtype).max, jnp.iinfo(x.dtype).min
-        if keep is not None:
-            k = keep.ravel()
-            self.count = jnp.sum(k, dtype=jnp.int32)
-            total = jnp.sum(jnp.where(k, xf, 0))
-            self.mean = total / jnp.maximum(self.count, 1).astype(dtype)
-            self.m2 = jnp.sum(jnp.where(k, jnp.square(xf - self.mean), 0))
-            self.min_ = jnp.min(x, initial=top, where=keep).astype(x.dtype)
-            self.max_ = jnp.max(x, initial=bottom, where=keep).astype(x.dtype)
-            self.nonfinite = jnp.sum(~jnp.isfinite(xf) & k, dtype=jnp.int32)
-            return
-        n = xf.size
-        self.count = jnp.asarray(n, jnp.int32)
-        if n == 0:
-            self.mean = jnp.zeros((), dtype)
-            self.m2 = jnp.zeros((), dtype)
+        where_kept = None if keep is None else keep.reshape(x.shape)
+        self.min_ = jnp.min(x, initial=top, where=where_kept).astype(x.dtype)
+        self.max_ = jnp.max(x, initial=bottom, where=where_kept).astype(x.dtype)
+        nonfinite = ~jnp.isfinite(xf)
+        if keep is None:
+            words = static_words(xf.size)
+            n = jnp.asarray(max(xf.size, 1), dtype)
+            kept = xf
         else:
-            self.mean = jnp.sum(xf) / jnp.asarray(n, dtype)
-            self.m2 = jnp.sum(jnp.square(xf - self.mean))
-        self.min_ = jnp.min(x, initial=top).astype(x.dtype)
-        self.max_ = jnp.max(x, initial=bottom).astype(x.dtype)
-        self.nonfinite = jnp.sum(~jnp.isfinite(xf), dtype=jnp.int32)
+            words = count_true(keep)
+            n = jnp.maximum(words_to_float(words, dtype), 1)
+            kept = jnp.where(keep, xf, 0)
+            nonfinite = nonfinite & keep
+        self.count_high = words[0]
+        self.count_low = words[1]
+        nonfinite_words = count_true(nonfinite)
+        self.nonfinite_high = nonfinite_words[0]
+        self.nonfinite_low = nonfinite_words[1]
+        total = jnp.sum(kept)
+        # Finite values whose sum overflows: the sum of the values divided first
+        # (one fused reduction with the sum; used only then, so no precision lost).
+        overflow = jnp.isinf(total) & jnp.isfinite(self.min_) & jnp.isfinite(self.max_)
+        self.mean = jnp.where(overflow, jnp.sum(kept * (1 / n)), total / n)
+        deviation = jnp.square(xf - self.mean)
+        self.m2 = jnp.sum(deviation if keep is None else jnp.where(keep, deviation, 0))
+
+    @property
+    def count(self) -> np.ndarray:
+        """The exact number of elements: NumPy `int64[*batch]`, on the host.
+
+        Raises:
+            TypeError: under a trace (use `value()` there).
+        """
+        return host_count(*self._count, "MomentsSummary.count")
+
+    @property
+    def nonfinite(self) -> np.ndarray:
+        """The exact number of NaN and ±inf elements: NumPy `int64[*batch]`.
+
+        Raises:
+            TypeError: under a trace (use `value()` there).
+        """
+        return host_count(*self._nonfinite, "MomentsSummary.nonfinite")
+
+    @property
+    def _count(self) -> tuple[Any, Any]:  # NumPy words on the host
+        return self.count_high, self.count_low
+
+    @property
+    def _nonfinite(self) -> tuple[Any, Any]:  # NumPy words on the host
+        return self.nonfinite_high, self.nonfinite_low
 
     def value(self) -> dict[str, ArrayValue]:
-        """Return `{"count", "mean", "variance", "min", "max", "nonfinite"}`."""
-        safe = jnp.maximum(self.count, 1).astype(self.m2.dtype)
+        """Return `{"count", "mean", "variance", "min", "max", "nonfinite"}`.
+
+        The counts are floats of the mean's dtype here (float32: exact up to 2**24);
+        the writers read them exactly on the host (`count`, `nonfinite`).
+        """
+        dtype = self.m2.dtype
+        count = words_to_float(self._count, dtype)
         return {
-            "count": self.count,
+            "count": count,
             "mean": self.mean,
-            "variance": self.m2 / safe,
+            "variance": self.m2 / jnp.maximum(count, 1),
             "min": self.min_,
             "max": self.max_,
-            "nonfinite": self.nonfinite,
+            "nonfinite": words_to_float(self._nonfinite, dtype),
         }
 
     def accumulate(self, other: Any) -> "MomentsSummary":
@@ -455,26 +582,29 @@ class MomentsSummary(Summary):
         assert isinstance(other, MomentsSummary)
         with jax.numpy_dtype_promotion("standard"):
             dtype = jnp.result_type(self.mean, other.mean)
-            count = self.count + other.count
-            na = self.count.astype(dtype)
-            nb = other.count.astype(dtype)
-            total = jnp.maximum(count, 1).astype(dtype)
-            delta = other.mean.astype(dtype) - self.mean.astype(dtype)
-            mean = self.mean.astype(dtype) + delta * (nb / total)
+            count = add_words(self._count, other._count)
+            na = words_to_float(self._count, dtype)
+            nb = words_to_float(other._count, dtype)
+            total = jnp.maximum(na + nb, 1)
+            wa, wb = na / total, nb / total  # in [0, 1]: nothing below overflows
+            ma, mb = self.mean.astype(dtype), other.mean.astype(dtype)
+            delta = mb - ma
+            # `ma + delta * wb` (exact for equal means); where `delta` is not
+            # finite (an infinite mean, or finite means of opposite signs whose
+            # difference overflows) the weighted sum: ±inf, or NaN for inf - inf.
+            mean = jnp.where(jnp.isfinite(delta), ma + delta * wb, ma * wa + mb * wb)
             # `delta * (delta * w)`, not `delta**2 * w`: with an empty side (w = 0)
             # a large `delta` must not overflow to inf and give `inf * 0 = NaN`.
-            m2 = self.m2 + other.m2 + delta * (delta * (na * nb / total))
+            m2 = self.m2 + other.m2 + delta * (delta * (na * wb))
             new = (
-                count,
+                *count,
                 mean,
                 m2.astype(dtype),
                 jnp.minimum(self.min_, other.min_),
                 jnp.maximum(self.max_, other.max_),
-                self.nonfinite + other.nonfinite,
+                *add_words(self._nonfinite, other._nonfinite),
             )
-        return eqx.tree_at(
-            lambda m: (m.count, m.mean, m.m2, m.min_, m.max_, m.nonfinite), self, new
-        )
+        return eqx.tree_at(_fields, self, new)
 
     def identity(self) -> "MomentsSummary":
         """Return the moments of no values: count 0, min +inf (dtype max), max -inf.
@@ -483,16 +613,28 @@ class MomentsSummary(Summary):
         """
         with jax.numpy_dtype_promotion("standard"):
             new = (
-                jnp.zeros_like(self.count),
+                *zero_words(self.count_low),
                 jnp.zeros_like(self.mean),
                 jnp.zeros_like(self.m2),
                 jnp.full_like(self.min_, _extreme(self.min_, True)),
                 jnp.full_like(self.max_, _extreme(self.max_, False)),
-                jnp.zeros_like(self.nonfinite),
+                *zero_words(self.nonfinite_low),
             )
-        return eqx.tree_at(
-            lambda m: (m.count, m.mean, m.m2, m.min_, m.max_, m.nonfinite), self, new
-        )
+        return eqx.tree_at(_fields, self, new)
 
     def __add__(self, other: Any) -> "MomentsSummary":
         return type(self).accumulate(self, other)
+
+
+def _fields(m: MomentsSummary) -> tuple[Any, ...]:
+    """The array fields (`eqx.tree_at`'s `where`: it passes placeholders)."""
+    return (
+        m.count_high,
+        m.count_low,
+        m.mean,
+        m.m2,
+        m.min_,
+        m.max_,
+        m.nonfinite_high,
+        m.nonfinite_low,
+    )

@@ -116,7 +116,10 @@ class Summary(eqx.Module):
     accumulates them (e.g. `scan_in_context(..., merge_summaries=True)`) it adds them
     with `+`, as AXLearn does. A mean should therefore be a `WeightedSummary`, and a
     count of booleans a `SumSummary` of integers (`+` of JAX booleans is a logical
-    or).
+    or). The sum keeps the array's dtype and rounds to it at every addition: a
+    bfloat16 sum stops growing by 1 at 256 (1,000 merged bfloat16 ones read 256), a
+    float16 one at 2,048, a float32 one at 2**24, and int32 wraps past 2**31 - 1.
+    Summarize in float32 (`x.astype(jnp.float32)`) what is accumulated many times.
     """
 
     @abc.abstractmethod
@@ -156,6 +159,11 @@ class Summary(eqx.Module):
         return None
 
 
+#: `WeightedSummary.accumulate` scales weights above it (or below its inverse) by a
+#: power of two.
+_BIG = 2.0**64
+
+
 def weight_total_dtype(dtype: Any) -> Any:
     """The dtype in which weights of `dtype` are added: at least 32 bits.
 
@@ -182,6 +190,16 @@ class WeightedSummary(Summary):
     `total / jnp.maximum(count, 1)`), not 0/0. Weights must not be negative:
     `validate()` (run by `add_summary` and the writers) refuses concrete negative
     weights.
+
+    The mean is computed in at least float32 and is right (to float32 rounding)
+    for any weights. The weights add in their own dtype (at least 32 bits), which
+    limits how far the total counts: float32 weights add exactly up to 2**24
+    (16,777,216), and then round at each addition, so a weight below
+    `total * 2**-24` no longer changes the total (2e7 unit weights added one at a
+    time read 16,777,216; each such addition still moves the mean by its own
+    fraction `w / (total + w)`, so later means weigh more than they should); int32
+    weights add exactly up to 2**31 - 1 and then wrap. Accumulate larger weights
+    (a batch's example count, not one per example) to stay far below those limits.
 
     Attributes:
         mean: the mean, any shape, floating dtype (traced).
@@ -227,9 +245,11 @@ class WeightedSummary(Summary):
 
         The mean is `(m1 * w1 + m2 * w2) / (w1 + w2)`, computed in at least float32
         with the weights scaled by the larger one, so weights near the dtype's
-        maximum (or above float16's) do not overflow; at zero total weight it is
-        0. The weights are added in at least 32 bits (bool weights count, small
-        integer and float16 weights do not wrap or overflow at 255 or 65504). A NaN
+        maximum (or above float16's) do not overflow, and through a power of two
+        that keeps every reciprocal a normal number (a TPU flushes subnormal ones
+        to zero); at zero total weight it is 0. The weights are
+        added in at least 32 bits (bool weights count, small integer and float16
+        weights do not wrap or overflow at 255 or 65504). A NaN
         mean (even one with zero weight) or a NaN weight gives a NaN mean. Mixed
         dtypes (a bfloat16 mean with a float32 one, integer weights with float ones)
         are promoted as under JAX's standard promotion, also when
@@ -250,11 +270,18 @@ class WeightedSummary(Summary):
             w2 = other.weight.astype(compute)
             m1 = self.mean.astype(compute)
             m2 = other.mean.astype(compute)
-            # Scaled by the larger weight: no overflow of `m * w` or `w1 + w2`.
-            scale = jnp.maximum(w1, w2)
+            scale = jnp.maximum(w1, w2)  # NaN if a weight is NaN
             positive = scale > 0
-            safe_scale = jnp.where(positive, scale, jnp.ones_like(scale))
-            a, b = w1 / safe_scale, w2 / safe_scale
+            # Scaled by the larger weight: no overflow of `m * w` or `w1 + w2`. Both
+            # weights and the scale are first multiplied by a power of two (exact)
+            # that brings the scale into [2**-64, 2**64], so that its reciprocal is
+            # a normal number: a TPU divides by multiplying with the reciprocal,
+            # flushed to zero when subnormal (a weight above 2**126 gave 0 / 0).
+            factor = jnp.where(
+                scale > _BIG, 1 / _BIG, jnp.where(scale < 1 / _BIG, _BIG, 1.0)
+            ).astype(compute)
+            safe_scale = jnp.where(positive, scale * factor, jnp.ones_like(scale))
+            a, b = (w1 * factor) / safe_scale, (w2 * factor) / safe_scale
             numerator = m1 * a + m2 * b  # NaN for a NaN mean or weight (0 * NaN)
             # Double `where`s: no NaN in the value or its gradient at zero weight.
             denominator = jnp.where(positive, a + b, jnp.ones_like(scale))
@@ -331,6 +358,10 @@ class MaxSummary(Summary):
 
 class SumSummary(Summary):
     """An elementwise sum.
+
+    The sum keeps the value's dtype and rounds to it at every addition, as a raw
+    array's does (see `Summary`): a bfloat16 sum stops growing by 1 at 256, a
+    float32 one at 2**24, and int32 wraps past 2**31 - 1.
 
     Attributes:
         value_: the value, any shape and dtype (traced). Construct as

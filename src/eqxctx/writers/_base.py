@@ -39,6 +39,7 @@ from ._host import (
     Part,
     Recipe,
     Rows,
+    exact_count,
     make_recipe,
     variance,
 )
@@ -101,7 +102,7 @@ def _validate(path: str, leaf: Summary, where: str) -> None:
     except ValueError as e:
         raise ValueError(f"`{where}`: the summary at {path!r}: {e}") from e
     if isinstance(leaf, _MEDIA):
-        field = leaf.counts if isinstance(leaf, HistogramSummary) else leaf.value_
+        field = leaf.counts_low if isinstance(leaf, HistogramSummary) else leaf.value_
         _numeric(path, field, where=where)
 
 
@@ -471,18 +472,27 @@ def _read_value(
 def _read_moments(
     fields: _Fields, path: str, where: str, notes: Notes | None
 ) -> _Entries:
-    count = np.asarray(fields["count"])
+    high, low = fields["count_high"], fields["count_low"]
+    count = exact_count(high, low)
     m2 = np.asarray(fields["m2"])
-    var = variance(m2, count)
+    var = variance(m2, high, low)
+    nonfinite = exact_count(fields["nonfinite_high"], fields["nonfinite_low"])
     if notes is not None:
-        notes.made(var, variance, m2, count)
+        notes.made(count, exact_count, high, low)
+        notes.made(var, variance, m2, high, low)
+        notes.made(
+            nonfinite,
+            exact_count,
+            fields["nonfinite_high"],
+            fields["nonfinite_low"],
+        )
     return [
         (f"{path}/count", count),
         (f"{path}/mean", fields["mean"]),
         (f"{path}/variance", var),
         (f"{path}/min", fields["min_"]),
         (f"{path}/max", fields["max_"]),
-        (f"{path}/nonfinite", fields["nonfinite"]),
+        (f"{path}/nonfinite", nonfinite),
     ]
 
 
@@ -603,15 +613,14 @@ def _host_value(leaf: Leaf) -> ArrayTree:
     if isinstance(leaf, (MinSummary, MaxSummary, SumSummary)):
         return leaf.value_
     if isinstance(leaf, MomentsSummary):
-        count = np.asarray(leaf.count)
         m2 = np.asarray(leaf.m2)
         return {
-            "count": count,
+            "count": leaf.count,
             "mean": np.asarray(leaf.mean),
-            "variance": variance(m2, count),
+            "variance": variance(m2, leaf.count_high, leaf.count_low),
             "min": np.asarray(leaf.min_),
             "max": np.asarray(leaf.max_),
-            "nonfinite": np.asarray(leaf.nonfinite),
+            "nonfinite": leaf.nonfinite,
         }
     if isinstance(leaf, Summary):
         return type(leaf).value(leaf)

@@ -10,7 +10,9 @@ from typing import Any, TypeAlias
 
 import jax
 import numpy as np
+from jaxtyping import ArrayLike
 
+from eqxctx._counting import host_count
 from eqxctx._statistics import HistogramSummary
 from eqxctx._summary import AudioSummary, ImageSummary, Summary
 from eqxctx._typing import TreeDef
@@ -119,11 +121,18 @@ class HostValues(Mapping[str, HostValue]):
         return f"HostValues({self._full()!r})"
 
 
-def variance(m2: np.ndarray, count: np.ndarray) -> np.ndarray:
+def exact_count(high: ArrayLike, low: ArrayLike) -> np.ndarray:
+    """A count from its uint32 words (`MomentsSummary`): NumPy int64, exact."""
+    return host_count(high, low, "MomentsSummary.count")
+
+
+def variance(m2: np.ndarray, high: ArrayLike, low: ArrayLike) -> np.ndarray:
     """A `MomentsSummary`'s variance from its fields: `m2 / max(count, 1)`.
 
+    The count (from its words `high`, `low`) in `m2`'s dtype, as `value()` has it.
     An array also for 0-d fields (where NumPy's division returns a scalar).
     """
+    count = exact_count(high, low)
     return np.asarray(m2 / np.maximum(count, 1).astype(m2.dtype))
 
 
