@@ -470,6 +470,40 @@ def test_branch_must_return_its_context() -> None:
         )
 
 
+def _draw(x: Any, ctx: Context) -> tuple[Any, Context]:
+    return x + jax.random.uniform(ctx.prng_key), ctx
+
+
+def test_drawing_from_a_missing_key_names_the_branch_or_loop_context() -> None:
+    # Issue 35 item 10: JAX's "unexpected PRNG key type <class 'NoneType'>" named
+    # neither the context nor the fix.
+    root = Context.root()
+    x = jnp.float32(1.0)
+    calls = {
+        "`cond_in_context`: true_fn: the context at 'root/cond'": lambda: (
+            cond_in_context(True, _draw, lambda v, c: (v, c), x, context=root)
+        ),
+        "`switch_in_context`: branches[0]: the context at 'root/pick'": lambda: (
+            switch_in_context(0, [_draw], x, context=root, child_name="pick")
+        ),
+        "`while_in_context`: body_fn: the context at 'root/while'": lambda: (
+            while_in_context(lambda v: v < 3, _draw, x, context=root)
+        ),
+        "`fori_in_context`: body_fn: the context at 'root/iter'": lambda: jax.jit(
+            lambda n: fori_in_context(
+                0, n, lambda i, v, c: _draw(v, c), x, context=root
+            )
+        )(3),
+    }
+    for where, call in calls.items():
+        with pytest.raises(TypeError, match="unexpected PRNG key type") as info:
+            call()
+        notes = [n for n in info.value.__notes__ if "PRNG key" in n]
+        assert len(notes) == 1, info.value.__notes__
+        assert notes[0].startswith(where), notes[0]
+        assert "prng_key=jax.random.key(0)" in notes[0]
+
+
 # -- while / fori ---------------------------------------------------------------------
 
 

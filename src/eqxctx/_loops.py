@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax.core import Tracer
 from jaxtyping import Array, ArrayLike
 
-from ._checks import check_context, check_drop
+from ._checks import check_context, check_drop, note_missing_key
 from ._collection import OutputCollection, validate_child_name
 from ._combinators import scan_in_context
 from ._context import Context, fold_in_name, is_shape_only, iteration_context
@@ -215,7 +215,11 @@ def _while(
     def one(val: Carry, i: Array, shape_only: bool) -> tuple[Carry, OutputCollection]:
         key = None if child_key is None else jax.random.fold_in(child_key, i)
         ctx = iteration_context(context, name, key, shape_only=shape_only)
-        result = body_fn(val, ctx)
+        try:
+            result = body_fn(val, ctx)
+        except TypeError as e:
+            note_missing_key(e, ctx, f"{where}: body_fn")
+            raise
         val, ctx = check_result(result, ctx, f"{where}: body_fn")
         return val, ctx.collection
 
@@ -352,7 +356,11 @@ def fori_in_context(
         def scan_body(
             val: Carry, i: Array, ctx: Context
         ) -> tuple[Carry, None, Context]:
-            result = body_fn(i, val, ctx)
+            try:
+                result = body_fn(i, val, ctx)
+            except TypeError as e:
+                note_missing_key(e, ctx, "`fori_in_context`: body_fn")
+                raise
             new, ctx = check_result(result, ctx, "`fori_in_context`: body_fn")
             return new, None, ctx
 

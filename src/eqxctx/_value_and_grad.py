@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, PyTree
 
+from ._checks import note_missing_key
 from ._collection import OutputCollection
 from ._context import (
     Context,
@@ -250,7 +251,12 @@ def value_and_grad(
                 gradients=state,
                 summary_level=level,
             )
-            out, out_ctx = check_returns_context(fn(*full, ctx, **kwargs), where)
+            try:
+                result = fn(*full, ctx, **kwargs)
+            except TypeError as e:
+                note_missing_key(e, ctx, "`eqxctx.value_and_grad(fn)`")
+                raise
+            out, out_ctx = check_returns_context(result, where)
             check_path(out_ctx, ctx, where)
             _check_loss(out, where)
             return out, out_ctx.collection
