@@ -581,6 +581,57 @@ def test_while_body_module_outputs_raise() -> None:
         )
 
 
+def _layer(x: Any, ctx: Context) -> tuple[Any, Context]:
+    """A normal layer: a module output, a state update and two summaries."""
+    h = jnp.tanh(x) + 0.5
+    ctx = ctx.add_module_output("h", h).add_state_update("count", jnp.int32(1))
+    ctx = ctx.add_summary("mean", WeightedSummary(h, 1.0))
+    return h, ctx.add_summary("steps", SumSummary(jnp.int32(1)))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_while_drop_output_keeps_a_layers_summaries(jit: bool) -> None:
+    # Issue 35 item 16: a body adding a module output or a state update was refused
+    # with no way to drop them but pruning by hand.
+    dropped: list[str] = []
+
+    def drop(path: str) -> bool:
+        dropped.append(path)
+        return path.startswith(("module_outputs", "state_updates"))
+
+    def run(x: Any) -> Any:
+        return while_in_context(
+            lambda v: v < 1.0, _layer, x, context=Context.root(), drop_output=drop
+        )
+
+    x, coll = (jax.jit(run) if jit else run)(jnp.float32(-1.0))
+    # Reference: a Python loop.
+    v, hs = np.float32(-1.0), []
+    while v < 1.0:
+        v = np.float32(np.tanh(v) + 0.5)
+        hs.append(v)
+    np.testing.assert_allclose(x, v, rtol=1e-6)
+    flat = coll.flatten("summaries")
+    assert sorted(flat) == ["while/mean", "while/steps"]
+    assert int(flat["while/steps"].value()) == len(hs) == 4
+    np.testing.assert_allclose(flat["while/mean"].value(), np.mean(hs), rtol=1e-6)
+    assert coll.flatten("module_outputs") == coll.flatten("state_updates") == {}
+    assert "module_outputs/h" in dropped
+    assert "state_updates/count" in dropped
+    # Summaries may be dropped too.
+    _, coll = while_in_context(
+        lambda v: v < 1.0,
+        _layer,
+        jnp.float32(-1.0),
+        context=Context.root(),
+        drop_output=lambda p: p == "summaries/mean" or not p.startswith("summaries"),
+    )
+    assert list(coll.flatten("summaries")) == ["while/steps"]
+    # Without it, the error says how to drop them.
+    with pytest.raises(ValueError, match=r"'root/while/count'.*drop_output="):
+        while_in_context(lambda v: v < 1.0, _layer, 0.0, context=Context.root())
+
+
 def _jax_raises(fn: Any, *args: Any) -> bool:
     try:
         fn(*args)
