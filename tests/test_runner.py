@@ -906,6 +906,53 @@ def test_run_batches_and_summary_accumulator() -> None:
     assert eqxctx.SummaryAccumulator().summaries() == {}
 
 
+def test_accumulated_summaries_are_plain_dicts() -> None:
+    # Issue 35 item 18: `summaries()` returned read-only mappings whose PyTree
+    # structure differs from a dict's, so `jax.tree.map` over it and a dict failed
+    # (AXLearn's `MetricAccumulator.summaries()` returns a dict).
+    def step(ctx: Context, k: float) -> eqxctx.OutputCollection:
+        ctx = ctx.add_summary("loss", eqxctx.WeightedSummary(jnp.float32(k), 2.0))
+        _, _, coll = eqxctx.scan_in_context(
+            lambda c, x, cx: (c, None, cx.add_summary("x", x * k)),
+            context=ctx,
+            carry=0.0,
+            xs=jnp.arange(2.0),
+            child_name_prefix="layer",
+        )
+        return ctx.merge(coll).collection
+
+    acc = eqxctx.SummaryAccumulator()
+    for k in (1.0, 3.0):
+        acc = acc.update(step(Context.root(), k))
+    got = acc.summaries()
+    # Reference: the per-iteration summaries by hand (raw arrays add: 1x + 3x).
+    want = {"loss": 2.0, "layer": {}, "layer0": {"x": 0.0}, "layer1": {"x": 4.0}}
+    assert type(got) is dict
+    assert all(type(got[k]) is dict for k in ("layer", "layer0", "layer1"))
+    values = jax.tree.map(
+        lambda s, w: (float(s.value() if isinstance(s, eqxctx.Summary) else s), w),
+        got,
+        want,
+        is_leaf=lambda x: isinstance(x, eqxctx.Summary),
+    )
+    assert jax.tree.leaves(values) == jax.tree.leaves(
+        jax.tree.map(lambda w: (w, w), want)
+    )
+    # A new value on each call: changing it changes nothing else.
+    got["loss"] = None
+    got["layer0"]["x"] = None
+    assert float(acc.summaries()["loss"].value()) == 2.0
+    assert float(acc.summaries()["layer0"]["x"]) == 0.0
+    flat = acc.flatten()
+    assert type(flat) is dict
+    assert sorted(flat) == ["layer0/x", "layer1/x", "loss"]
+    flat.clear()
+    assert len(acc.flatten()) == 3
+    empty = eqxctx.SummaryAccumulator().summaries()
+    assert type(empty) is dict
+    assert empty == {}
+
+
 @pytest.mark.parametrize("max_in_flight", [1, 2, None])
 def test_run_batches_bounds_on_each_steps_key(max_in_flight: int | None) -> None:
     # The bound waits on each step's new key (a typed key here), also for a method

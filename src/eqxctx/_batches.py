@@ -7,7 +7,7 @@ Follow AXLearn's `InferenceRunner.run` and `MetricAccumulator`
 import collections
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple, NoReturn, TypeAlias
 
 import jax
@@ -18,7 +18,7 @@ from ._checks import check_positive_int_or_none, is_jax_array_type
 from ._collection import OutputCollection, summary_tree_flat
 from ._frozen import TreeEquality
 from ._iterations import check_iterations, flatten_into, freeze, materialize_tree
-from ._mapping import EMPTY, FrozenMapping
+from ._mapping import FrozenMapping
 from ._repeat import accumulate_trees
 from ._runner import MethodRunner
 from ._summary import Summary, accumulate_leaf
@@ -144,6 +144,11 @@ def _accumulate(path: str, a: Leaf, b: Leaf) -> Leaf:
             f"shape {np.shape(b)}; raw arrays are added, so keep their shape."
         )
     return accumulate_leaf(a, b)
+
+
+def _plain(tree: Mapping[str, Any]) -> dict[str, Any]:
+    """`tree` with every mapping in it a new `dict` (leaves as they are)."""
+    return {k: _plain(v) if isinstance(v, Mapping) else v for k, v in tree.items()}
 
 
 def _flat(tree: SummaryTree) -> dict[str, Leaf]:
@@ -331,17 +336,23 @@ class SummaryAccumulator(TreeEquality):
             _nest({k: _accumulate(k, v, flat[k]) for k, v in mine.items()})
         )
 
-    def summaries(self) -> FrozenMapping:
-        """Return the accumulated summaries as a nested mapping ({} before any).
+    def summaries(self) -> dict[str, Any]:
+        """Return the accumulated summaries as nested `dict`s ({} before any).
 
-        Per-iteration summaries appear as `{prefix}{i}` children (AXLearn's layout).
+        Per-iteration summaries appear as `{prefix}{i}` children (AXLearn's layout),
+        with NumPy values. A new `dict` on each call (as AXLearn's
+        `MetricAccumulator.summaries()`): it is the caller's to change, and maps with
+        `jax.tree.map` against other dicts of the same structure.
         """
         if self.accumulated is None:
-            return EMPTY
-        return materialize_tree(self.accumulated)
+            return {}
+        return _plain(materialize_tree(self.accumulated))
 
     def flatten(self) -> dict[str, Leaf]:
-        """Return the accumulated summaries as `{"a/b/name": leaf}` ({} before any)."""
+        """Return the accumulated summaries as a new `{"a/b/name": leaf}` dict.
+
+        ({} before any.)
+        """
         return self.flat or {}
 
 
