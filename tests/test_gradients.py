@@ -569,7 +569,7 @@ def test_errors_name_the_path() -> None:
     with pytest.raises(TypeError, match=r"must return `\(output, ctx\)`"):
         eqxctx.value_and_grad(no_ctx)(x, prng_key=None, is_training=True)
     with pytest.raises(TypeError, match="argnums"):
-        eqxctx.value_and_grad(vector_loss, argnums="0")  # pyright: ignore[reportArgumentType]
+        eqxctx.value_and_grad(vector_loss, argnums="0")  # pyright: ignore[reportArgumentType, reportCallIssue]
     with pytest.raises(ValueError, match="out of range"):
         eqxctx.value_and_grad(vector_loss, argnums=2)(
             x, prng_key=None, is_training=True

@@ -111,7 +111,7 @@ def spec_of(x: jax.Array) -> tuple[Any, ...]:
 
 
 def assert_matches_reference(
-    out: MethodRunner.Output, model: MLP, batch: dict[str, Any], key: jax.Array
+    out: MethodRunner.Output[Any], model: MLP, batch: dict[str, Any], key: jax.Array
 ) -> None:
     _, ref_out, ref_coll = reference(model, batch, key)
     for name in ("y", "noise", "label"):
@@ -347,7 +347,7 @@ def test_batch_leaves_are_checked_by_type_and_rank_not_only_sharding() -> None:
     mesh = mesh_2d()
     full = NamedSharding(mesh, P(("data", "model")))
 
-    def fresh(b: Any, **kw: Any) -> MethodRunner.Output:
+    def fresh(b: Any, **kw: Any) -> MethodRunner.Output[Any]:
         r = MethodRunner.create(
             Dequantize(), "f", mesh=mesh, prng_key=jax.random.PRNGKey(0), **kw
         )
@@ -452,7 +452,7 @@ def test_runner_called_inside_jit_and_eval_shape(axis_type: AxisType) -> None:
     want_runner, want = runner(batch)
 
     @jax.jit
-    def step(r: MethodRunner, b: dict[str, Any]) -> Any:
+    def step(r: MethodRunner[Any, Any], b: dict[str, Any]) -> Any:
         r, out = r(b)
         return r, out.output_batch, out.summaries
 

@@ -22,7 +22,7 @@ from ._mapping import FrozenMapping
 from ._repeat import accumulate_trees
 from ._runner import MethodRunner
 from ._summary import Summary, accumulate_leaf
-from ._typing import Batch, Children, Leaf, SummaryTree, TreeDef
+from ._typing import Batch, Children, Leaf, OutputT, SummaryTree, TreeDef
 
 
 #: What `SummaryAccumulator.update` accepts: an `OutputCollection` or a nested
@@ -31,13 +31,13 @@ Summaries: TypeAlias = OutputCollection | SummaryTree
 
 
 def run_batches(
-    runner: MethodRunner,
+    runner: MethodRunner[Any, OutputT],
     batches: Iterable[Batch],
     *,
     progress: bool = False,
     max_in_flight: int | None = 8,
     **kwargs: PyTree,
-) -> Iterator[MethodRunner.Output]:
+) -> Iterator[MethodRunner.Output[OutputT]]:
     """Run `runner` on each batch in turn; yield each batch's output.
 
     AXLearn's `InferenceRunner.run`: the runner's key advances after every batch.
@@ -84,11 +84,11 @@ def run_batches(
 
 
 def _run(
-    runner: MethodRunner,
+    runner: MethodRunner[Any, OutputT],
     batches: Iterable[Batch],
     max_in_flight: int | None,
     kwargs: dict[str, PyTree],
-) -> Iterator[MethodRunner.Output]:
+) -> Iterator[MethodRunner.Output[OutputT]]:
     # The runner's own path (`Step.call`), threading only the key: the successor
     # runners are never seen, so they are not built.
     call, params, key = runner.step.call, runner.param_leaves, runner.prng_key
