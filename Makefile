@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-min test-latest lint docs check
+.PHONY: demo test test-min test-latest lint docs serve-docs check
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -62,5 +62,9 @@ lint: $(BIN)/.installed
 
 docs: $(BIN)/.installed
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build
+
+# The docs site at http://127.0.0.1:8000, rebuilt as the pages change.
+serve-docs: $(BIN)/.installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve $(ARGS)
 
 check: lint test docs

@@ -342,6 +342,14 @@ def test_drop_output_must_be_callable(call: Callable[..., Any]) -> None:
         fori_in_context(
             0, 2, lambda i, x, c: (x, c), 0, context=Context.root(), drop_output=one
         )
+    with unchecked(), pytest.raises(TypeError, match=r"while_in_context\(drop_output"):
+        while_in_context(
+            lambda x: x < 1,
+            lambda x, c: (x, c),
+            0,
+            context=Context.root(),
+            drop_output=one,
+        )
 
 
 def test_runner_arguments() -> None:

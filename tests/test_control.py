@@ -470,6 +470,40 @@ def test_branch_must_return_its_context() -> None:
         )
 
 
+def _draw(x: Any, ctx: Context) -> tuple[Any, Context]:
+    return x + jax.random.uniform(ctx.prng_key), ctx
+
+
+def test_drawing_from_a_missing_key_names_the_branch_or_loop_context() -> None:
+    # Issue 35 item 10: JAX's "unexpected PRNG key type <class 'NoneType'>" named
+    # neither the context nor the fix.
+    root = Context.root()
+    x = jnp.float32(1.0)
+    calls = {
+        "`cond_in_context`: true_fn: the context at 'root/cond'": lambda: (
+            cond_in_context(True, _draw, lambda v, c: (v, c), x, context=root)
+        ),
+        "`switch_in_context`: branches[0]: the context at 'root/pick'": lambda: (
+            switch_in_context(0, [_draw], x, context=root, child_name="pick")
+        ),
+        "`while_in_context`: body_fn: the context at 'root/while'": lambda: (
+            while_in_context(lambda v: v < 3, _draw, x, context=root)
+        ),
+        "`fori_in_context`: body_fn: the context at 'root/iter'": lambda: jax.jit(
+            lambda n: fori_in_context(
+                0, n, lambda i, v, c: _draw(v, c), x, context=root
+            )
+        )(3),
+    }
+    for where, call in calls.items():
+        with pytest.raises(TypeError, match="unexpected PRNG key type") as info:
+            call()
+        notes = [n for n in info.value.__notes__ if "PRNG key" in n]
+        assert len(notes) == 1, info.value.__notes__
+        assert notes[0].startswith(where), notes[0]
+        assert "prng_key=jax.random.key(0)" in notes[0]
+
+
 # -- while / fori ---------------------------------------------------------------------
 
 
@@ -545,6 +579,57 @@ def test_while_body_module_outputs_raise() -> None:
             0,
             context=Context.root(),
         )
+
+
+def _layer(x: Any, ctx: Context) -> tuple[Any, Context]:
+    """A normal layer: a module output, a state update and two summaries."""
+    h = jnp.tanh(x) + 0.5
+    ctx = ctx.add_module_output("h", h).add_state_update("count", jnp.int32(1))
+    ctx = ctx.add_summary("mean", WeightedSummary(h, 1.0))
+    return h, ctx.add_summary("steps", SumSummary(jnp.int32(1)))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_while_drop_output_keeps_a_layers_summaries(jit: bool) -> None:
+    # Issue 35 item 16: a body adding a module output or a state update was refused
+    # with no way to drop them but pruning by hand.
+    dropped: list[str] = []
+
+    def drop(path: str) -> bool:
+        dropped.append(path)
+        return path.startswith(("module_outputs", "state_updates"))
+
+    def run(x: Any) -> Any:
+        return while_in_context(
+            lambda v: v < 1.0, _layer, x, context=Context.root(), drop_output=drop
+        )
+
+    x, coll = (jax.jit(run) if jit else run)(jnp.float32(-1.0))
+    # Reference: a Python loop.
+    v, hs = np.float32(-1.0), []
+    while v < 1.0:
+        v = np.float32(np.tanh(v) + 0.5)
+        hs.append(v)
+    np.testing.assert_allclose(x, v, rtol=1e-6)
+    flat = coll.flatten("summaries")
+    assert sorted(flat) == ["while/mean", "while/steps"]
+    assert int(flat["while/steps"].value()) == len(hs) == 4
+    np.testing.assert_allclose(flat["while/mean"].value(), np.mean(hs), rtol=1e-6)
+    assert coll.flatten("module_outputs") == coll.flatten("state_updates") == {}
+    assert "module_outputs/h" in dropped
+    assert "state_updates/count" in dropped
+    # Summaries may be dropped too.
+    _, coll = while_in_context(
+        lambda v: v < 1.0,
+        _layer,
+        jnp.float32(-1.0),
+        context=Context.root(),
+        drop_output=lambda p: p == "summaries/mean" or not p.startswith("summaries"),
+    )
+    assert list(coll.flatten("summaries")) == ["while/steps"]
+    # Without it, the error says how to drop them.
+    with pytest.raises(ValueError, match=r"'root/while/count'.*drop_output="):
+        while_in_context(lambda v: v < 1.0, _layer, 0.0, context=Context.root())
 
 
 def _jax_raises(fn: Any, *args: Any) -> bool:

@@ -69,6 +69,8 @@ def test_demo_prints_the_table(demo_run: tuple[Any, Path]) -> None:
     assert "max   grad RMS" in out
     assert re.search(rf"^\s+1{number * 4}\s+\d\.\d\de[-+]\d\d$", out, re.MULTILINE)
     assert f"logs: {Path('logs') / run_dir.name}" in out
+    # The last line, as docs/demo.md and the README show it (issue 35 item 19).
+    assert re.fullmatch(r"done in \d+\.\d s", out.splitlines()[-1]), out
 
 
 MOMENTS = ("count", "mean", "variance", "min", "max", "nonfinite")

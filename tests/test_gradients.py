@@ -501,6 +501,25 @@ def test_name_conflicts_name_the_path() -> None:
     np.testing.assert_allclose(coll.flatten("module_outputs")["h"], jnp.ones(3))
 
 
+def test_drawing_from_a_missing_key_names_the_root_and_the_fix() -> None:
+    # Issue 35 item 10: JAX's "unexpected PRNG key type <class 'NoneType'>" named
+    # neither the context nor how to pass a key.
+    def loss(w: Any, ctx: Context) -> tuple[Any, Context]:
+        return jnp.sum(w * jax.random.uniform(ctx.prng_key, w.shape)), ctx
+
+    with pytest.raises(TypeError, match="unexpected PRNG key type") as info:
+        eqxctx.value_and_grad(loss)(jnp.ones(3), prng_key=None, is_training=True)
+    notes = [n for n in info.value.__notes__ if "PRNG key" in n]
+    assert len(notes) == 1, info.value.__notes__
+    assert notes[0].startswith("`eqxctx.value_and_grad(fn)`: the context at 'root'")
+    assert "value_and_grad(fn)(..., prng_key=jax.random.key(0)" in notes[0]
+    # With a key it runs.
+    (_, _), g = eqxctx.value_and_grad(loss)(
+        jnp.ones(3), prng_key=jax.random.key(0), is_training=True
+    )
+    assert g.shape == (3,)
+
+
 def test_errors_name_the_path() -> None:
     x = jnp.ones(3)
 
@@ -550,7 +569,7 @@ def test_errors_name_the_path() -> None:
     with pytest.raises(TypeError, match=r"must return `\(output, ctx\)`"):
         eqxctx.value_and_grad(no_ctx)(x, prng_key=None, is_training=True)
     with pytest.raises(TypeError, match="argnums"):
-        eqxctx.value_and_grad(vector_loss, argnums="0")  # pyright: ignore[reportArgumentType]
+        eqxctx.value_and_grad(vector_loss, argnums="0")  # pyright: ignore[reportArgumentType, reportCallIssue]
     with pytest.raises(ValueError, match="out of range"):
         eqxctx.value_and_grad(vector_loss, argnums=2)(
             x, prng_key=None, is_training=True

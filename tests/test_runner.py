@@ -111,7 +111,7 @@ def spec_of(x: jax.Array) -> tuple[Any, ...]:
 
 
 def assert_matches_reference(
-    out: MethodRunner.Output, model: MLP, batch: dict[str, Any], key: jax.Array
+    out: MethodRunner.Output[Any], model: MLP, batch: dict[str, Any], key: jax.Array
 ) -> None:
     _, ref_out, ref_coll = reference(model, batch, key)
     for name in ("y", "noise", "label"):
@@ -347,7 +347,7 @@ def test_batch_leaves_are_checked_by_type_and_rank_not_only_sharding() -> None:
     mesh = mesh_2d()
     full = NamedSharding(mesh, P(("data", "model")))
 
-    def fresh(b: Any, **kw: Any) -> MethodRunner.Output:
+    def fresh(b: Any, **kw: Any) -> MethodRunner.Output[Any]:
         r = MethodRunner.create(
             Dequantize(), "f", mesh=mesh, prng_key=jax.random.PRNGKey(0), **kw
         )
@@ -452,7 +452,7 @@ def test_runner_called_inside_jit_and_eval_shape(axis_type: AxisType) -> None:
     want_runner, want = runner(batch)
 
     @jax.jit
-    def step(r: MethodRunner, b: dict[str, Any]) -> Any:
+    def step(r: MethodRunner[Any, Any], b: dict[str, Any]) -> Any:
         r, out = r(b)
         return r, out.output_batch, out.summaries
 
@@ -904,6 +904,53 @@ def test_run_batches_and_summary_accumulator() -> None:
     with pytest.raises(ValueError, match="max_in_flight"):
         next(eqxctx.run_batches(runner, batches, max_in_flight=0))
     assert eqxctx.SummaryAccumulator().summaries() == {}
+
+
+def test_accumulated_summaries_are_plain_dicts() -> None:
+    # Issue 35 item 18: `summaries()` returned read-only mappings whose PyTree
+    # structure differs from a dict's, so `jax.tree.map` over it and a dict failed
+    # (AXLearn's `MetricAccumulator.summaries()` returns a dict).
+    def step(ctx: Context, k: float) -> eqxctx.OutputCollection:
+        ctx = ctx.add_summary("loss", eqxctx.WeightedSummary(jnp.float32(k), 2.0))
+        _, _, coll = eqxctx.scan_in_context(
+            lambda c, x, cx: (c, None, cx.add_summary("x", x * k)),
+            context=ctx,
+            carry=0.0,
+            xs=jnp.arange(2.0),
+            child_name_prefix="layer",
+        )
+        return ctx.merge(coll).collection
+
+    acc = eqxctx.SummaryAccumulator()
+    for k in (1.0, 3.0):
+        acc = acc.update(step(Context.root(), k))
+    got = acc.summaries()
+    # Reference: the per-iteration summaries by hand (raw arrays add: 1x + 3x).
+    want = {"loss": 2.0, "layer": {}, "layer0": {"x": 0.0}, "layer1": {"x": 4.0}}
+    assert type(got) is dict
+    assert all(type(got[k]) is dict for k in ("layer", "layer0", "layer1"))
+    values = jax.tree.map(
+        lambda s, w: (float(s.value() if isinstance(s, eqxctx.Summary) else s), w),
+        got,
+        want,
+        is_leaf=lambda x: isinstance(x, eqxctx.Summary),
+    )
+    assert jax.tree.leaves(values) == jax.tree.leaves(
+        jax.tree.map(lambda w: (w, w), want)
+    )
+    # A new value on each call: changing it changes nothing else.
+    got["loss"] = None
+    got["layer0"]["x"] = None
+    assert float(acc.summaries()["loss"].value()) == 2.0
+    assert float(acc.summaries()["layer0"]["x"]) == 0.0
+    flat = acc.flatten()
+    assert type(flat) is dict
+    assert sorted(flat) == ["layer0/x", "layer1/x", "loss"]
+    flat.clear()
+    assert len(acc.flatten()) == 3
+    empty = eqxctx.SummaryAccumulator().summaries()
+    assert type(empty) is dict
+    assert empty == {}
 
 
 @pytest.mark.parametrize("max_in_flight", [1, 2, None])

@@ -854,7 +854,9 @@ class _Constant(eqx.Module):
         return {"z": self.w * 2}, ctx
 
 
-def _constant_runner(cls: type[MethodRunner] = MethodRunner) -> MethodRunner:
+def _constant_runner(
+    cls: type[MethodRunner[Any, Any]] = MethodRunner,
+) -> MethodRunner[Any, Any]:
     return cls.create(
         _Constant(jnp.arange(3.0)),
         "apply",
@@ -883,7 +885,7 @@ def test_runners_compare_like_modules_and_subclasses_stay_pytrees() -> None:
     with pytest.raises(TypeError):
         hash(a)
 
-    class Sub(MethodRunner):
+    class Sub(MethodRunner[Any, Any]):
         pass
 
     sub = _constant_runner(Sub)
@@ -895,7 +897,7 @@ def test_runners_compare_like_modules_and_subclasses_stay_pytrees() -> None:
     assert (a == 1) is False  # another type: not equal, no error
     with pytest.raises(TypeError, match="may add methods, not fields"):
 
-        class WithField(MethodRunner):  # pyright: ignore[reportUnusedClass]
+        class WithField(MethodRunner[Any, Any]):  # pyright: ignore[reportUnusedClass]
             extra: int = 0
 
 

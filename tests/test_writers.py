@@ -2,6 +2,7 @@ import io
 import json
 import os
 import re
+import subprocess
 import sys
 import wave
 from pathlib import Path
@@ -271,6 +272,76 @@ def test_writers_report_colliding_paths(tmp_path: Path) -> None:
     assert read_jsonl(tmp_path / "ok.jsonl") == [
         {"step": 1, "iter0/loss": 0.0, "iter1/loss": 1.0, "iter2/loss": 9.0}
     ]
+
+
+FULL_DISK = r"""
+import errno, resource, sys
+import numpy as np
+from eqxctx.writers import AsyncWriter, JsonlWriter
+
+path, mode, limit, wrap = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+w = JsonlWriter(path, mode=mode)
+if wrap == "async":
+    w = AsyncWriter(w)
+# A file-size limit stands in for a full disk: write() fails with EFBIG (Python
+# ignores SIGXFSZ) after writing what fits.
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+written = 0
+try:
+    for step in range(100):
+        w.write(step, {"x": np.arange(12.0) + step})
+        w.flush()
+        written += 1
+except OSError as e:
+    assert e.errno == errno.EFBIG, e
+    print("raised", type(e).__name__, e.errno)
+print("written", written)
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
+with open(path, "rb") as f, open(path + ".at_failure", "wb") as g:
+    g.write(f.read())
+if wrap == "direct":  # room again: the writer goes on after the failed line
+    w.write(1000, {"x": np.arange(12.0)})
+    w.close()
+"""
+
+
+@pytest.mark.parametrize(
+    ("mode", "wrap"), [("a", "direct"), ("w", "direct"), ("a", "async")]
+)
+def test_jsonl_full_disk_leaves_only_whole_lines(
+    tmp_path: Path, mode: str, wrap: str
+) -> None:
+    # Issue 35 item 7: a full disk (here a file-size limit) left a half-written
+    # last line.
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"step": -1}\n')
+    limit = 500  # bytes: the old line, 4 whole lines, part of a fifth
+    done = subprocess.run(
+        [sys.executable, "-c", FULL_DISK, str(path), mode, str(limit), wrap],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "raised OSError 27" in done.stdout  # EFBIG reached the caller
+    written = int(done.stdout.split("written ")[1])
+    assert 3 <= written <= 5
+    old = [-1] if mode == "a" else []
+    again = [1000] if wrap == "direct" else []
+    # Right after the failure, and at the end (the writer went on or was closed).
+    for file, steps in [
+        (tmp_path / "s.jsonl.at_failure", old + list(range(written))),
+        (path, old + list(range(written)) + again),
+    ]:
+        data = file.read_bytes()
+        assert data.endswith(b"\n")
+        assert b"\0" not in data  # no hole where a line was cut
+        lines = [json.loads(line) for line in data.decode().splitlines()]
+        assert [line["step"] for line in lines] == steps
+        for line in lines[len(old) :]:
+            step = line["step"] if line["step"] != 1000 else 0
+            assert line["x"] == (np.arange(12.0) + step).tolist()
 
 
 def test_jsonl_unwritable_path(tmp_path: Path) -> None:

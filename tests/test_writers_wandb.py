@@ -28,7 +28,7 @@ wandb = pytest.importorskip("wandb", reason="needs eqxctx's `wandb` extra")
 
 from eqxctx.writers._tensorboard import wav_bytes  # noqa: E402
 from eqxctx.writers._wandb import MAX_BUCKETS, histogram_buckets  # noqa: E402
-from wandb_records import history  # noqa: E402
+from wandb_records import history, history_so_far  # noqa: E402
 
 
 @pytest.fixture
@@ -229,9 +229,17 @@ def test_wandb_skips_a_lower_step_checked_before(
     with caplog.at_level("WARNING", logger="eqxctx.writers"):
         writer.write_host(earlier)
     assert "step 4 was not logged: step 5" in caplog.text
+    again = writer.fetch(6, {"y": 4.0})  # checked before step 6 is committed
     writer.write(6, {"x": 3.0})
+    writer.flush()
+    with caplog.at_level("WARNING", logger="eqxctx.writers"):
+        writer.write_host(again)
+    assert "step 6 was not logged: step 6 was logged to this W&B run first and " in (
+        caplog.text
+    )
     rows, _ = _rows(writer)
     assert [(row["_step"], row["x"]) for row in rows] == [(5, 1.0), (6, 3.0)]
+    assert "y" not in rows[1]
 
 
 def test_wandb_train_writer_goes_on_after_an_eval_step(
@@ -264,6 +272,60 @@ def test_wandb_train_writer_goes_on_after_an_eval_step(
     run.finish()
     logged = [(row["_step"], "acc" in row) for row in history(sync_file)]
     assert logged == [(2, True), (3, False), (4, False), (5, False)]
+
+
+def _user_run(offline: Path) -> Any:
+    """A run made by the user; its file is written out every 0.1 s while it runs."""
+    settings = wandb.Settings(
+        console="off", x_disable_stats=True, x_transaction_log_flush_interval=0.1
+    )
+    return wandb.init(
+        project="eqxctx-test", mode="offline", dir=str(offline), settings=settings
+    )
+
+
+@pytest.mark.parametrize("end", ["flush", "close", "async flush"])
+def test_wandb_flush_and_close_commit_the_last_step(offline: Path, end: str) -> None:
+    # Issue 35 item 5: W&B keeps a step open until a higher step is logged or it is
+    # committed, so after `flush()` or `close()` on a user's run the last step was
+    # not in the run's file (3 steps written, 2 there).
+    run = _user_run(offline)
+    sync_file = Path(run.settings.sync_file)
+    writer: Any = WandbWriter(run)
+    if end == "async flush":
+        writer = AsyncWriter(writer)
+    for step in range(3):
+        writer.write(step, {"x": float(step)})
+    writer.close() if end == "close" else writer.flush()
+    rows = history_so_far(sync_file, rows=3)  # the run is still open
+    assert [(row["_step"], row["x"]) for row in rows] == [(0, 0.0), (1, 1.0), (2, 2.0)]
+    if end != "close":
+        # Committed: W&B would drop more values for step 2, so they are refused.
+        with pytest.raises(ValueError, match="step 2 was committed"):
+            writer.write(2, {"y": 1.0})
+        writer.write(3, {"x": 3.0})
+        writer.flush()
+        writer.flush()  # nothing more to commit
+        writer.close()
+    run.log({"after": 1.0})  # the user's next row
+    run.finish()
+    rows = history(sync_file)
+    steps = [0, 1, 2, 3, 4] if end != "close" else [0, 1, 2, 3]
+    assert [row["_step"] for row in rows] == steps
+    assert "y" not in rows[2]
+    assert rows[-1]["after"] == 1.0
+    assert all("after" not in row for row in rows[:-1])
+
+
+def test_wandb_close_after_the_user_finished_the_run(offline: Path) -> None:
+    run = _user_run(offline)
+    sync_file = Path(run.settings.sync_file)
+    writer = WandbWriter(run)
+    writer.write(0, {"x": 1.0})
+    run.finish()  # commits the step
+    writer.flush()
+    writer.close()
+    assert [row["x"] for row in history(sync_file)] == [1.0]
 
 
 def test_wandb_given_run_stays_open(offline: Path) -> None:

@@ -72,8 +72,28 @@ def history(path: str | Path) -> list[dict[str, Any]]:
     Nested keys (W&B splits the JSON of a media object into them) are joined by
     "/" again: `{"img": {"_type": ...}}` comes back as `"img": {"_type": ...}`.
     """
+    return _rows(read_records(path))
+
+
+def history_so_far(
+    path: str | Path, rows: int, *, timeout_s: float = 30.0
+) -> list[dict[str, Any]]:
+    """Return the rows in the file of a run that is still open, as `history` does.
+
+    W&B's service writes the file every `x_transaction_log_flush_interval` seconds
+    (set it low): this waits (up to `timeout_s`) until `rows` rows are there.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = _rows(_read(path))
+        if len(found) >= rows or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
+def _rows(records: list[Any]) -> list[dict[str, Any]]:
     rows = []
-    for record in read_records(path):
+    for record in records:
         if record.WhichOneof("record_type") != "history":
             continue
         row: dict[str, Any] = {}

@@ -6,7 +6,7 @@ lowering and compilation" in the JAX docs), applied to the runner's jitted step
 `compile()` returns a `CompiledRunner` called like the runner.
 """
 
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Generic, cast
 
 import jax
 import numpy as np
@@ -18,14 +18,16 @@ from ._partition import leaf_shardings, path_str, resolve_specs
 from ._plan import BatchPlan, batch_rows
 from ._step import check_donated, in_mesh
 from ._transfer import place
-from ._typing import ArrayLeaf, Batch
+from ._typing import ArrayLeaf, Batch, ModelT, OutputT
 
 
 if TYPE_CHECKING:
     from ._runner import MethodRunner
 
 
-def _signature(runner: "MethodRunner") -> list[tuple[tuple[int, ...], Any, Sharding]]:
+def _signature(
+    runner: "MethodRunner[Any, Any]",
+) -> list[tuple[tuple[int, ...], Any, Sharding]]:
     leaves = [*runner.param_leaves, runner.prng_key]
     return [(np.shape(x), jax.typeof(x).dtype, x.sharding) for x in leaves]
 
@@ -37,8 +39,8 @@ def _dtype(x: ArrayLeaf) -> Any:
 
 
 def lower_runner(
-    runner: "MethodRunner", batch_spec: Batch, **kwargs: PyTree
-) -> "LoweredRunner":
+    runner: "MethodRunner[ModelT, OutputT]", batch_spec: Batch, **kwargs: PyTree
+) -> "LoweredRunner[ModelT, OutputT]":
     """Lower `runner`'s step for batches like `batch_spec`; see `MethodRunner.lower`.
 
     The batch goes through the call's placement rule (`leaf_shardings`, a leaf's own
@@ -51,8 +53,10 @@ def lower_runner(
 
 
 def _lower(
-    runner: "MethodRunner", batch_spec: Batch, kwargs: dict[str, PyTree]
-) -> "LoweredRunner":
+    runner: "MethodRunner[ModelT, OutputT]",
+    batch_spec: Batch,
+    kwargs: dict[str, PyTree],
+) -> "LoweredRunner[ModelT, OutputT]":
     step = runner.step
     mesh = step.mesh
     with_path, treedef = jax.tree_util.tree_flatten_with_path(batch_spec)
@@ -125,12 +129,12 @@ def _check_padded_rows(plan: BatchPlan, batch_sizes: tuple[int, ...] | None) -> 
     )
 
 
-class _Staged:
+class _Staged(Generic[ModelT, OutputT]):
     """A runner's step at one ahead-of-time stage (JAX's `Lowered` or `Compiled`)."""
 
     def __init__(
         self,
-        runner: "MethodRunner",
+        runner: "MethodRunner[ModelT, OutputT]",
         program: Any,
         static_kwargs: Frozen | None,
         plan: BatchPlan,
@@ -145,7 +149,7 @@ class _Staged:
         return self._program.as_text()
 
 
-class LoweredRunner(_Staged):
+class LoweredRunner(_Staged[ModelT, OutputT]):
     """A runner step lowered ahead of time by `MethodRunner.lower`.
 
     Follows JAX's `jax.stages.Lowered`: `as_text()` gives the StableHLO, `compile()`
@@ -153,14 +157,14 @@ class LoweredRunner(_Staged):
     `batch_spec` given to `lower`.
     """
 
-    def compile(self) -> "CompiledRunner":
+    def compile(self) -> "CompiledRunner[ModelT, OutputT]":
         """Compile the lowered program; the result is called like the runner."""
         return CompiledRunner(
             self._runner, self._program.compile(), self._static_kwargs, self._plan
         )
 
 
-class CompiledRunner(_Staged):
+class CompiledRunner(_Staged[ModelT, OutputT]):
     """A compiled runner step: `compiled(batch, **kwargs) -> (runner, output)`.
 
     Runs the program compiled by `MethodRunner.lower(...).compile()` with the
@@ -182,11 +186,13 @@ class CompiledRunner(_Staged):
     """
 
     @property
-    def runner(self) -> "MethodRunner":
+    def runner(self) -> "MethodRunner[ModelT, OutputT]":
         """The runner whose parameters and key the next call uses."""
         return self._runner
 
-    def bind(self, runner: "MethodRunner") -> "CompiledRunner":
+    def bind(
+        self, runner: "MethodRunner[ModelT, OutputT]"
+    ) -> "CompiledRunner[ModelT, OutputT]":
         """Return this compiled program bound to `runner` (e.g. a call's successor).
 
         Raises:
@@ -230,7 +236,7 @@ class CompiledRunner(_Staged):
 
     def __call__(
         self, input_batch: Batch, **kwargs: PyTree
-    ) -> tuple["MethodRunner", "MethodRunner.Output"]:
+    ) -> tuple["MethodRunner[ModelT, OutputT]", "MethodRunner.Output[OutputT]"]:
         """Run the compiled step; see `MethodRunner.__call__`.
 
         Raises:

@@ -7,7 +7,7 @@ Follow AXLearn's `InferenceRunner.run` and `MetricAccumulator`
 import collections
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple, NoReturn, TypeAlias
 
 import jax
@@ -18,11 +18,11 @@ from ._checks import check_positive_int_or_none, is_jax_array_type
 from ._collection import OutputCollection, summary_tree_flat
 from ._frozen import TreeEquality
 from ._iterations import check_iterations, flatten_into, freeze, materialize_tree
-from ._mapping import EMPTY, FrozenMapping
+from ._mapping import FrozenMapping
 from ._repeat import accumulate_trees
 from ._runner import MethodRunner
 from ._summary import Summary, accumulate_leaf
-from ._typing import Batch, Children, Leaf, SummaryTree, TreeDef
+from ._typing import Batch, Children, Leaf, OutputT, SummaryTree, TreeDef
 
 
 #: What `SummaryAccumulator.update` accepts: an `OutputCollection` or a nested
@@ -31,13 +31,13 @@ Summaries: TypeAlias = OutputCollection | SummaryTree
 
 
 def run_batches(
-    runner: MethodRunner,
+    runner: MethodRunner[Any, OutputT],
     batches: Iterable[Batch],
     *,
     progress: bool = False,
     max_in_flight: int | None = 8,
     **kwargs: PyTree,
-) -> Iterator[MethodRunner.Output]:
+) -> Iterator[MethodRunner.Output[OutputT]]:
     """Run `runner` on each batch in turn; yield each batch's output.
 
     AXLearn's `InferenceRunner.run`: the runner's key advances after every batch.
@@ -84,11 +84,11 @@ def run_batches(
 
 
 def _run(
-    runner: MethodRunner,
+    runner: MethodRunner[Any, OutputT],
     batches: Iterable[Batch],
     max_in_flight: int | None,
     kwargs: dict[str, PyTree],
-) -> Iterator[MethodRunner.Output]:
+) -> Iterator[MethodRunner.Output[OutputT]]:
     # The runner's own path (`Step.call`), threading only the key: the successor
     # runners are never seen, so they are not built.
     call, params, key = runner.step.call, runner.param_leaves, runner.prng_key
@@ -144,6 +144,11 @@ def _accumulate(path: str, a: Leaf, b: Leaf) -> Leaf:
             f"shape {np.shape(b)}; raw arrays are added, so keep their shape."
         )
     return accumulate_leaf(a, b)
+
+
+def _plain(tree: Mapping[str, Any]) -> dict[str, Any]:
+    """`tree` with every mapping in it a new `dict` (leaves as they are)."""
+    return {k: _plain(v) if isinstance(v, Mapping) else v for k, v in tree.items()}
 
 
 def _flat(tree: SummaryTree) -> dict[str, Leaf]:
@@ -331,17 +336,23 @@ class SummaryAccumulator(TreeEquality):
             _nest({k: _accumulate(k, v, flat[k]) for k, v in mine.items()})
         )
 
-    def summaries(self) -> FrozenMapping:
-        """Return the accumulated summaries as a nested mapping ({} before any).
+    def summaries(self) -> dict[str, Any]:
+        """Return the accumulated summaries as nested `dict`s ({} before any).
 
-        Per-iteration summaries appear as `{prefix}{i}` children (AXLearn's layout).
+        Per-iteration summaries appear as `{prefix}{i}` children (AXLearn's layout),
+        with NumPy values. A new `dict` on each call (as AXLearn's
+        `MetricAccumulator.summaries()`): it is the caller's to change, and maps with
+        `jax.tree.map` against other dicts of the same structure.
         """
         if self.accumulated is None:
-            return EMPTY
-        return materialize_tree(self.accumulated)
+            return {}
+        return _plain(materialize_tree(self.accumulated))
 
     def flatten(self) -> dict[str, Leaf]:
-        """Return the accumulated summaries as `{"a/b/name": leaf}` ({} before any)."""
+        """Return the accumulated summaries as a new `{"a/b/name": leaf}` dict.
+
+        ({} before any.)
+        """
         return self.flat or {}
 
 

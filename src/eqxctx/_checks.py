@@ -100,8 +100,9 @@ def check_callable(value: object, where: str, arg: str, expected: str) -> None:
 _KEY_HINT = (
     "It has no PRNG key (prng_key=None), but the function drew random numbers. "
     "Give the root a key: `Context.root(prng_key=jax.random.key(0))`, "
-    "`functional(..., prng_key=jax.random.key(0))` or `MethodRunner.create(..., "
-    "prng_key=...)`; every child derives its own."
+    "`functional(..., prng_key=jax.random.key(0))`, "
+    "`value_and_grad(fn)(..., prng_key=jax.random.key(0), is_training=...)` or "
+    "`MethodRunner.create(..., prng_key=...)`; every child derives its own."
 )
 
 

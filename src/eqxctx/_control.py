@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 import jax
 from jaxtyping import ArrayLike, PyTree
 
-from ._checks import check_context
+from ._checks import check_context, note_missing_key
 from ._collection import OutputCollection, validate_child_name
 from ._context import (
     Context,
@@ -51,7 +51,11 @@ def _run_branches(
         j: int, ops: tuple[ArrayTree, ...], shape_only: bool
     ) -> tuple[ArrayTree, ArrayTree]:
         ctx = _branch_context(context, child_name, shape_only)
-        result = branches[j](*ops, ctx)
+        try:
+            result = branches[j](*ops, ctx)
+        except TypeError as e:
+            note_missing_key(e, ctx, f"{where}: {names[j]}")
+            raise
         out, ctx = check_result(result, ctx, f"{where}: {names[j]}")
         return out, ctx.collection
 

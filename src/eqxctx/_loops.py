@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax.core import Tracer
 from jaxtyping import Array, ArrayLike
 
-from ._checks import check_context, check_drop
+from ._checks import check_context, check_drop, note_missing_key
 from ._collection import OutputCollection, validate_child_name
 from ._combinators import scan_in_context
 from ._context import Context, fold_in_name, is_shape_only, iteration_context
@@ -35,9 +35,11 @@ def _no_stacked_outputs(coll: OutputCollection, path: str, where: str) -> None:
             raise ValueError(
                 f"{where}: the body adds the {noun} {at!r}, but a while "
                 "loop's number of iterations is unknown, so its module outputs and "
-                "state updates cannot be stacked. Add it as a summary (accumulated "
-                "over the iterations), or loop with `fori_in_context` over Python-int "
-                "bounds (a scan) or `scan_in_context`."
+                "state updates cannot be stacked. Drop them with `drop_output=` "
+                "(e.g. `drop_output=lambda path: path.startswith(('module_outputs', "
+                "'state_updates'))`), add it as a summary (accumulated over the "
+                "iterations), or loop with `fori_in_context` over Python-int bounds "
+                "(a scan) or `scan_in_context`."
             )
 
 
@@ -135,6 +137,7 @@ def while_in_context(
     *,
     context: Context,
     child_name: str = "while",
+    drop_output: Callable[[str], bool] | None = None,
 ) -> tuple[Carry, OutputCollection]:
     """Run `body_fn` while `cond_fn` holds, with `jax.lax.while_loop`.
 
@@ -147,6 +150,12 @@ def while_in_context(
     the body's. With zero iterations each summary is its kind's identity (0 for raw
     arrays; zeros for media kinds, which have none).
 
+    A while body keeps summaries only: the number of iterations is unknown, so
+    module outputs and state updates cannot be stacked. A body that adds them (a
+    layer written for `scan_in_context`, say) runs with `drop_output` pruning them
+    from each iteration's collection, e.g.
+    `drop_output=lambda path: not path.startswith("summaries")`.
+
     Args:
         cond_fn: `cond_fn(val) -> bool scalar` (traced).
         body_fn: the body, `body_fn(val, ctx) -> (val, ctx)`; traced twice (one
@@ -154,6 +163,11 @@ def while_in_context(
         init_val: the initial value, any PyTree (traced).
         context: the calling context.
         child_name: the child's name, matching `^[a-z][a-z0-9_]*$`.
+        drop_output: `drop_output(path) -> bool` prunes each iteration's collection
+            before its summaries are accumulated, as in `scan_in_context`: paths
+            are relative to the iteration (`"module_outputs/h"`,
+            `"summaries/attn/mean"`) and dropped outputs are never computed into
+            the loop. None keeps everything.
 
     Returns:
         `(val, collection)`: the final value and the construct's collection.
@@ -164,11 +178,12 @@ def while_in_context(
 
     Raises:
         ValueError: at trace time: an invalid `child_name`; a body that adds module
-            outputs or state updates, or a gradient probe (JAX cannot differentiate
-            a while loop in reverse mode; the messages name the path); a body
-            returning a context with another path.
-        TypeError: if `body_fn` does not return `(val, ctx)`, or returns a carry of
-            another structure, shape or dtype (the message names the carry's path).
+            outputs or state updates that `drop_output` keeps, or a gradient probe
+            (JAX cannot differentiate a while loop in reverse mode; the messages
+            name the path); a body returning a context with another path.
+        TypeError: if `drop_output` is neither None nor callable, if `body_fn` does
+            not return `(val, ctx)`, or returns a carry of another structure, shape
+            or dtype (the message names the carry's path).
 
     References:
         `jax.lax.while_loop`.
@@ -184,6 +199,7 @@ def while_in_context(
         (16, 4)
     """
     check_context(context, "while_in_context")
+    check_drop(drop_output, "while_in_context")
     name = validate_child_name(child_name, where="while_in_context(child_name=...)")
     return _while(
         cond_fn,
@@ -191,6 +207,7 @@ def while_in_context(
         init_val,
         context,
         name,
+        drop_output,
         where="`while_in_context`",
         view=lambda val: val,
         why="JAX cannot differentiate a `jax.lax.while_loop` in reverse mode",
@@ -203,6 +220,7 @@ def _while(
     init_val: Carry,
     context: Context,
     name: str,
+    drop_output: Callable[[str], bool] | None,
     *,
     where: str,
     view: Callable[[Carry], object],
@@ -215,9 +233,15 @@ def _while(
     def one(val: Carry, i: Array, shape_only: bool) -> tuple[Carry, OutputCollection]:
         key = None if child_key is None else jax.random.fold_in(child_key, i)
         ctx = iteration_context(context, name, key, shape_only=shape_only)
-        result = body_fn(val, ctx)
+        try:
+            result = body_fn(val, ctx)
+        except TypeError as e:
+            note_missing_key(e, ctx, f"{where}: body_fn")
+            raise
         val, ctx = check_result(result, ctx, f"{where}: body_fn")
-        return val, ctx.collection
+        if drop_output is None:
+            return val, ctx.collection
+        return val, ctx.collection.prune(drop_output)
 
     i0 = jnp.zeros((), jnp.uint32)
     shape_only = is_shape_only(context)
@@ -352,7 +376,11 @@ def fori_in_context(
         def scan_body(
             val: Carry, i: Array, ctx: Context
         ) -> tuple[Carry, None, Context]:
-            result = body_fn(i, val, ctx)
+            try:
+                result = body_fn(i, val, ctx)
+            except TypeError as e:
+                note_missing_key(e, ctx, "`fori_in_context`: body_fn")
+                raise
             new, ctx = check_result(result, ctx, "`fori_in_context`: body_fn")
             return new, None, ctx
 
@@ -384,8 +412,6 @@ def fori_in_context(
         i, val = state
         result = body_fn(i, val, ctx)
         new, ctx_out = check_result(result, ctx, "`fori_in_context`: body_fn")
-        if drop_output is not None:
-            ctx_out = ctx_out.replace_collection(ctx_out.collection.prune(drop_output))
         return (i + jnp.ones((), dtype), new), ctx_out
 
     name = validate_child_name(child_name, where="fori_in_context(child_name=...)")
@@ -395,6 +421,7 @@ def fori_in_context(
         (lo_a, init_val),
         context,
         name,
+        drop_output,
         where="`fori_in_context`",
         view=lambda state: state[1],
         why=(

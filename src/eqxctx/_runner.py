@@ -18,8 +18,8 @@ blocking. See `docs/architecture.md`.
 
 import dataclasses
 import inspect
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar, cast
 
 import equinox as eqx
 import jax
@@ -29,7 +29,7 @@ from jaxtyping import PyTree
 
 from ._aot import LoweredRunner, lower_runner
 from ._checks import check_callable
-from ._context import check_is_training, check_prng_key, check_summary_level
+from ._context import Context, check_is_training, check_prng_key, check_summary_level
 from ._frozen import Frozen, TreeEquality, refuse_assignment
 from ._partition import (
     DataPartition,
@@ -42,8 +42,9 @@ from ._step import Settings, Step
 from ._transfer import place, replicated
 from ._typing import (
     Batch,
-    Method,
     Model,
+    ModelT,
+    OutputT,
     Params,
     PartitionTree,
     PathPredicate,
@@ -51,6 +52,14 @@ from ._typing import (
     SummaryTree,
     Tree,
 )
+
+
+#: `MethodRunner.Output`'s own type variable (`OutputT` is `MethodRunner`'s).
+OutputBatchT = TypeVar("OutputBatchT")
+#: `MethodRunner.create`'s own: a class's type variables are not solved from the
+#: arguments of its class methods.
+NewModelT = TypeVar("NewModelT")
+NewOutputT = TypeVar("NewOutputT")
 
 
 def _available_methods(model: Model) -> list[str]:
@@ -86,7 +95,7 @@ def _check_method(model: Model, method: object) -> None:
 @jax.tree_util.register_dataclass
 @refuse_assignment
 @dataclasses.dataclass(frozen=True, slots=True, repr=False, eq=False)
-class MethodRunner(TreeEquality):
+class MethodRunner(TreeEquality, Generic[ModelT, OutputT]):
     """Runs a model method on (sharded) batches, compiled once per batch signature.
 
     AXLearn's `MethodRunner`, as an immutable PyTree: calling it returns a new runner
@@ -108,6 +117,10 @@ class MethodRunner(TreeEquality):
     passed. On the CPU, JAX reads a NumPy argument in place (no copy), possibly
     after the call has returned, as `jax.jit` does; wait for the outputs
     (`jax.block_until_ready`) before reusing such a buffer.
+
+    For static type checkers a runner is a `MethodRunner[ModelT, OutputT]`: `model`
+    has the model's type and `Output.output_batch` the method's output type (`Any`
+    for a method given by name).
 
     Attributes:
         param_leaves: the model's array leaves, flattened once in `create` and placed
@@ -131,7 +144,7 @@ class MethodRunner(TreeEquality):
     @jax.tree_util.register_dataclass
     @refuse_assignment
     @dataclasses.dataclass(frozen=True, slots=True)
-    class Output:
+    class Output(Generic[OutputBatchT]):
         """What one call of a `MethodRunner` returns (AXLearn's `MethodRunner.Output`).
 
         A frozen dataclass registered as a PyTree (its four fields are children), so
@@ -153,7 +166,7 @@ class MethodRunner(TreeEquality):
                 (nested mapping), replicated; not cut by padding.
         """
 
-        output_batch: PyTree
+        output_batch: OutputBatchT
         input_batch: Batch
         summaries: SummaryTree
         module_outputs: Tree
@@ -161,8 +174,8 @@ class MethodRunner(TreeEquality):
     @classmethod
     def create(
         cls,
-        model: Model,
-        method: Method,
+        model: NewModelT,
+        method: Callable[..., tuple[NewOutputT, Context]] | str,
         *,
         mesh: Mesh,
         prng_key: object,
@@ -176,7 +189,7 @@ class MethodRunner(TreeEquality):
         mask_kwarg: str | None = None,
         donate_batch: bool = False,
         summary_level: int | None = None,
-    ) -> "MethodRunner":
+    ) -> "MethodRunner[NewModelT, NewOutputT]":
         """Return a runner of `method` on `model`, with parameters placed on `mesh`.
 
         Follows AXLearn's `InferenceRunner.create_method_runner`.
@@ -357,7 +370,8 @@ class MethodRunner(TreeEquality):
             process_local=False,
             exact=True,
         )
-        return cls(tuple(placed), key, Step.of(settings, cls.Output))
+        runner = cls(tuple(placed), key, Step.of(settings, cls.Output))
+        return cast("MethodRunner[NewModelT, NewOutputT]", runner)
 
     @property
     def settings(self) -> Settings:
@@ -370,7 +384,7 @@ class MethodRunner(TreeEquality):
         return self.settings.param_treedef.unflatten(self.param_leaves)
 
     @property
-    def model(self) -> Model:
+    def model(self) -> ModelT:
         """The model: `params` combined with its non-array part."""
         return eqx.combine(self.params, self.settings.static_model.tree())
 
@@ -401,7 +415,7 @@ class MethodRunner(TreeEquality):
 
     def __call__(
         self, input_batch: Batch, **kwargs: PyTree
-    ) -> tuple["MethodRunner", "MethodRunner.Output"]:
+    ) -> tuple["MethodRunner[ModelT, OutputT]", "MethodRunner.Output[OutputT]"]:
         """Run the method on one batch; return the next runner and the outputs.
 
         Args:
@@ -456,7 +470,9 @@ class MethodRunner(TreeEquality):
             cls, data_fields=["param_leaves", "prng_key"], meta_fields=["step"]
         )
 
-    def lower(self, batch_spec: Batch, **kwargs: PyTree) -> LoweredRunner:
+    def lower(
+        self, batch_spec: Batch, **kwargs: PyTree
+    ) -> LoweredRunner[ModelT, OutputT]:
         """Lower the step for batches like `batch_spec`, ahead of time.
 
         Args:

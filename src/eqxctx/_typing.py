@@ -11,6 +11,10 @@ Carry = TypeVar("Carry")
 X = TypeVar("X")
 Y = TypeVar("Y")
 R = TypeVar("R")
+#: The type of a `MethodRunner`'s model (for static type checkers).
+ModelT = TypeVar("ModelT")
+#: The type of its method's output (`MethodRunner.Output.output_batch`).
+OutputT = TypeVar("OutputT")
 
 #: A PRNG key: a raw `uint32[2]` key (`jax.random.PRNGKey`) or a typed key
 #: (`jax.random.key`).

@@ -5,6 +5,7 @@ See `_gradients.py` for the probes themselves and the mechanism.
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import Any, Concatenate, Literal, TypeAlias, TypeVar, overload
 
 import equinox as eqx
 import jax
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, PyTree
 
+from ._checks import note_missing_key
 from ._collection import OutputCollection
 from ._context import (
     Context,
@@ -147,12 +149,52 @@ def _positions(argnums: object) -> tuple[int, ...]:
     )
 
 
+A0 = TypeVar("A0")
+A1 = TypeVar("A1")
+G = TypeVar("G")
+
+#: What `value_and_grad` returns: `(*args, prng_key, is_training, **kwargs) ->
+#: ((loss, collection), grads)`, `grads` of type `G`.
+ValueAndGrad: TypeAlias = Callable[..., tuple[tuple[Array, OutputCollection], G]]
+
+
+# Typed per position, for static type checkers: the gradients of an argument have
+# its type (the filter semantics put None at its non-differentiable leaves, as
+# `eqx.filter_grad` does). Other `argnums` give `Any`.
+@overload
+def value_and_grad(
+    fn: Callable[Concatenate[A0, ...], tuple[object, Context]],
+    *,
+    argnums: Literal[0] = 0,
+    summary_level: int | None = None,
+) -> ValueAndGrad[A0]: ...
+@overload
+def value_and_grad(
+    fn: Callable[Concatenate[Any, A1, ...], tuple[object, Context]],
+    *,
+    argnums: Literal[1],
+    summary_level: int | None = None,
+) -> ValueAndGrad[A1]: ...
+@overload
+def value_and_grad(
+    fn: Callable[Concatenate[A0, A1, ...], tuple[object, Context]],
+    *,
+    argnums: tuple[Literal[0], Literal[1]],
+    summary_level: int | None = None,
+) -> ValueAndGrad[tuple[A0, A1]]: ...
+@overload
+def value_and_grad(
+    fn: Callable[..., tuple[object, Context]],
+    *,
+    argnums: int | Sequence[int],
+    summary_level: int | None = None,
+) -> ValueAndGrad[ArrayTree]: ...
 def value_and_grad(
     fn: Callable[..., tuple[object, Context]],
     *,
     argnums: int | Sequence[int] = 0,
     summary_level: int | None = None,
-) -> Callable[..., tuple[tuple[Array, OutputCollection], ArrayTree]]:
+) -> ValueAndGrad[ArrayTree]:
     """Return a function giving `fn`'s loss, its collection and its gradients.
 
     `fn(*args, ctx, **kwargs) -> (loss, ctx)` runs in a root context (named
@@ -181,7 +223,9 @@ def value_and_grad(
         A function `(*args, prng_key, is_training, **kwargs)` returning
         `((loss, collection), grads)`; `grads` has `args[argnums]`'s structure (a
         tuple of them for a sequence of positions). `prng_key` is the root key (raw
-        or typed) or None; `is_training` a bool.
+        or typed) or None; `is_training` a bool. For static type checkers `grads`
+        has the type of `fn`'s parameter at `argnums` (`0`, `1` or `(0, 1)`;
+        `Any` for other positions).
 
     Raises:
         TypeError: `fn` is not callable, `argnums` is not an int or a sequence of
@@ -250,7 +294,12 @@ def value_and_grad(
                 gradients=state,
                 summary_level=level,
             )
-            out, out_ctx = check_returns_context(fn(*full, ctx, **kwargs), where)
+            try:
+                result = fn(*full, ctx, **kwargs)
+            except TypeError as e:
+                note_missing_key(e, ctx, "`eqxctx.value_and_grad(fn)`")
+                raise
+            out, out_ctx = check_returns_context(result, where)
             check_path(out_ctx, ctx, where)
             _check_loss(out, where)
             return out, out_ctx.collection

@@ -1,10 +1,11 @@
 """JsonlWriter: summaries as JSON lines, one object per step."""
 
+import io
 import json
 import operator
 import os
 from collections.abc import Iterable
-from typing import IO, Literal, TypeAlias, TypeGuard, cast
+from typing import Literal, TypeAlias, TypeGuard, cast
 
 import numpy as np
 import orjson
@@ -426,8 +427,12 @@ class JsonlWriter(AbstractWriter):
     `path/min`, `path/max`, `path/nonfinite`; a `HistogramSummary` as one object
     `{"edges": [...], "counts": [...]}` holding the buckets from the first to the
     last non-empty one (`k` counts, `k + 1` edges; both lists empty when nothing was
-    counted). Each line is flushed as it is written, so the file can be read during
-    training.
+    counted). Each line is written to the file (one system call, no buffer) as it
+    is written, so the file can be read during training, and it is written whole or
+    not at all: if the write fails (a full disk, a file-size limit), the part of the
+    line already in the file is cut off again before the `OSError` is raised, so
+    the file holds only complete steps, and the writer can go on once there is
+    room.
 
     In a multi-process run, create the writer and call `write` on every process
     (after `jax.distributed.initialize`): only process 0 opens and writes the file.
@@ -463,12 +468,14 @@ class JsonlWriter(AbstractWriter):
             )
         self.path = os.fspath(path)
         self._closed = False
-        self._file: IO[str] | None = None
+        self._file: io.FileIO | None = None
         if is_writing_process():
             parent = os.path.dirname(self.path)
             if parent:
                 os.makedirs(parent, exist_ok=True)
-            self._file = open(self.path, mode, encoding="utf-8")  # noqa: SIM115
+            # Unbuffered: a line reaches the file in one system call, or is cut off
+            # (`write_host`), never left half in a buffer.
+            self._file = io.FileIO(self.path, mode)
 
     def check(self, host: HostSummaries) -> None:
         """Refuse a closed writer and a top-level summary named `"step"`.
@@ -487,16 +494,35 @@ class JsonlWriter(AbstractWriter):
             )
 
     def write_host(self, host: HostSummaries) -> None:
-        """Append one line `{"step": step, path: value, ...}` and flush it."""
-        if self._file is None:
+        """Append one line `{"step": step, path: value, ...}`, whole or not at all.
+
+        Raises:
+            OSError: if the file cannot take the line (e.g. `errno.ENOSPC`, a full
+                disk, or `errno.EFBIG`, a file-size limit); what was written of the
+                line is cut off first (a note says so if that fails too).
+        """
+        file = self._file
+        if file is None:
             return
-        self._file.write(json_line(host) + "\n")
-        self._file.flush()
+        data = memoryview((json_line(host) + "\n").encode())
+        start = file.tell()
+        try:
+            while data:
+                data = data[file.write(data) or 0 :]
+        except BaseException as e:  # also an interrupt between two partial writes
+            try:
+                file.truncate(start)
+                file.seek(start)
+            except OSError as cut:
+                e.add_note(
+                    f"`JsonlWriter`: the part of step {host.step}'s line already "
+                    f"written to {self.path!r} could not be cut off ({cut!r}): the "
+                    "file may end with an incomplete line."
+                )
+            raise
 
     def flush(self) -> None:
-        """Flush the file (lines are already flushed as they are written)."""
-        if self._file is not None:
-            self._file.flush()
+        """Nothing to do: each line is written to the file as it is written."""
 
     def close(self) -> None:
         """Close the file; closing twice is allowed."""

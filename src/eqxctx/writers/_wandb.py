@@ -6,6 +6,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 import weakref
 from typing import Any, TypeAlias
 
@@ -48,11 +49,16 @@ class _RunLog:
     (W&B's own `run.step` asks its service process: ~0.5 ms per read.)
     """
 
-    __slots__ = ("lock", "step")
+    __slots__ = ("committed", "lock", "step", "time")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()  # held around the order check, log and record
         self.step: int | None = None
+        #: Whether `step` was committed (by `flush`/`close`): W&B takes no more
+        #: values for it.
+        self.committed = False
+        #: When `step` was last logged (`time.time()`): its row's `_timestamp`.
+        self.time = 0.0
 
 
 #: Each run's `_RunLog`, made by the first `WandbWriter` on it.
@@ -123,11 +129,19 @@ class WandbWriter(AbstractWriter):
       `TensorBoardWriter` does (scaled like TensorFlow's `tf.audio.encode_wav`), at
       its sample rate.
 
-    W&B drops a step lower than one already logged (with a warning); this writer
-    refuses it instead (`ValueError`): a step lower than one logged by this writer or
-    by another `WandbWriter` on the same run (e.g. a train and an eval writer).
-    A step that became lower than the run's after that check, while it waited in
-    an `AsyncWriter`'s queue, is not logged, with a warning on the `eqxctx.writers`
+    W&B keeps the row of the last step logged open (a later `write` of the same
+    step, by this writer or another `WandbWriter` on the run, e.g. a train and an
+    eval writer, adds to it) until a higher step is logged or the row is
+    committed: `flush()` and `close()` commit it, so that every step written is in
+    the run (its files, the server) without waiting for the next one; `close` of a
+    run the writer started finishes it, which commits too.
+
+    W&B drops a step lower than one already logged (with a warning), and values of
+    a committed step; this writer refuses them instead (`ValueError`): a step lower
+    than one logged by this writer or by another `WandbWriter` on the same run, or
+    equal to one committed by `flush()`/`close()` of one of them. A step that
+    became lower than the run's after that check, while it waited in an
+    `AsyncWriter`'s queue, is not logged, with a warning on the `eqxctx.writers`
     logger. Steps that other code logs with `run.log` are not seen. It also refuses
     paths starting with "_", which W&B reserves (`_step`, `_runtime`, ...).
 
@@ -139,9 +153,9 @@ class WandbWriter(AbstractWriter):
     and no network; `wandb sync` uploads them later.
 
     Args:
-        run: a run to log to (from `wandb.init`); `close` then leaves it open. None
-            (the default) starts one with `wandb.init(**init_kwargs)` on process 0,
-            which `close` finishes.
+        run: a run to log to (from `wandb.init`); `close` commits its last step
+            and leaves it open. None (the default) starts one with
+            `wandb.init(**init_kwargs)` on process 0, which `close` finishes.
         **init_kwargs: passed to `wandb.init` (e.g. `project=`, `name=`, `config=`,
             `mode="offline"`, `dir=`); only without `run`.
 
@@ -176,9 +190,9 @@ class WandbWriter(AbstractWriter):
 
         Raises:
             ValueError: after `close()`, for a step lower than one logged to the run
-                before by this writer or another `WandbWriter` on it (W&B would drop
-                it; checked on process 0, which logs), or for a path starting with
-                "_".
+                before by this writer or another `WandbWriter` on it, or equal to
+                one committed by `flush()`/`close()` (W&B would drop it; checked on
+                process 0, which logs), or for a path starting with "_".
         """
         where = "WandbWriter.write"
         if self._closed:
@@ -192,14 +206,24 @@ class WandbWriter(AbstractWriter):
                 )
 
     def _check_order(self, step: int, *, where: str) -> None:
-        """Refuse a step lower than one logged to the run (on process 0)."""
-        last = self._log.step
-        if last is not None and step < last:
+        """Refuse a step lower than the run's last, or equal to a committed one."""
+        log = self._log
+        last = log.step
+        if last is None:
+            return
+        if step < last:
             raise ValueError(
                 f"`{where}`: step {step} is lower than step {last}, logged to this "
                 "W&B run before (by this writer or another `WandbWriter` on the "
                 "run); W&B keeps steps in increasing order (it would drop this one). "
                 "Write steps in order, or start another run."
+            )
+        if step == last and log.committed:
+            raise ValueError(
+                f"`{where}`: step {step} was committed to this W&B run by `flush()` "
+                "or `close()` of a `WandbWriter` on it; W&B takes no more values "
+                "for a committed step (it would drop them). Write a step's values "
+                "before flushing, or write them at a higher step."
             )
 
     def write_host(self, host: HostSummaries) -> None:
@@ -222,18 +246,23 @@ class WandbWriter(AbstractWriter):
         log = self._log
         with log.lock:  # the order check, the log and the record, together
             last = log.step
-            if last is not None and host.step < last:
+            if last is not None and (
+                host.step < last or (host.step == last and log.committed)
+            ):
                 _LOGGER.warning(
                     "`WandbWriter`: step %d was not logged: step %d was logged to "
-                    "this W&B run first (by another `WandbWriter` on it, while this "
-                    "step waited in an `AsyncWriter`'s queue); W&B keeps steps in "
-                    "increasing order.",
+                    "this W&B run first%s (by another `WandbWriter` on it, while "
+                    "this step waited in an `AsyncWriter`'s queue); W&B keeps steps "
+                    "in increasing order.",
                     host.step,
                     last,
+                    " and committed" if host.step == last else "",
                 )
                 return
+            log.time = time.time()
             self.run.log(record, step=host.step)
             log.step = host.step
+            log.committed = False
 
     def _value(self, path: str, step: int, value: HostValue) -> object:
         wandb = self._wandb
@@ -276,16 +305,39 @@ class WandbWriter(AbstractWriter):
         return file
 
     def flush(self) -> None:
-        """Nothing to do: W&B's own process writes each step as it is logged."""
+        """Commit the run's last step (`run.log(..., commit=True)`).
+
+        W&B keeps the row of the last step logged open until a higher step is
+        logged or it is committed; once committed, it goes to the run's files (and
+        the server) with the others. Its `_timestamp` stays the time it was last
+        logged. Nothing to do if it is committed already, or the run is finished
+        (which committed it). The run then takes no more values for that step:
+        `write` refuses it.
+        """
+        run = self.run
+        # W&B's own test for a finished run (`wandb.Run` has no public one).
+        if run is None or getattr(run, "_is_finished", False):
+            return
+        log = self._log
+        with log.lock:
+            if log.step is None or log.committed:
+                return
+            run.log({"_timestamp": log.time}, step=log.step, commit=True)
+            log.committed = True
 
     def close(self) -> None:
-        """Finish the run if this writer started it; closing twice is allowed."""
+        """Commit the last step and, if this writer started the run, finish it.
+
+        A run passed in stays open. Closing twice is allowed.
+        """
         if self._closed:
             return
         self._closed = True
         try:
             if self.run is not None and self._owns_run:
                 self.run.finish()
+            else:
+                self.flush()
         finally:
             if self._media_dir is not None:
                 shutil.rmtree(self._media_dir, ignore_errors=True)
