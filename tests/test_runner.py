@@ -1497,7 +1497,7 @@ def test_explicit_runner_closed_over_in_jit_on_a_traced_host_batch() -> None:
     def closed_over(b: dict[str, Any]) -> jax.Array:
         return runner(b)[1].output_batch["y"]
 
-    def passed_in(r: MethodRunner, b: dict[str, Any]) -> jax.Array:
+    def passed_in(r: MethodRunner[Any, Any], b: dict[str, Any]) -> jax.Array:
         return r(b)[1].output_batch["y"]
 
     match = r"Explicit axes.*leaf 'x'.*not placed on its mesh.*jax.set_mesh"
