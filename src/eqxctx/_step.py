@@ -346,15 +346,20 @@ class Step:
         runner's Explicit mesh, cannot be placed (JAX: "Length of device assignment
         1 is not equal to the size of the mesh"; the same for plain JAX code).
         A runner passed in as an argument (its key is traced on the mesh) or a
-        context mesh gives the trace the mesh. Runs on the slow path only.
+        context mesh gives the trace the mesh. A one-device mesh needs neither (the
+        trace's single device is its device assignment). Runs on the slow path only.
 
         Raises:
             ValueError: naming the batch leaf and the three ways out.
         """
         if (
-            isinstance(prng_key, Tracer)
-            and not jax.typeof(prng_key).sharding.mesh.empty
-        ) or not jax.sharding.get_abstract_mesh().empty:
+            self.mesh.size == 1
+            or (
+                isinstance(prng_key, Tracer)
+                and not jax.typeof(prng_key).sharding.mesh.empty
+            )
+            or not jax.sharding.get_abstract_mesh().empty
+        ):
             return
         for path, x in _flatten_with_path(batch)[0]:
             if isinstance(x, Tracer) and jax.typeof(x).sharding.mesh.empty:
