@@ -247,12 +247,33 @@ def host_values(summaries: object, *, where: str) -> HostValues:
         if values is not None:
             return values
     notes = Notes() if recipe is _UNSEEN else None
+    if notes is not None:
+        host = _distinct(host)
     values = _read(treedef.unflatten(host), trees, where=where, notes=notes)
     if notes is not None:
         if len(_RECIPES) >= MAX_RECIPES:
             _RECIPES.clear()
         _RECIPES[key] = make_recipe(values, host, notes)
     return values
+
+
+def _distinct(host: list[Leaf]) -> list[Leaf]:
+    """`host` where each NumPy array in a second place is a view of its own.
+
+    A recipe records each value's leaf by its identity: one array in two places
+    (a NumPy array passed twice; a JAX array fetched alone twice, whose cached
+    NumPy copy `numpy.asarray` returns on a TPU) would leave no recipe, and every
+    write of the structure would be read in full (issue 39).
+    """
+    seen: set[int] = set()
+    out = host
+    for k, x in enumerate(host):
+        if id(x) in seen and type(x) is np.ndarray:
+            if out is host:
+                out = list(host)
+            out[k] = x.view()
+        seen.add(id(x))
+    return out
 
 
 class _Flat(NamedTuple):
