@@ -1,32 +1,37 @@
-"""Writing summaries every step: AsyncWriter vs a synchronous writer vs no writing.
+"""Writing summaries every step: through a `SummaryBuffer`, step by step, or not at all.
 
-The loop is the demo's training step (`eqxctx.demo`: 4 scanned residual blocks, Adam;
-per step 2 weighted scalars, per layer 3 weighted scalars and a `MomentsSummary` (6
-values), and a `HistogramSummary` of the logits: 39 values), by default at the
-demo's size (width 64, batch 64) and at width 256, batch 256 (`--sizes WIDTHxBATCH
-...` for others). Each round (7, `--rounds`) runs 100 steps per variant (`--quick`:
-30 steps x 2 rounds), interleaved, and times the whole loop including the final
-`block_until_ready` and the writers' `close` (so nothing is left unwritten):
+The loop is the demo's training step (`eqxctx.demo`'s `Classifier`: 4 scanned residual
+blocks; per step 2 weighted scalars, per block 3 weighted scalars and a
+`MomentsSummary` (6 values), and a `HistogramSummary` of the logits: 39 values) with
+Adam written out here, on random data, so that the script needs only eqxctx's own
+dependencies (jax, equinox, numpy, orjson; tensorboardX for `--tensorboard`). The
+batches, keys and step numbers are put on the device before the loops. Sizes: the
+demo's (width 64, batch 64) and width 1024, batch 1024 on an accelerator; on a CPU,
+where a width-1024 step takes seconds, width 256, batch 256 (`--sizes WIDTHxBATCH
+...` for others). Each round (5, `--rounds`) runs 256 steps per variant (`--quick`:
+64 steps x 2 rounds), the variants interleaved, each round in a new order, and times
+the whole loop including the final `block_until_ready` and the writer's `close`
+(nothing is left unwritten):
 
-- none: the steps only;
-- async: `AsyncWriter(MultiWriter(JsonlWriter, TensorBoardWriter),
-  background_fetch=True)`, which in one process fetches on its background thread;
-- async, calling-thread fetch: the same with `defer_fetch=True` (the default
-  `background_fetch=False`; what every process of a multi-process run does);
-- sync: `MultiWriter(JsonlWriter, TensorBoardWriter)` writing on the training thread.
+- none: the step only (its summaries are returned and dropped);
+- sync: `JsonlWriter.write` after each step, on the training thread;
+- async: `AsyncWriter(JsonlWriter).write` after each step, `AsyncWriter`'s defaults;
+- buffer, never written: the step adding its summaries to a `SummaryBuffer` (below)
+  that is never written (its last row overwritten): the buffer's cost in the step;
+- buffer, async: the step adds its summaries to a `SummaryBuffer` of N = 32 rows (a
+  step argument it returns), written by `AsyncWriter(JsonlWriter).write_buffer`
+  every 32 steps and once after the loop;
+- buffer, sync: the same written by `JsonlWriter.write_buffer`.
 
-Ratios are variant / none, each the minimum over the rounds, from one run; with
-them the CPU time per step (the median over the rounds) of the whole process and of
-the training thread alone (`time.thread_time`), which says where a writer's work
-runs and how much of the machine the step leaves free. Unless `--loop-only`, a second
-table gives what one write costs at the demo's size, by part: the fetch on the
-calling thread, and each writer's `write_host` (the background thread's work in
-`AsyncWriter`); a third the host bytes that one write fetches for a 1M-element
-float32 tensor as a raw array and as `HistogramSummary`s (the counts only), with the
-device time (the minimum of 7 calls). Usage:
+Ratios are variant / none, each the minimum wall time over the rounds, from one run;
+beside them the CPU time per step (the median over the rounds) of the whole process
+and of the training thread alone (`time.thread_time` around the loop), which says
+where a writer's work runs. A second table gives the buffer's device memory, from
+XLA's `memory_analysis()` of a program taking the buffer's arrays, against N times
+that of one step's summaries. Usage:
 
-    .venv/bin/python benchmarks/bench_writers.py [--quick] [--rounds N]
-        [--sizes WIDTHxBATCH ...] [--loop-only]
+    python benchmarks/bench_writers.py [--quick] [--rounds N] [--steps N]
+        [--sizes WIDTHxBATCH ...] [--tensorboard] [--out FILE.md]
 """
 
 import argparse
@@ -40,39 +45,86 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 import eqxctx
-import eqxctx.writers._fetch as fetch_module
-from eqxctx.demo._data import load_digits_split, split_sizes, train_batches
-from eqxctx.demo._model import Classifier
-from eqxctx.demo._train import make_train_step
+from eqxctx.demo._model import NUM_CLASSES, NUM_PIXELS, Classifier, weighted_mean
 from eqxctx.writers import (
     AbstractWriter,
     AsyncWriter,
     JsonlWriter,
     MultiWriter,
-    TensorBoardWriter,
-    fetch_summaries,
+    SummaryBuffer,
 )
 
 
-def _writers(logdir: str) -> AbstractWriter:
-    return MultiWriter(JsonlWriter(f"{logdir}/s.jsonl"), TensorBoardWriter(logdir))
+#: The buffer's rows: steps written per `write_buffer`.
+N = 32
+#: (width, batch size) of the default `--sizes`, on an accelerator and on a CPU.
+SIZES = {"accelerator": ((64, 64), (1024, 1024)), "cpu": ((64, 64), (256, 256))}
 
 
-#: (width, batch size) of the default `--sizes`: the demo's, and a larger model. The
-#: per-part table is at the first (the demo's), whatever `--sizes` says.
-CONFIGS = ((64, 64), (256, 256))
+class Adam(NamedTuple):
+    """Adam's state (as `optax.adam`'s, written out: no dependency on optax)."""
 
-VARIANTS: dict[str, Callable[[str], AbstractWriter | None]] = {
-    "none": lambda logdir: None,
-    "async": lambda logdir: AsyncWriter(_writers(logdir), background_fetch=True),
-    "async, calling-thread fetch (`defer_fetch`)": lambda logdir: AsyncWriter(
-        _writers(logdir), background_fetch=False, defer_fetch=True
-    ),
-    "sync": _writers,
-}
+    steps: jax.Array
+    mu: Any
+    nu: Any
+
+
+def _adam_init(params: Any) -> Adam:
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    return Adam(jnp.zeros((), jnp.int32), zeros, zeros)
+
+
+def _adam_update(
+    grads: Any, state: Adam, lr: float = 3e-3, b1: float = 0.9, b2: float = 0.999
+) -> tuple[Any, Adam]:
+    count = state.steps + 1
+    mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, grads)
+    nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state.nu, grads)
+    t = count.astype(jnp.float32)
+    scale = lr * jnp.sqrt(1 - b2**t) / (1 - b1**t)
+    updates = jax.tree.map(lambda m, v: -scale * m / (jnp.sqrt(v) + 1e-8), mu, nu)
+    return updates, Adam(count, mu, nu)
+
+
+def _loss(
+    model: Classifier, batch: dict[str, jax.Array], ctx: eqxctx.Context
+) -> tuple[jax.Array, eqxctx.Context]:
+    outputs, ctx = model.evaluate(batch, ctx)
+    return weighted_mean(outputs["nll"], batch["weight"]), ctx
+
+
+def _train_step(
+    model: Classifier, opt: Adam, batch: dict[str, jax.Array], key: jax.Array
+) -> tuple[Classifier, Adam, Any]:
+    """The demo's training step (`eqxctx.demo._train`), Adam written out."""
+    grad_fn = eqxctx.value_and_grad(_loss)
+    (_, collection), grads = grad_fn(model, batch, prng_key=key, is_training=True)
+    updates, opt = _adam_update(grads, opt)
+    return eqx.apply_updates(model, updates), opt, collection.summaries
+
+
+@eqx.filter_jit
+def plain_step(
+    model: Classifier, opt: Adam, batch: dict[str, jax.Array], key: jax.Array
+) -> tuple[Classifier, Adam, Any]:
+    """The step returning `{"train": summaries}`' summaries (written or dropped)."""
+    return _train_step(model, opt, batch, key)
+
+
+@eqx.filter_jit
+def buffered_step(
+    model: Classifier,
+    opt: Adam,
+    buffer: SummaryBuffer,
+    batch: dict[str, jax.Array],
+    key: jax.Array,
+    step: jax.Array,
+) -> tuple[Classifier, Adam, SummaryBuffer]:
+    """The step adding `{"train": summaries}` to `buffer` as step `step`."""
+    model, opt, summaries = _train_step(model, opt, batch, key)
+    return model, opt, buffer.add(step, {"train": summaries})
 
 
 class Times(NamedTuple):
@@ -83,48 +135,110 @@ class Times(NamedTuple):
     thread: float
 
 
-def make_loop(
-    steps: int, width: int, batch_size: int
-) -> Callable[[AbstractWriter | None], Times]:
-    """Return `loop(writer) -> Times` running `steps` demo training steps."""
-    train, _ = load_digits_split(seed=0)
-    key = jax.random.PRNGKey(0)
-    model = Classifier(num_layers=4, width=width, dropout=0.1, key=key)
-    optimizer = optax.adam(3e-3)
-    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
-    step_fn = make_train_step(optimizer)
-    batches = train_batches(train, batch_size=batch_size, seed=0)
-    data = [next(batches) for _ in range(steps)]
-    key = jax.random.PRNGKey(1)
-
-    def loop(writer: AbstractWriter | None) -> Times:
-        m, s = model, opt_state
-        start = time.perf_counter(), time.process_time(), time.thread_time()
-        for step, batch in enumerate(data):
-            m, s, summaries = step_fn(m, s, batch, jax.random.fold_in(key, step))
-            if writer is not None:
-                writer.write(step, {"train": summaries})
-        jax.block_until_ready(m)
-        if writer is not None:
-            writer.close()
-        end = time.perf_counter(), time.process_time(), time.thread_time()
-        return Times(*(b - a for a, b in zip(start, end, strict=True)))
-
-    loop(None)  # compile
-    return loop
+#: name -> (buffered?, the writer of a log directory, or None: no writing).
+Variant = tuple[bool, Callable[[str], AbstractWriter] | None]
 
 
-def bench_loop(steps: int, rounds: int, width: int, batch: int) -> dict[str, Times]:
+def variants(tensorboard: bool) -> dict[str, Variant]:
+    def files(logdir: str) -> AbstractWriter:
+        jsonl = JsonlWriter(f"{logdir}/s.jsonl")
+        if not tensorboard:
+            return jsonl
+        from eqxctx.writers import TensorBoardWriter
+
+        return MultiWriter(jsonl, TensorBoardWriter(logdir))
+
+    return {
+        "none": (False, None),
+        f"buffer N = {N}, never written": (True, None),
+        "sync, every step": (False, files),
+        "async (defaults), every step": (False, lambda d: AsyncWriter(files(d))),
+        f"buffer N = {N}, async (defaults)": (True, lambda d: AsyncWriter(files(d))),
+        f"buffer N = {N}, sync": (True, files),
+    }
+
+
+class Setup(NamedTuple):
+    """One size's model, optimizer state and per-step inputs (on the device)."""
+
+    model: Classifier
+    opt: Adam
+    batches: list[dict[str, jax.Array]]
+    keys: list[jax.Array]
+    steps: list[jax.Array]
+    like: Any
+
+
+def make_setup(steps: int, width: int, batch_size: int) -> Setup:
+    model = Classifier(
+        num_layers=4, width=width, dropout=0.1, key=jax.random.PRNGKey(0)
+    )
+    opt = _adam_init(eqx.filter(model, eqx.is_array))
+    rng = np.random.default_rng(0)
+    batches = [
+        jax.device_put(
+            {
+                "image": rng.random((batch_size, NUM_PIXELS), np.float32),
+                "label": rng.integers(0, NUM_CLASSES, batch_size).astype(np.int32),
+                "weight": np.ones(batch_size, np.float32),
+            }
+        )
+        for _ in range(steps)
+    ]
+    base = jax.random.PRNGKey(1)
+    keys = [jax.random.fold_in(base, i) for i in range(steps)]
+    numbers = [jnp.int32(i) for i in range(steps)]
+    like = eqx.filter_eval_shape(_train_step, model, opt, batches[0], keys[0])[2]
+    jax.block_until_ready((batches, keys, numbers))
+    return Setup(model, opt, batches, keys, numbers, like)
+
+
+def run_loop(setup: Setup, variant: Variant, logdir: str, steps: int) -> Times:
+    """Run `steps` steps writing as `variant` says; time it all."""
+    buffered, make = variant
+    writer = None if make is None else make(logdir)
+    m, s = setup.model, setup.opt
+    buffer = SummaryBuffer.create(N, {"train": setup.like})
+    data = list(zip(setup.batches, setup.keys, setup.steps, strict=True))[:steps]
+    start = time.perf_counter(), time.process_time(), time.thread_time()
+    if buffered and writer is None:  # the step's own cost: the rows overwritten
+        for batch, key, number in data:
+            m, s, buffer = buffered_step(m, s, buffer, batch, key, number)
+    elif buffered:
+        assert writer is not None
+        for i, (batch, key, number) in enumerate(data):
+            m, s, buffer = buffered_step(m, s, buffer, batch, key, number)
+            if (i + 1) % N == 0:
+                buffer = writer.write_buffer(buffer)
+        buffer = writer.write_buffer(buffer)
+    elif writer is None:
+        for batch, key, _ in data:
+            m, s, _ = plain_step(m, s, batch, key)
+    else:
+        for i, (batch, key, _) in enumerate(data):
+            m, s, summaries = plain_step(m, s, batch, key)
+            writer.write(i, {"train": summaries})
+    jax.block_until_ready(m)
+    if writer is not None:
+        writer.close()
+    end = time.perf_counter(), time.process_time(), time.thread_time()
+    return Times(*(b - a for a, b in zip(start, end, strict=True)))
+
+
+def bench_loop(
+    setup: Setup, all_variants: dict[str, Variant], steps: int, rounds: int
+) -> dict[str, Times]:
     """Per variant: the minimum wall time, the median CPU times (seconds)."""
-    loop = make_loop(steps, width, batch)
+    names = list(all_variants)
     with tempfile.TemporaryDirectory() as logdir:
-        loop(_writers(logdir))  # warm up the writers' own compilations
-        loop(_writers(logdir))
-    times: dict[str, list[Times]] = {name: [] for name in VARIANTS}
-    for _ in range(rounds):
-        for name, make in VARIANTS.items():
+        for name in names:  # compile the steps and the writers' own programs
+            run_loop(setup, all_variants[name], f"{logdir}/{names.index(name)}", 2)
+    times: dict[str, list[Times]] = {name: [] for name in names}
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
             with tempfile.TemporaryDirectory() as logdir:
-                times[name].append(loop(make(logdir)))
+                times[name].append(run_loop(setup, all_variants[name], logdir, steps))
     return {
         name: Times(
             min(t.wall for t in ts),
@@ -135,144 +249,31 @@ def bench_loop(steps: int, rounds: int, width: int, batch: int) -> dict[str, Tim
     }
 
 
-def fetched_bytes(summaries: dict[str, Any]) -> int:
-    """Bytes of the NumPy arrays that one write fetches (`fetch_summaries`)."""
-    values = fetch_summaries(summaries, where="bench")
-    total = 0
-    for value in values.values():
-        leaves = jax.tree_util.tree_leaves(value)
-        total += sum(np.asarray(leaf).nbytes for leaf in leaves)
-    return total
+def device_bytes(arrays: list[Any]) -> int | None:
+    """XLA's argument bytes of a program taking `arrays` (`memory_analysis()`)."""
+    fn = jax.jit(lambda *xs: None, keep_unused=True)
+    analysis = fn.lower(*arrays).compile().memory_analysis()
+    if analysis is None:
+        return None
+    return int(analysis.argument_size_in_bytes)
 
 
-def bench_histogram(size: int) -> list[tuple[str, int, float]]:
-    x = jax.random.normal(jax.random.PRNGKey(0), (size,), jnp.float32)
-    cases: dict[str, Callable[[jax.Array], Any]] = {
-        "raw array": lambda x: x,
-        "HistogramSummary(x, bins=30, range=(-5, 5))": lambda x: (
-            eqxctx.HistogramSummary(x, bins=30, range=(-5.0, 5.0))
-        ),
-        "HistogramSummary(x) (TF's 1,550 buckets)": eqxctx.HistogramSummary,
-        "MomentsSummary(x)": eqxctx.MomentsSummary,
-    }
-    rows = []
-    for name, make in cases.items():
-        fn = jax.jit(make)
-        out = jax.block_until_ready(fn(x))
-        best = float("inf")
-        for _ in range(7):  # the minimum: this machine is shared and noisy
-            start = time.perf_counter()
-            jax.block_until_ready(fn(x))
-            best = min(best, time.perf_counter() - start)
-        device_ms = best * 1e3
-        rows.append((name, fetched_bytes({"x": out}), device_ms))
-    return rows
+def bench_memory(setup: Setup) -> tuple[int | None, int | None, int, int]:
+    """`(buffer, one step's summaries)` from `memory_analysis()`; the same in nbytes.
 
-
-def bench_components(width: int, batch_size: int) -> list[tuple[str, float]]:
-    """CPU microseconds per write of the demo's summaries, by part (min of 7 x 200).
-
-    CPU time of the thread that runs the part (`time.thread_time`), alone (no step
-    running beside it). The fetch reads arrays that were never read before (as in a
-    training loop), with one transfer per width of raw bits
-    (`eqxctx.writers._fetch`) and, for comparison, one per array (as before it);
-    `AsyncWriter.write` is what the training thread pays with the background fetch.
-    The TensorBoard write is timed with tensorboardX's checksums in C (the `crc32c`
-    package, when installed) and in its own pure Python.
+    The buffer's arrays: its rows and its three bookkeeping arrays (each row's step
+    and structure, the count); one step's summaries: the arrays `plain_step`
+    returns as summaries (`jax.eval_shape`'s).
     """
-    import tensorboardX.crc32c as tbx_crc  # the `tensorboard` extra
-    import tensorboardX.record_writer as tbx_record
-
-    train, _ = load_digits_split(seed=0)
-    key = jax.random.PRNGKey(0)
-    model = Classifier(num_layers=4, width=width, dropout=0.1, key=key)
-    optimizer = optax.adam(3e-3)
-    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
-    step_fn = make_train_step(optimizer)
-    batch = next(train_batches(train, batch_size=batch_size, seed=0))
-    rounds, n = 7, 200
-    outs = [
-        {"train": step_fn(model, opt_state, batch, jax.random.fold_in(key, i))[2]}
-        for i in range(3 * rounds * (n + 3) + 60)
-    ]
-    jax.block_until_ready(outs)
-    fresh = iter(outs)
-
-    def interleaved(fns: dict[str, Callable[[], object]]) -> dict[str, float]:
-        times: dict[str, list[float]] = {name: [] for name in fns}
-        for _ in range(rounds):
-            for name, fn in fns.items():
-                start = time.thread_time()
-                for _ in range(n):
-                    fn()
-                times[name].append((time.thread_time() - start) / n)
-        return {name: min(ts) * 1e6 for name, ts in times.items()}
-
-    def best(fn: Callable[[], object]) -> float:
-        return interleaved({"": fn})[""]
-
-    with tempfile.TemporaryDirectory() as logdir:
-        jsonl = JsonlWriter(f"{logdir}/s.jsonl")
-        tb = TensorBoardWriter(logdir)
-        for _ in range(20):
-            jsonl.fetch(0, next(fresh))
-        saved_size = fetch_module.MAX_BATCHED_SIZE
-
-        def fetch_with(max_size: int) -> Callable[[], object]:
-            def run() -> object:
-                if max_size != fetch_module.MAX_BATCHED_SIZE:  # a new round
-                    fetch_module.MAX_BATCHED_SIZE = max_size
-                    fetch_module._plans.clear()  # pyright: ignore[reportPrivateUsage]
-                    for _ in range(3):
-                        jsonl.fetch(0, next(fresh))
-                return jsonl.fetch(0, next(fresh))
-
-            return run
-
-        try:  # interleaved rounds: batched, then array by array (-1: no batching)
-            fetches = interleaved(
-                {
-                    "fetch, one transfer per width": fetch_with(saved_size),
-                    "fetch, one transfer per array (before)": fetch_with(-1),
-                }
-            )
-        finally:
-            fetch_module.MAX_BATCHED_SIZE = saved_size
-            fetch_module._plans.clear()  # pyright: ignore[reportPrivateUsage]
-        rows = list(fetches.items())
-        with AsyncWriter(
-            MultiWriter(JsonlWriter(f"{logdir}/a.jsonl")), background_fetch=True
-        ) as writer:
-            for _ in range(20):
-                writer.write(0, next(fresh))
-            rows.append(
-                (
-                    "`AsyncWriter.write`, background fetch (training thread)",
-                    best(lambda: writer.write(0, next(fresh))),
-                )
-            )
-        host = jsonl.fetch(0, outs[0])
-        rows.append(("JSONL write_host", best(lambda: jsonl.write_host(host))))
-        native = tbx_record.crc32c is not tbx_crc._crc32c  # pyright: ignore[reportPrivateUsage]
-        label = "crc32c package" if native else "pure Python (no crc32c package)"
-        rows.append(
-            (f"TensorBoard write_host, {label}", best(lambda: tb.write_host(host)))
-        )
-        if native:
-            saved = tbx_record.crc32c
-            tbx_record.crc32c = tbx_crc._crc32c  # pyright: ignore[reportPrivateUsage]
-            try:
-                rows.append(
-                    (
-                        "TensorBoard write_host, pure-Python CRC",
-                        best(lambda: tb.write_host(host)),
-                    )
-                )
-            finally:
-                tbx_record.crc32c = saved
-        jsonl.close()
-        tb.close()
-    return rows
+    buffer = SummaryBuffer.create(N, {"train": setup.like})
+    leaves = jax.tree_util.tree_leaves(buffer)
+    one = [jnp.zeros(x.shape, x.dtype) for x in jax.tree_util.tree_leaves(setup.like)]
+    return (
+        device_bytes(leaves),
+        device_bytes(one),
+        sum(x.nbytes for x in leaves),
+        sum(x.nbytes for x in one),
+    )
 
 
 def _size(text: str) -> tuple[int, int]:
@@ -302,73 +303,84 @@ def _positive(text: str) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description="AsyncWriter vs a synchronous writer vs no writing, every step"
+        description="Summaries written through a SummaryBuffer, step by step, or not"
     )
     parser.add_argument(
-        "--quick", action="store_true", help="30 steps x 2 rounds (default 100 x 7)"
+        "--quick", action="store_true", help="64 steps x 2 rounds (default 256 x 5)"
     )
-    parser.add_argument(
-        "--rounds",
-        type=_positive,
-        metavar="N",
-        help="interleaved rounds (default 7; 2 if --quick)",
-    )
-    default_sizes = " ".join(f"{w}x{b}" for w, b in CONFIGS)
+    parser.add_argument("--rounds", type=_positive, metavar="N", help="rounds")
+    parser.add_argument("--steps", type=_positive, metavar="N", help="steps a loop")
     parser.add_argument(
         "--sizes",
         type=_size,
         nargs="+",
-        default=list(CONFIGS),
         metavar="WIDTHxBATCH",
-        help=f"model width and batch size of each loop (default {default_sizes})",
+        help="model width and batch size of each loop (default: 64x64 1024x1024; "
+        "on a CPU 64x64 256x256)",
     )
     parser.add_argument(
-        "--loop-only",
+        "--tensorboard",
         action="store_true",
-        help="only the loop table (no per-part and histogram tables)",
+        help="write TensorBoard events beside the JSONL file (needs tensorboardX)",
     )
+    parser.add_argument("--out", metavar="FILE.md", help="also write the tables here")
     args = parser.parse_args()
-    num_train, _ = split_sizes()
-    for width, batch in args.sizes:
-        if batch > num_train:
-            parser.error(
-                f"argument --sizes: batch {batch} (in {width}x{batch}) is larger than "
-                f"the training split ({num_train} examples); use at most {num_train}"
-            )
-    steps, rounds = (30, 2) if args.quick else (100, 7)
-    if args.rounds is not None:
-        rounds = args.rounds
-    print(
-        f"jax {jax.__version__}, {jax.devices()[0].platform}, {steps} steps x {rounds}"
+    steps, rounds = (64, 2) if args.quick else (256, 5)
+    steps = args.steps or steps
+    rounds = args.rounds or rounds
+    device = jax.devices()[0]
+    platform = "cpu" if device.platform == "cpu" else "accelerator"
+    sizes = args.sizes or SIZES[platform]
+    lines: list[str] = []
+
+    def emit(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    writer = (
+        "`MultiWriter(JsonlWriter, TensorBoardWriter)`"
+        if args.tensorboard
+        else ("`JsonlWriter`")
     )
-    print(
-        "\n| model | writer | loop (ms/step) | ratio to none "
+    emit(
+        f"jax {jax.__version__}, {device.platform} ({device.device_kind}), "
+        f"{steps} steps x {rounds} rounds, writer {writer}, N = {N}\n"
+    )
+    emit(
+        "| model | writing | loop (ms/step) | ratio to none "
         "| CPU ms/step: process | training thread |"
     )
-    print("|---|---|--:|--:|--:|--:|")
-    for width, batch in args.sizes:
-        best = bench_loop(steps, rounds, width, batch)
+    emit("|---|---|--:|--:|--:|--:|")
+    memory: list[tuple[str, tuple[int | None, int | None, int, int]]] = []
+    all_variants = variants(args.tensorboard)
+    for width, batch in sizes:
+        setup = make_setup(steps, width, batch)
+        best = bench_loop(setup, all_variants, steps, rounds)
+        label = f"width {width}, batch {batch}"
         for name, t in best.items():
-            ratio = t.wall / best["none"].wall
-            label = f"width {width}, batch {batch}"
             ms = [x / steps * 1e3 for x in t]
-            print(
-                f"| {label} | {name} | {ms[0]:.2f} | {ratio:.3f}x | {ms[1]:.2f} "
-                f"| {ms[2]:.2f} |",
-                flush=True,
+            emit(
+                f"| {label} | {name} | {ms[0]:.2f} | {t.wall / best['none'].wall:.3f}x "
+                f"| {ms[1]:.2f} | {ms[2]:.2f} |"
             )
-    if args.loop_only:
-        return
-    width, batch = CONFIGS[0]
-    print(f"\n| one write of the demo's summaries (width {width}) | CPU µs |")
-    print("|---|--:|")
-    for name, us in bench_components(width, batch):
-        print(f"| {name} | {us:.0f} |")
-    header = "| summary of a 1M-element float32 tensor | bytes per write | device ms |"
-    print(f"\n{header}")
-    print("|---|--:|--:|")
-    for name, nbytes, ms in bench_histogram(1_000_000):
-        print(f"| {name} | {nbytes:,} | {ms:.1f} |")
+        memory.append((label, bench_memory(setup)))
+    emit(
+        f"\n| model | buffer, `memory_analysis()` | {N} x one step's summaries, "
+        "`memory_analysis()` | ratio | buffer, nbytes | "
+        f"{N} x one step's, nbytes |"
+    )
+    emit("|---|--:|--:|--:|--:|--:|")
+    for label, (buffer, one, buffer_nbytes, one_nbytes) in memory:
+        if buffer is None or one is None:  # not every backend reports it
+            xla = ["n/a"] * 3
+        else:
+            xla = [f"{buffer:,}", f"{N * one:,}", f"{buffer / (N * one):.3f}"]
+        emit(
+            f"| {label} | {' | '.join(xla)} | {buffer_nbytes:,} | {N * one_nbytes:,} |"
+        )
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

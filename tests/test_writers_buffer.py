@@ -389,3 +389,54 @@ def test_the_buffer_holds_n_times_one_steps_summaries() -> None:
     assert nbytes == 32 * (3 * 4 + 4)
     extra = buffer.steps.nbytes + buffer.slots.nbytes + buffer.count.nbytes
     assert extra == 32 * 4 * 2 + 4
+
+
+@eqx.filter_jit
+def _scalar_step(buffer: SummaryBuffer, i: jax.Array) -> Any:
+    """Scalars only (as the demo's step): a weighted mean, moments, a scan's rows."""
+    x = i.astype(jnp.float32)
+    ctx = eqxctx.Context.root()
+    ctx = ctx.add_summary("loss", eqxctx.WeightedSummary(jnp.sin(x), x + 1.0))
+    ctx = ctx.add_summary("m", eqxctx.MomentsSummary(jnp.cos(x + jnp.arange(4.0))))
+
+    def body(c: jax.Array, y: jax.Array, ctx: eqxctx.Context) -> Any:
+        return c + y, None, ctx.add_summary("y", jnp.tanh(y * x))
+
+    _, _, scanned = eqxctx.scan_in_context(
+        body, context=ctx, carry=x, xs=jnp.arange(3.0), child_name_prefix="layer"
+    )
+    collection = ctx.merge(scanned).collection
+    return buffer.add(i, {"train": collection}), {"train": collection}
+
+
+def test_a_buffers_float32_values_are_formatted_in_one_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 39 item 2: the float32 scalars of a buffer's steps (one structure) go
+    # through one `float32_texts` call, not one per step; the lines are unchanged.
+    import eqxctx.writers._jsonl as jsonl_module
+
+    calls: list[int] = []
+    real = jsonl_module.float32_texts
+
+    def counting(values: np.ndarray) -> list[str]:
+        calls.append(values.size)
+        return real(values)
+
+    monkeypatch.setattr(jsonl_module, "float32_texts", counting)
+    buffer = SummaryBuffer.create(7)
+    with (
+        JsonlWriter(tmp_path / "b.jsonl") as writer,
+        JsonlWriter(tmp_path / "s.jsonl") as reference,
+    ):
+        for step in range(2 * 7):
+            buffer, out = _scalar_step(buffer, jnp.int32(step))
+            reference.write(step, out)
+            if (step + 1) % 7 == 0:
+                buffer = writer.write_buffer(buffer)
+            if step == 6:
+                calls.clear()  # the first writes (full reads) are done
+    # 8 float32 scalars a step (loss; the moments' mean, variance, min and max; 3
+    # rows of y), in one call per step written alone and one for the buffer's 7.
+    assert calls == [8] * 7 + [8 * 7]
+    assert (tmp_path / "b.jsonl").read_bytes() == (tmp_path / "s.jsonl").read_bytes()

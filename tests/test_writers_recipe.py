@@ -214,6 +214,22 @@ def test_one_array_in_two_places_then_two_arrays(full_reads: list[str]) -> None:
         }
 
 
+def test_one_host_array_in_two_places_is_replayed(full_reads: list[str]) -> None:
+    # Issue 39 item 3 (a scan collection read in full at every write on a TPU): one
+    # fetched array in two places (a scan's input forwarded to two outputs, fetched
+    # alone on a TPU, where `numpy.asarray` of a JAX array returns its cached
+    # NumPy copy; here a NumPy array passed twice) gave one object twice, and no
+    # recipe was made. It is read in full once, then replayed, and each place
+    # keeps its own value when the arrays differ.
+    for a, b in [(1.0, 1.0), (2.0, 2.0), (3.0, -3.0), (4.0, 4.0)]:
+        x = np.full(3, a, np.float32)
+        y = x if a == b else np.full(3, b, np.float32)
+        out = fetch_summaries({"a": x, "b": y, "c": np.float32(-a)})
+        np.testing.assert_array_equal(np.asarray(out["a"]), np.full(3, a))
+        np.testing.assert_array_equal(np.asarray(out["b"]), np.full(3, b))
+    assert len(full_reads) == 1
+
+
 def test_a_new_shape_or_dtype_is_a_new_structure(full_reads: list[str]) -> None:
     for x in (jnp.zeros(2), jnp.ones(2), jnp.zeros(3), jnp.zeros(3, jnp.int32)):
         out = fetch_summaries({"x": x})

@@ -4,7 +4,7 @@ import abc
 import dataclasses
 import functools
 import operator
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import NamedTuple, SupportsIndex, TypeAlias, TypeVar
 
@@ -248,12 +248,33 @@ def host_values(summaries: object, *, where: str) -> HostValues:
         if values is not None:
             return values
     notes = Notes() if recipe is _UNSEEN else None
+    if notes is not None:
+        host = _distinct(host)
     values = _read(treedef.unflatten(host), trees, where=where, notes=notes)
     if notes is not None:
         if len(_RECIPES) >= MAX_RECIPES:
             _RECIPES.clear()
         _RECIPES[key] = make_recipe(values, host, notes)
     return values
+
+
+def _distinct(host: list[Leaf]) -> list[Leaf]:
+    """`host` where each NumPy array in a second place is a view of its own.
+
+    A recipe records each value's leaf by its identity: one array in two places
+    (a NumPy array passed twice; a JAX array fetched alone twice, whose cached
+    NumPy copy `numpy.asarray` returns on a TPU) would leave no recipe, and every
+    write of the structure would be read in full (issue 39).
+    """
+    seen: set[int] = set()
+    out = host
+    for k, x in enumerate(host):
+        if id(x) in seen and type(x) is np.ndarray:
+            if out is host:
+                out = list(host)
+            out[k] = x.view()
+        seen.add(id(x))
+    return out
 
 
 class _Flat(NamedTuple):
@@ -721,6 +742,7 @@ class AbstractWriter(abc.ABC):
         skip = done[1] if done is not None and done[0] is token else 0
         hosts = buffer_hosts(self, fetched)
         if is_writing_process():
+            self.prepare_hosts(hosts[skip:])
             for k in range(skip, len(hosts)):
                 self.write_host(hosts[k])
                 self._buffer_done = (token, k + 1)
@@ -748,6 +770,14 @@ class AbstractWriter(abc.ABC):
     @abc.abstractmethod
     def write_host(self, host: HostSummaries) -> None:
         """Write one fetched step (called on process 0 only)."""
+
+    def prepare_hosts(self, hosts: Sequence[HostSummaries]) -> None:  # noqa: B027
+        """Get ready to write `hosts` (a buffer's steps), e.g. format them together.
+
+        Optional: `write_buffer` calls it before it calls `write_host` for each of
+        `hosts`, on process 0. Must not raise (a step's error is raised by its
+        `write_host`) nor write anything.
+        """
 
     @abc.abstractmethod
     def flush(self) -> None:
@@ -793,15 +823,22 @@ def buffer_hosts(writer: AbstractWriter, fetched: BufferRows) -> list[HostSummar
     Raises as `AbstractWriter.write` does.
     """
     if type(writer).fetch is not AbstractWriter.fetch:
-        return [writer.fetch(step, tree) for step, tree, _ in fetched.rows]
-    flats: dict[int, tuple[TreeDef, object]] = {}
+        return [
+            writer.fetch(step, layout.treedef.unflatten(leaves))
+            for step, leaves, layout in fetched.rows
+        ]
+    # Per structure, its summaries' tree (for the order of its mappings' keys) and
+    # the key of its recipe, from its first row: the other rows are not rebuilt.
+    flats: dict[int, tuple[object, TreeDef, object]] = {}
     hosts: list[HostSummaries] = []
-    for step, tree, layout in fetched.rows:
-        leaves, treedef = jax.tree_util.tree_flatten(tree)
+    for step, leaves, layout in fetched.rows:
         known = flats.get(id(layout))
         if known is None:
-            known = flats[id(layout)] = (treedef, _recipe_key(treedef, leaves, tree))
-        flat = _Flat(tree, leaves, known[0], known[1])
+            tree = layout.treedef.unflatten(leaves)
+            treedef = jax.tree_util.tree_structure(tree)
+            key = _recipe_key(treedef, leaves, tree)
+            known = flats[id(layout)] = (tree, treedef, key)
+        flat = _Flat(known[0], leaves, known[1], known[2])
         done = Started(leaves, [], None, None, False)
         hosts.append(fetch_host(writer, step, Prefetched(flat, done)))
     return hosts

@@ -38,14 +38,17 @@ class _Layout(NamedTuple):
     leaves: tuple[tuple[Any, Any], ...]
     arrays: tuple[bool, ...]
 
-    def rebuild(self, rows: list[Any]) -> ArrayTree:
-        """The summaries of one row: the row's arrays and the static numbers."""
+    def row_leaves(self, rows: list[Any]) -> list[Any]:
+        """The leaves of one row, in `treedef`'s order: its arrays, the static ones."""
         it = iter(rows)
-        leaves = [
+        return [
             next(it) if is_array else value
             for (_, value), is_array in zip(self.leaves, self.arrays, strict=True)
         ]
-        return self.treedef.unflatten(leaves)
+
+    def rebuild(self, rows: list[Any]) -> ArrayTree:
+        """The summaries of one row: the row's arrays and the static numbers."""
+        return self.treedef.unflatten(self.row_leaves(rows))
 
 
 def _is_array(x: object) -> bool:
@@ -342,11 +345,12 @@ class BufferRows(NamedTuple):
     """A fetched buffer: each step's summaries (NumPy leaves), in the added order.
 
     Attributes:
-        rows: `(step, summaries, layout)` per step held.
+        rows: `(step, leaves, layout)` per step held: the leaves of its summaries
+            (`layout.treedef.unflatten(leaves)`: the summaries).
         lost: the number of steps added after the buffer was full.
     """
 
-    rows: list[tuple[int, ArrayTree, _Layout]]
+    rows: list[tuple[int, list[Any], _Layout]]
     lost: int
 
 
@@ -367,10 +371,9 @@ def buffer_rows(fetch: BufferFetch) -> BufferRows:
         tables.append([np.asarray(x) for x in host[start:stop]])
         start = stop
     n = min(count, fetch.size)
-    rows: list[tuple[int, ArrayTree, _Layout]] = []
-    for i in range(n):
-        k = int(slots[i])
+    rows: list[tuple[int, list[Any], _Layout]] = []
+    for i, k in enumerate(slots[:n].tolist()):
         layout = fetch.layouts[k]
-        tree = layout.rebuild([x[i, ...] for x in tables[k]])
-        rows.append((int(steps[i]), tree, layout))
+        leaves = layout.row_leaves([x[i, ...] for x in tables[k]])
+        rows.append((int(steps[i]), leaves, layout))
     return BufferRows(rows, count - n)

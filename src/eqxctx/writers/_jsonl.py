@@ -4,7 +4,7 @@ import io
 import json
 import operator
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Literal, TypeAlias, TypeGuard, cast
 
 import numpy as np
@@ -232,26 +232,46 @@ class _LinePlan:
 
     def line(self, step: int, parts: list[Part]) -> str:
         """The line of one step whose values have this plan's layout."""
+        floats = float32_texts(self._floats(parts)) if self.floats else []
+        return self._line(step, parts, floats)
+
+    def lines(self, steps: list[tuple[int, list[Part]]]) -> list[str]:
+        """The lines of several steps of this plan's layout (`line` of each).
+
+        Their float32 scalars are converted by one `float32_texts` call.
+        """
+        if not self.floats:
+            return [self._line(step, parts, []) for step, parts in steps]
+        chunks = [self._floats(parts) for _, parts in steps]
+        texts = float32_texts(np.concatenate(chunks))
+        n = len(self.positions)
+        return [
+            self._line(step, parts, texts[i * n : (i + 1) * n])
+            for i, (step, parts) in enumerate(steps)
+        ]
+
+    def _floats(self, parts: list[Part]) -> np.ndarray:
+        """The float32 scalars of one step, in the order of `positions`."""
+        chunks: list[np.ndarray] = []
+        for k, floats, scalars in self.floats:
+            part = parts[k]
+            if floats:
+                columns = cast(Rows, part).columns
+                chunks.append(
+                    np.stack([columns[j] for j in floats], axis=1).reshape(-1)
+                )
+            else:
+                values = cast(dict[str, HostValue], part)
+                chunks.append(
+                    np.fromiter((values[p] for p in scalars), np.float32, len(scalars))
+                )
+        return chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+
+    def _line(self, step: int, parts: list[Part], floats: list[str]) -> str:
+        """The line of one step, its float32 scalars' texts given."""
         texts = [""] * len(self.keys)
-        if self.floats:
-            chunks: list[np.ndarray] = []
-            for k, floats, scalars in self.floats:
-                part = parts[k]
-                if floats:
-                    columns = cast(Rows, part).columns
-                    chunks.append(
-                        np.stack([columns[j] for j in floats], axis=1).reshape(-1)
-                    )
-                else:
-                    values = cast(dict[str, HostValue], part)
-                    chunks.append(
-                        np.fromiter(
-                            (values[p] for p in scalars), np.float32, len(scalars)
-                        )
-                    )
-            flat = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
-            for p, text in zip(self.positions, float32_texts(flat), strict=True):
-                texts[p] = text
+        for p, text in zip(self.positions, floats, strict=True):
+            texts[p] = text
         for p, k, path in self.singles:
             value = cast(dict[str, HostValue], parts[k])[path]
             texts[p] = json.dumps(record_value(value))
@@ -261,6 +281,34 @@ class _LinePlan:
                 texts[p] = text
         body = ", ".join(map(operator.add, self.keys, texts))
         return f'{{"step": {step}, {body}}}' if body else f'{{"step": {step}}}'
+
+
+def json_lines(hosts: Sequence[HostSummaries]) -> list[str]:
+    """`json_line` of each of `hosts`, the steps of one layout formatted together.
+
+    The float32 scalars of all the steps replayed from one layout (a buffer's,
+    `write_buffer`) are converted by one `float32_texts` call.
+    """
+    lines: list[str | None] = [None] * len(hosts)
+    groups: dict[int, tuple[_LinePlan, list[int]]] = {}
+    for i, host in enumerate(hosts):
+        values = host.values
+        plan = (
+            _line_plan(values)
+            if isinstance(values, HostValues) and values.layout is not None
+            else None
+        )
+        if plan is None:
+            lines[i] = json_line(host)
+        else:
+            groups.setdefault(id(plan), (plan, []))[1].append(i)
+    for plan, where in groups.values():
+        steps = [
+            (hosts[i].step, cast(HostValues, hosts[i].values).parts) for i in where
+        ]
+        for i, line in zip(where, plan.lines(steps), strict=True):
+            lines[i] = line
+    return cast(list[str], lines)
 
 
 def _paths(part: Part) -> Iterable[str]:
@@ -469,6 +517,8 @@ class JsonlWriter(AbstractWriter):
         self.path = os.fspath(path)
         self._closed = False
         self._file: io.FileIO | None = None
+        #: `id(host)` -> `(host, its line)`, from `prepare_hosts`.
+        self._prepared: dict[int, tuple[HostSummaries, str]] = {}
         if is_writing_process():
             parent = os.path.dirname(self.path)
             if parent:
@@ -493,6 +543,25 @@ class JsonlWriter(AbstractWriter):
                 "step number; nest it under a child (e.g. `{'train': summaries}`)."
             )
 
+    def prepare_hosts(self, hosts: Sequence[HostSummaries]) -> None:
+        """Format the lines of `hosts` (a buffer's steps) together, for `write_host`.
+
+        Their float32 scalars are converted in one pass (`json_lines`); each
+        `write_host` of one of them writes its line. The lines are kept until the
+        next `prepare_hosts`. Never raises: a step that cannot be formatted raises
+        at its `write_host`.
+        """
+        self._prepared = {}
+        if self._file is None:
+            return
+        try:
+            lines = json_lines(hosts)
+        except Exception:
+            return
+        self._prepared = {
+            id(host): (host, line) for host, line in zip(hosts, lines, strict=True)
+        }
+
     def write_host(self, host: HostSummaries) -> None:
         """Append one line `{"step": step, path: value, ...}`, whole or not at all.
 
@@ -504,7 +573,13 @@ class JsonlWriter(AbstractWriter):
         file = self._file
         if file is None:
             return
-        data = memoryview((json_line(host) + "\n").encode())
+        prepared = self._prepared.pop(id(host), None)
+        line = (
+            prepared[1]
+            if prepared is not None and prepared[0] is host
+            else json_line(host)
+        )
+        data = memoryview((line + "\n").encode())
         start = file.tell()
         try:
             while data:
