@@ -334,11 +334,12 @@ def test_one_transfer_per_width_for_a_whole_buffer(
             with jax.transfer_guard_device_to_host("disallow"):
                 buffer = writer.write_buffer(buffer)
             # Every leaf is 32-bit (float32, int32) or bool: two transfers for the
-            # 32 (or 5) steps. A step has 71 32-bit values (loss 2, raw 6, count 1,
-            # const 1, min 6, max 1, sum 1, moments 6, hist 5, image 24, audio 8,
+            # 32 (or 5) steps. A step has 78 32-bit values (loss 2, raw 6, count 1,
+            # const 1, min 6, max 1, sum 1, moments 8 (its two counts as two words
+            # each), hist 10 (5 counts, two words each), image 24, audio 8,
             # callback 1, the scan's 3 x 3) and one bool; with the 32 steps, 32
-            # slots and the count: 32 * 71 + 65.
-            assert sorted(fetched) == [("bool", (32,)), ("uint32", (32 * 71 + 65,))]
+            # slots and the count: 32 * 78 + 65.
+            assert sorted(fetched) == [("bool", (32,)), ("uint32", (32 * 78 + 65,))]
     assert len((tmp_path / "s.jsonl").read_text().splitlines()) == 37
 
 
