@@ -331,3 +331,80 @@ def test_random_depths_and_selections_equal_the_loop(
             close(outs[path][i], per_layer[i][key])
     if "head" in chosen:
         close(outs["head/output"], ref)
+
+
+# --- interventions -----------------------------------------------------------------
+
+
+def test_zero_ablate_one_layer_of_a_scanned_stack_equals_hand_edited_model() -> None:
+    model = _gpt()
+    tap = Tap("blocks.attn", intervene=eqxctx.zero_ablate(), layers=[1])
+    out, coll = eqx.filter_jit(capture)(_forward, model, TOKENS, taps=tap)
+    assert coll.is_empty()
+    # Reference: layer 1's attention output projection (no bias) zeroed by hand.
+    proj = model.blocks.attn.output_proj
+    assert proj.bias is None
+    edited = eqx.tree_at(
+        lambda m: m.blocks.attn.output_proj.weight, model, proj.weight.at[1].set(0.0)
+    )
+    close(out, edited(TOKENS))
+
+
+def test_add_vector_at_one_point_equals_hand_edited_model() -> None:
+    mlp = eqx.nn.MLP(3, 2, 8, 2, key=KEY)
+    v = jnp.arange(8.0) / 10
+    x = jnp.arange(3.0)
+    tap = Tap("layers[1]", intervene=eqxctx.add_vector(v))
+    y, _ = capture(_forward, mlp, x, taps=tap)
+    bias = mlp.layers[1].bias
+    assert bias is not None
+    edited = eqx.tree_at(lambda m: m.layers[1].bias, mlp, bias + v)
+    close(y, edited(x))
+
+
+def test_cache_then_patch_back_is_bit_identical() -> None:
+    model = _gpt()
+    run = eqx.filter_jit(capture)
+    out, coll = run(_forward, model, TOKENS, taps=Tap("blocks.mlp", output=True))
+    cached = coll.flatten("module_outputs")["blocks/mlp/layer/output"]
+    patch = eqxctx.replace_with(cached, per_layer=True)
+    patched, _ = run(_forward, model, TOKENS, taps=Tap("blocks.mlp", intervene=patch))
+    np.testing.assert_array_equal(np.asarray(patched), np.asarray(out))
+
+
+def test_patch_from_another_input_changes_only_downstream() -> None:
+    model = _gpt()
+    other = (TOKENS + 4) % 11
+    run = eqx.filter_jit(capture)
+    _, coll = run(_forward, model, other, taps=Tap("blocks", output=True))
+    cached = coll.flatten("module_outputs")["blocks/layer/output"]
+    # Patching the last block's output with the other input's gives its logits.
+    tap = Tap(
+        "blocks", intervene=eqxctx.replace_with(cached, per_layer=True), layers=[2]
+    )
+    patched, _ = run(_forward, model, TOKENS, taps=tap)
+    close(patched, model(other))
+
+
+def test_apply_function_sees_the_layer_index() -> None:
+    model = _gpt()
+    tap = Tap(
+        "blocks.attn",
+        intervene=lambda y, layer: y * (layer + 1).astype(y.dtype),
+        output=True,
+    )
+    _, coll = capture(_forward, model, TOKENS, taps=tap)
+    ref_coll = capture(_forward, model, TOKENS, taps=Tap("blocks.attn", output=True))[1]
+    got = coll.flatten("module_outputs")["blocks/attn/layer/output"]
+    first = ref_coll.flatten("module_outputs")["blocks/attn/layer/output"]
+    close(got[0], first[0])  # layer 0 is scaled by 1; later layers see changed inputs
+    assert not np.allclose(np.asarray(got[1]), np.asarray(first[1]))
+
+
+def test_per_layer_value_without_the_stack_axis_raises() -> None:
+    model = _gpt()
+    tap = Tap(
+        "blocks.attn", intervene=eqxctx.replace_with(jnp.zeros((5, 8)), per_layer=True)
+    )
+    with pytest.raises(ValueError, match="stacked with leading axes \\(3,\\)"):
+        capture(_forward, model, TOKENS, taps=tap)

@@ -108,18 +108,29 @@ def _one_call(point: HookPoint, tap: Tap, calls: list[Call]) -> Call:
 
 
 def _prepare(
-    intervention: Intervention | None, prefix: tuple[int, ...], name: str
+    intervention: Intervention | None,
+    prefix: tuple[int, ...],
+    vmaps: tuple[int, ...],
+    name: str,
 ) -> Intervention | None:
     """Stack an intervention's arrays like the point's (the user's scan slices them)."""
     if intervention is None or intervention.value is None:
         return intervention
     value = intervention.value
     if intervention.per_layer:
-        if not prefix or tuple(value.shape[: len(prefix)]) != prefix:
+        lead = (*prefix, *vmaps)
+        if not lead or tuple(value.shape[: len(lead)]) != lead:
             raise ValueError(
                 f"`eqxctx.capture`: the per-layer intervention at {name!r} has shape "
                 f"{tuple(value.shape)}; the point is stacked with leading axes "
-                f"{prefix}, which the value must start with."
+                f"{lead} (its layers, then the examples of a `jax.vmap` inside fn), "
+                "which the value must start with, as `capture` returns its output."
+            )
+        if len(vmaps) > 1:
+            raise ValueError(
+                f"`eqxctx.capture`: the hook point {name!r} runs inside "
+                f"{len(vmaps)} nested `jax.vmap`s that do not map the model; a "
+                "per-layer intervention handles one."
             )
         return intervention
     if prefix:
@@ -244,7 +255,7 @@ def capture(
         name: str, tap: Tap, sinks: tuple[jax.Array, ...]
     ) -> Callable[[Any], Tapped]:
         prefix = prefixes[name]
-        intervention = _prepare(tap.intervene, prefix, name)
+        intervention = _prepare(tap.intervene, prefix, found[name].vmaps, name)
         layer = None
         if intervention is not None and prefix:
             layer = jnp.arange(math.prod(prefix), dtype=jnp.int32).reshape(prefix)

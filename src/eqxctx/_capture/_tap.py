@@ -110,6 +110,23 @@ class Tap:
         return self.output or bool(self.summaries)
 
 
+def _tap_flatten(tap: Tap) -> tuple[tuple[Any], tuple[Any, ...]]:
+    return (tap.intervene,), (tap.at, tap.output, tap.summaries, tap.layers)
+
+
+def _tap_unflatten(aux: tuple[Any, ...], children: tuple[Any]) -> Tap:
+    tap = object.__new__(Tap)
+    for field, value in zip(("at", "output", "summaries", "layers"), aux, strict=True):
+        object.__setattr__(tap, field, value)
+    object.__setattr__(tap, "intervene", children[0])
+    return tap
+
+
+# A PyTree whose child is the intervention (its arrays are traced under
+# `eqx.filter_jit`); the selection, the flags and the functions are static.
+jax.tree_util.register_pytree_node(Tap, _tap_flatten, _tap_unflatten)
+
+
 @dataclasses.dataclass
 class Call:
     """What the shape pass saw at one call of a point (static)."""
@@ -284,7 +301,18 @@ class Tapped(eqx.Module):
             return self._shapes(y)
         if self.intervention is not None:
             layer = jnp.zeros((), jnp.int32) if self.layer is None else self.layer
-            new = self.intervention(y, layer)
+            intervention = self.intervention
+            if (
+                plan.vmapped
+                and intervention.per_layer
+                and intervention.value is not None
+            ):
+                # A per-layer value as `capture` returns it: `[*stack, vmap, ...]`.
+                leaves = jax.tree_util.tree_leaves(y)
+                carrier = leaves[_carrier_index(leaves) or 0]
+                (value,) = _claim((intervention.value,), jax.lax.stop_gradient(carrier))
+                intervention = eqx.tree_at(lambda t: t.value, intervention, value)
+            new = intervention(y, layer)
             if tap.layers is not None:
                 keep = jnp.isin(layer, jnp.asarray(tap.layers, jnp.int32))
                 new = jax.tree.map(lambda a, b: jnp.where(keep, a, b), new, y)
