@@ -103,3 +103,21 @@ def mlp_reference(mlp: eqx.nn.MLP, x: Array) -> list[Array]:
 def rms(y: Array) -> Array:
     """The root mean square of `y`, float32."""
     return jnp.sqrt(jnp.mean(jnp.square(y.astype(jnp.float32))))
+
+
+def gpt_perturbed(
+    model: GPT, tokens: Array, perts: dict[str, Array]
+) -> Float[Array, "seq vocab"]:
+    """The Python-loop forward with `perts[name][i]` added to layer i's `name` output.
+
+    With zero perturbations it is the forward; `jax.vjp` with respect to `perts`
+    gives the cotangent at each point's output, per layer (the gradient reference).
+    """
+    x = jax.vmap(model.embed)(tokens)
+    for i, block in enumerate(model.layers()):
+        h = jax.vmap(block.norm1)(x)
+        x = x + block.attn(h, h, h) + perts["attn"][i]
+        h = jax.vmap(block.norm2)(x)
+        x = x + jax.vmap(block.mlp)(h) + perts["mlp"][i]
+        x = x + perts["block"][i]
+    return jax.vmap(model.head)(x)

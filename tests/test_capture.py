@@ -6,9 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+from jax.sharding import AxisType
 
 import eqxctx
-from capture_models import GPT, gpt_reference, mlp_reference, rms
+from capture_models import GPT, gpt_perturbed, gpt_reference, mlp_reference, rms
 from eqxctx import Tap, capture, hook_points
 from helpers import optimized_hlo
 
@@ -408,3 +409,320 @@ def test_per_layer_value_without_the_stack_axis_raises() -> None:
     )
     with pytest.raises(ValueError, match="stacked with leading axes \\(3,\\)"):
         capture(_forward, model, TOKENS, taps=tap)
+
+
+# --- backward hooks (issue 38: gradients at points) ---------------------------------
+
+
+def _mse(m: object, x: jax.Array) -> jax.Array:
+    return jnp.mean(_forward(m, x) ** 2)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_mlp_gradients_at_points_equal_vjp_reference(scan: bool) -> None:
+    mlp = eqx.nn.MLP(3, 2, 8, 4, key=KEY, scan=scan)
+    x = jnp.arange(3.0)
+    tap = Tap(
+        eqx.nn.Linear,
+        summaries={"rms": rms},
+        gradient_summaries={"grad_rms": None, "grad_max": jnp.max},
+        gradient_output=True,
+    )
+    (loss, coll), grads = eqx.filter_jit(eqxctx.capture_value_and_grad)(
+        _mse, mlp, x, taps=tap
+    )
+    ref_loss, ref_grads = eqx.filter_value_and_grad(_mse)(mlp, x)
+    close(loss, ref_loss)
+    assert eqx.tree_equal(grads, ref_grads, rtol=1e-5, atol=1e-6)
+    # Reference: the same MLP unrolled, with zero perturbations at each output.
+    outs = mlp_reference(mlp, x)
+
+    def perturbed(perts: list[jax.Array]) -> jax.Array:
+        h = x
+        for i, layer in enumerate(mlp_reference_layers(mlp)):
+            h = layer(h) + perts[i]
+            if i < len(perts) - 1:
+                h = jax.nn.relu(h)
+        return jnp.mean(h**2)
+
+    cts = jax.grad(perturbed)([jnp.zeros_like(o) for o in outs])
+    grad_outs = coll.flatten("module_outputs")
+    sums = coll.flatten("summaries")
+    if scan:
+        hidden = grad_outs["layers_1/layer/gradient"]
+        got = [grad_outs["layers_0/gradient"], *hidden, grad_outs["layers_2/gradient"]]
+        names = ["layers_0", *(f"layers_1/layer{i}" for i in range(3)), "layers_2"]
+    else:
+        got = [grad_outs[f"layers_{i}/gradient"] for i in range(5)]
+        names = [f"layers_{i}" for i in range(5)]
+    for g, ct, out, name in zip(got, cts, outs, names, strict=True):
+        close(g, ct)
+        close(sums[f"{name}/grad_rms"], rms(ct))
+        close(sums[f"{name}/grad_max"], jnp.max(ct))
+        close(sums[f"{name}/rms"], rms(out))  # forward summaries in the same call
+
+
+def mlp_reference_layers(mlp: eqx.nn.MLP) -> list[eqx.nn.Linear]:
+    first, *rest = mlp.layers
+    if not mlp.scan:
+        return [first, *rest]
+    hidden, last = rest
+    n = jax.tree_util.tree_leaves(hidden)[0].shape[0]
+    return [
+        first,
+        *[jax.tree_util.tree_map(lambda a, i=i: a[i], hidden) for i in range(n)],
+        last,
+    ]
+
+
+def _gpt_cotangents(model: GPT, tokens: jax.Array) -> dict[str, jax.Array]:
+    depth = len(model.layers())
+    perts = {k: jnp.zeros((depth, 5, 8)) for k in ("attn", "mlp", "block")}
+    return jax.grad(lambda p: jnp.mean(gpt_perturbed(model, tokens, p) ** 2))(perts)
+
+
+GPT_GRAD_TAP = Tap(
+    ["blocks", "blocks.attn", "blocks.mlp"],
+    gradient_output=True,
+    gradient_summaries={"grad_rms": None},
+)
+
+
+def test_scanned_gpt_gradients_per_layer_equal_vjp_reference() -> None:
+    model = _gpt()
+    (loss, coll), grads = eqx.filter_jit(eqxctx.capture_value_and_grad)(
+        _mse, model, TOKENS, taps=GPT_GRAD_TAP
+    )
+    ref_loss, ref_grads = eqx.filter_value_and_grad(_mse)(model, TOKENS)
+    close(loss, ref_loss)
+    assert eqx.tree_equal(grads, ref_grads, rtol=1e-5, atol=1e-6)
+    cts = _gpt_cotangents(model, TOKENS)
+    outs = coll.flatten("module_outputs")
+    sums = coll.flatten("summaries")
+    paths = {"attn": "blocks/attn/", "mlp": "blocks/mlp/", "block": "blocks/"}
+    for name, path in paths.items():
+        assert outs[path + "layer/gradient"].shape == (3, 5, 8)
+        close(outs[path + "layer/gradient"], cts[name])
+        for i in range(3):
+            want = rms(cts[name][i])
+            if name == "mlp":  # per position (the block's vmap), merged by `+`
+                want = jnp.sum(jax.vmap(rms)(cts[name][i]))
+            close(sums[f"{path}layer{i}/grad_rms"], want)
+
+
+def test_gradients_inside_a_vmap_over_examples_stay_per_example() -> None:
+    model = _gpt()
+    tokens = jnp.stack([TOKENS, (TOKENS + 3) % 11])
+
+    def loss(m: GPT, t: jax.Array) -> jax.Array:
+        return jnp.mean(_vmapped(m, t) ** 2)
+
+    tap = Tap("blocks.attn", gradient_output=True)
+    (_, coll), _ = eqxctx.capture_value_and_grad(loss, model, tokens, taps=tap)
+    got = coll.flatten("module_outputs")["blocks/attn/layer/gradient"]
+    assert got.shape == (3, 2, 5, 8)  # [layer, example, seq, dim]
+    for b in range(2):  # the mean over 2 examples halves each example's cotangent
+        close(got[:, b], _gpt_cotangents(model, tokens[b])["attn"] / 2)
+
+
+def test_gradient_taps_need_a_loss_to_differentiate() -> None:
+    mlp = eqx.nn.MLP(2, 1, 4, 1, key=KEY)
+    tap = Tap("layers[0]", gradient_summaries={"g": None})
+    with pytest.raises(ValueError, match=r"use `eqxctx\.capture_value_and_grad"):
+        capture(_forward, mlp, jnp.ones(2), taps=tap)
+    with pytest.raises(TypeError, match="scalar floating-point loss"):
+        eqxctx.capture_value_and_grad(_forward, mlp, jnp.ones(2), taps=tap)
+
+
+def test_gradient_tap_names_and_outputs_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"\['rms'\] are both `summaries`"):
+        Tap("x", summaries={"rms": rms}, gradient_summaries={"rms": None})
+    attn = eqx.nn.MultiheadAttention(2, 8, key=KEY)
+    model = [attn]
+    x = jnp.ones((3, 8))
+
+    def loss(m: list[eqx.nn.MultiheadAttention], x: jax.Array) -> jax.Array:
+        y = m[0](x, x, x)
+        return jnp.sum(y)
+
+    tap = Tap("[0]", gradient_output=True)
+    (_, coll), _ = eqxctx.capture_value_and_grad(loss, model, x, taps=tap)
+    close(coll.flatten("module_outputs")["m_0/gradient"], jnp.ones((3, 8)))
+
+
+# --- models that thread ctx, runners, branches and loops (issue 38 item 2) ---------
+
+
+class CtxBlock(eqx.Module):
+    """A block written for eqxctx: takes and returns the context."""
+
+    linear: eqx.nn.Linear
+
+    def __call__(
+        self, h: jax.Array, ctx: eqxctx.Context
+    ) -> tuple[jax.Array, eqxctx.Context]:
+        out = h + jnp.tanh(self.linear(h))
+        return out, ctx.add_summary("own_rms", rms(out))
+
+
+class CtxModel(eqx.Module):
+    blocks: CtxBlock  # stacked [L, ...]
+
+    def __call__(
+        self, x: jax.Array, ctx: eqxctx.Context
+    ) -> tuple[jax.Array, eqxctx.Context]:
+        params, static = eqx.partition(self.blocks, eqx.is_array)
+
+        def body(
+            h: jax.Array, p: CtxBlock, c: eqxctx.Context
+        ) -> tuple[jax.Array, None, eqxctx.Context]:
+            h, c = eqx.combine(p, static)(h, c)
+            return h, None, c
+
+        h, _, coll = eqxctx.scan_in_context(
+            body, context=ctx, carry=x, xs=params, child_name_prefix="layer"
+        )
+        return h, ctx.merge(coll)
+
+
+def _ctx_model(depth: int = 3) -> CtxModel:
+    keys = jax.random.split(KEY, depth)
+    return CtxModel(
+        eqx.filter_vmap(lambda k: CtxBlock(eqx.nn.Linear(4, 4, key=k)))(keys)
+    )
+
+
+def test_model_that_threads_ctx_merges_into_its_collection() -> None:
+    model = _ctx_model()
+    x = jnp.arange(4.0) / 4
+
+    def fn(m: CtxModel, x: jax.Array) -> tuple[jax.Array, eqxctx.OutputCollection]:
+        return eqxctx.functional(m, prng_key=None, is_training=False, args=(x,))
+
+    tap = Tap(["blocks", "blocks.linear"], output=True, summaries={"rms": rms})
+    (y, own), captured = eqx.filter_jit(capture)(fn, model, x, taps=tap)
+    ref_y, ref_own = fn(model, x)
+    close(y, ref_y)
+    assert eqx.tree_equal(own, ref_own)  # the model's own entries are untouched
+    # The wrapper records `y` of `(y, ctx)`: the block's output, as the model does.
+    merged = own.merge(captured).flatten("summaries")
+    for i in range(3):
+        close(merged[f"blocks/layer{i}/rms"], merged[f"layer{i}/own_rms"])
+    outs = captured.flatten("module_outputs")
+    assert outs["blocks/layer/output"].shape == (3, 4)
+    close(outs["blocks/layer/output"][-1], ref_y)
+
+
+def test_capture_inside_a_context_method_merges_into_ctx() -> None:
+    model = _ctx_model()
+    x = jnp.arange(4.0) / 4
+
+    def method(
+        m: CtxModel, x: jax.Array, ctx: eqxctx.Context
+    ) -> tuple[jax.Array, eqxctx.Context]:
+        (y, ctx), captured = capture(
+            lambda m, x, c: m(x, c), m, x, ctx, taps=Tap("blocks", summaries={"r": rms})
+        )
+        return y, ctx.merge(captured)
+
+    _, coll = eqxctx.functional(
+        method, prng_key=None, is_training=False, args=(model, x)
+    )
+    sums = coll.flatten("summaries")
+    assert sorted(sums) == sorted(
+        [f"layer{i}/own_rms" for i in range(3)]
+        + [f"blocks/layer{i}/r" for i in range(3)]
+    )
+    for i in range(3):
+        close(sums[f"blocks/layer{i}/r"], sums[f"layer{i}/own_rms"])
+
+
+def test_capture_in_a_method_runner_method() -> None:
+    model = _gpt()
+    tap = Tap("blocks.attn", output=True, summaries={"rms": rms})
+
+    def method(
+        m: GPT, batch: dict[str, jax.Array], ctx: eqxctx.Context
+    ) -> tuple[jax.Array, eqxctx.Context]:
+        logits, captured = capture(_vmapped, m, batch["tokens"], taps=tap)
+        return logits, ctx.merge(captured)
+
+    tokens = jnp.stack([(TOKENS + b) % 11 for b in range(8)])
+    runner = eqxctx.MethodRunner.create(
+        model,
+        method,
+        # Auto axes: the GPT's embedding gather has no out-sharding for Explicit.
+        mesh=jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,)),
+        prng_key=jax.random.key(0),
+        drop_module_outputs=lambda path: False,
+    )
+    _, out = runner({"tokens": tokens})
+    refs = [gpt_reference(model, t) for t in tokens]
+    close(out.output_batch, jnp.stack([r[0] for r in refs]))
+    stacked = out.module_outputs["blocks"]["attn"]["layer"]["output"]
+    assert stacked.shape == (3, 8, 5, 8)  # [layer, example, seq, dim]
+    for i in range(3):
+        attn = jnp.stack([r[1][i]["attn"] for r in refs])
+        close(stacked[i], attn)
+        # Per-layer summaries stay stacked on the device (`IterationSummaries`).
+        got = out.summaries["blocks"]["attn"]["layer"].iteration(i)["rms"]
+        close(got, jnp.sum(jax.vmap(rms)(attn)))  # merged over examples by `+`
+
+
+def test_point_in_a_cond_branch() -> None:
+    mlp = eqx.nn.MLP(2, 2, 4, 1, key=KEY)
+
+    def fn(m: eqx.nn.MLP, x: jax.Array, pred: jax.Array) -> jax.Array:
+        return jax.lax.cond(pred, lambda: m.layers[1](m.layers[0](x)), lambda: x)
+
+    tap = Tap("layers[0]", output=True)
+    run = eqx.filter_jit(capture)
+    x = jnp.ones(2)
+    _, coll = run(fn, mlp, x, jnp.array(True), taps=tap)
+    close(coll.flatten("module_outputs")["layers_0/output"], mlp.layers[0](x))
+    # Not taken: no value to record is an error, not zeros.
+    with pytest.raises(eqx.EquinoxRuntimeError, match="did not run exactly once"):
+        run(fn, mlp, x, jnp.array(False), taps=tap)
+    # An intervention needs no recording: it acts in the branch taken.
+    y, _ = run(
+        fn,
+        mlp,
+        x,
+        jnp.array(True),
+        taps=Tap("layers[0]", intervene=eqxctx.zero_ablate()),
+    )
+    close(y, mlp.layers[1](jnp.zeros(4)))
+
+
+def _loop(m: eqx.nn.MLP, x: jax.Array, n: jax.Array) -> jax.Array:
+    def body(carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        i, h = carry
+        return i + 1, _forward(m, h)
+
+    return jax.lax.while_loop(lambda c: c[0] < n, body, (jnp.array(0), x))[1]
+
+
+def test_while_body_records_raise_and_interventions_work() -> None:
+    mlp = eqx.nn.MLP(2, 2, 4, 1, key=KEY)
+    x, n = jnp.ones(2), jnp.array(3)
+    with pytest.raises(ValueError, match=r"while_loop`.*inside the loop body"):
+        capture(_loop, mlp, x, n, taps=Tap("layers[0]", output=True))
+    tap = Tap("layers[0]", intervene=eqxctx.add_vector(jnp.ones(4)))
+    y, coll = eqx.filter_jit(capture)(_loop, mlp, x, n, taps=tap)
+    assert coll.is_empty()
+    bias = mlp.layers[0].bias
+    assert bias is not None
+    edited = eqx.tree_at(lambda m: m.layers[0].bias, mlp, bias + 1)
+    close(y, _loop(edited, x, n))
+
+
+def test_point_in_a_fixed_length_loop_that_does_not_map_the_model_raises() -> None:
+    mlp = eqx.nn.MLP(2, 2, 4, 1, key=KEY)
+
+    def fn(m: eqx.nn.MLP, x: jax.Array) -> jax.Array:
+        return jax.lax.fori_loop(0, 3, lambda i, h: _forward(m, h), x)
+
+    with pytest.raises(eqx.EquinoxRuntimeError, match=r"more\s+than once in a loop"):
+        eqx.filter_jit(capture)(
+            fn, mlp, jnp.ones(2), taps=Tap("layers[0]", output=True)
+        )

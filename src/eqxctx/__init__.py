@@ -15,6 +15,7 @@ from ._capture import (
     add_vector as add_vector,
     apply_function as apply_function,
     capture as capture,
+    capture_value_and_grad as capture_value_and_grad,
     hook_points as hook_points,
     mean_ablate as mean_ablate,
     replace_with as replace_with,

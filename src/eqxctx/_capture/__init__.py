@@ -15,5 +15,5 @@ from ._interventions import (
     zero_ablate as zero_ablate,
 )
 from ._points import HookPoint as HookPoint, hook_points as hook_points
-from ._run import capture as capture
+from ._run import capture as capture, capture_value_and_grad as capture_value_and_grad
 from ._tap import Tap as Tap

@@ -28,6 +28,8 @@ import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 from jaxtyping import Array
 
+from eqxctx._context import Context
+from eqxctx._gradients import rms
 from eqxctx._summary import Summary, is_array_leaf
 from eqxctx._typing import DType
 
@@ -54,6 +56,14 @@ class Tap:
             applied before recording.
         layers: the flat layer indices of a stacked point where `intervene` acts
             (None: all).
+        gradient_summaries: `{name: fn}` with `fn(cotangent) -> array or Summary`,
+            the backward pass's statistics of the point's output: `cotangent` is the
+            gradient of the loss with respect to the output (one floating-point
+            array, shaped like it); `None` for `fn` is the float32 root mean square
+            (as in `Context.add_gradient_summary`). Only `capture_value_and_grad`
+            fills these in; names must differ from `summaries`'.
+        gradient_output: record the cotangent itself as the module output
+            `"gradient"` (only under `capture_value_and_grad`).
     """
 
     at: Selection
@@ -61,6 +71,8 @@ class Tap:
     summaries: tuple[tuple[str, Callable[[Any], Any]], ...]
     intervene: Intervention | None
     layers: tuple[int, ...] | None
+    gradient_summaries: tuple[tuple[str, Callable[[Any], Any]], ...]
+    gradient_output: bool
 
     def __init__(
         self,
@@ -70,23 +82,27 @@ class Tap:
         summaries: Mapping[str, Callable[[Any], Any]] | None = None,
         intervene: Intervention | Callable[[Any, Array], Any] | None = None,
         layers: Sequence[int] | None = None,
+        gradient_summaries: Mapping[str, Callable[[Any], Any] | None] | None = None,
+        gradient_output: bool = False,
     ):
-        if not isinstance(output, bool):  # pyright: ignore[reportUnnecessaryIsInstance]
-            raise TypeError(
-                f"`eqxctx.Tap(output=...)`: expected a bool, got {output!r}."
-            )
-        pairs = tuple((summaries or {}).items())
-        for name, fn in pairs:
-            if not isinstance(name, str) or not name or "/" in name:  # pyright: ignore[reportUnnecessaryIsInstance]
-                raise ValueError(
-                    f"`eqxctx.Tap(summaries=...)`: invalid summary name {name!r}; "
-                    "names are non-empty strings without '/'."
-                )
-            if not callable(fn):
+        for flag, value in (("output", output), ("gradient_output", gradient_output)):
+            if not isinstance(value, bool):  # pyright: ignore[reportUnnecessaryIsInstance]
                 raise TypeError(
-                    f"`eqxctx.Tap(summaries=...)`: {name!r}: expected a function of "
-                    f"the output, got {fn!r}."
+                    f"`eqxctx.Tap({flag}=...)`: expected a bool, got {value!r}."
                 )
+        pairs = _named_functions(summaries or {}, "summaries", "the output")
+        grad_pairs = _named_functions(
+            {k: rms if f is None else f for k, f in (gradient_summaries or {}).items()},
+            "gradient_summaries",
+            "the cotangent",
+        )
+        both = {n for n, _ in pairs} & {n for n, _ in grad_pairs}
+        if both:
+            raise ValueError(
+                f"`eqxctx.Tap`: the names {sorted(both)} are both `summaries` and "
+                "`gradient_summaries`; forward and backward summaries of a point "
+                "share one level of the collection, so give them different names."
+            )
         if intervene is not None and not isinstance(intervene, Intervention):
             if not callable(intervene):
                 raise TypeError(
@@ -103,20 +119,55 @@ class Tap:
         object.__setattr__(
             self, "layers", None if layers is None else tuple(int(i) for i in layers)
         )
+        object.__setattr__(self, "gradient_summaries", grad_pairs)
+        object.__setattr__(self, "gradient_output", gradient_output)
 
     @property
     def records(self) -> bool:
-        """Whether the tap records anything."""
-        return self.output or bool(self.summaries)
+        """Whether the tap records anything (forward or backward)."""
+        return self.output or bool(self.summaries) or self.gradients
+
+    @property
+    def gradients(self) -> bool:
+        """Whether the tap records anything in the backward pass."""
+        return self.gradient_output or bool(self.gradient_summaries)
+
+
+def _named_functions(
+    fns: Mapping[str, Any], field: str, of: str
+) -> tuple[tuple[str, Callable[[Any], Any]], ...]:
+    pairs = tuple(fns.items())
+    for name, fn in pairs:
+        if not isinstance(name, str) or not name or "/" in name:  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise ValueError(
+                f"`eqxctx.Tap({field}=...)`: invalid summary name {name!r}; "
+                "names are non-empty strings without '/'."
+            )
+        if not callable(fn):
+            raise TypeError(
+                f"`eqxctx.Tap({field}=...)`: {name!r}: expected a function of "
+                f"{of}, got {fn!r}."
+            )
+    return pairs
+
+
+_STATIC = (
+    "at",
+    "output",
+    "summaries",
+    "layers",
+    "gradient_summaries",
+    "gradient_output",
+)
 
 
 def _tap_flatten(tap: Tap) -> tuple[tuple[Any], tuple[Any, ...]]:
-    return (tap.intervene,), (tap.at, tap.output, tap.summaries, tap.layers)
+    return (tap.intervene,), tuple(getattr(tap, f) for f in _STATIC)
 
 
 def _tap_unflatten(aux: tuple[Any, ...], children: tuple[Any]) -> Tap:
     tap = object.__new__(Tap)
-    for field, value in zip(("at", "output", "summaries", "layers"), aux, strict=True):
+    for field, value in zip(_STATIC, aux, strict=True):
         object.__setattr__(tap, field, value)
     object.__setattr__(tap, "intervene", children[0])
     return tap
@@ -134,6 +185,7 @@ class Call:
     depth: int  # stack axes: leading axes the marker lost
     log: dict[int, tuple[int, bool]]  # the vmaps around it (see `_probe`)
     records: jax.ShapeDtypeStruct | Any  # the spec of `records(output)`
+    gradients: Any  # the spec of `gradient_records(output)`
     carrier: bool  # the output has a floating-point array leaf
 
     @property
@@ -164,10 +216,31 @@ class Plan:
 
 def records(tap: Tap, y: Any, name: str) -> dict[str, Any]:
     """The values `tap` records for output `y` (a dict of PyTrees)."""
+    out: dict[str, Any] = {"output": y} if tap.output else {}
+    out.update(_summaries(tap.summaries, y, name))
+    return out
+
+
+def gradient_records(tap: Tap, ct: Any, name: str) -> dict[str, Any]:
+    """The values `tap` records for the cotangent `ct` of a point's output."""
+    if not tap.gradients:
+        return {}
+    if not eqx.is_inexact_array(ct):
+        raise TypeError(
+            f"`eqxctx.capture_value_and_grad`: the hook point {name!r} returns "
+            f"{type(ct).__name__}; gradient taps need a point whose output is one "
+            "floating-point array (select the module that computes it)."
+        )
+    out: dict[str, Any] = {"gradient": ct} if tap.gradient_output else {}
+    out.update(_summaries(tap.gradient_summaries, ct, name))
+    return out
+
+
+def _summaries(
+    fns: tuple[tuple[str, Callable[[Any], Any]], ...], y: Any, name: str
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    if tap.output:
-        out["output"] = y
-    for key, fn in tap.summaries:
+    for key, fn in fns:
         value = fn(y)
         if not isinstance(value, Summary):
             if not is_array_leaf(value):
@@ -268,13 +341,48 @@ def _probe(marker: Array, carrier: Array, log: dict[int, tuple[int, bool]]) -> N
     make(0)(marker, carrier)
 
 
+def _gradient_probe(
+    y: Array, sinks: tuple[Array, ...], fn: Callable[[Array], list[Array]]
+) -> Array:
+    """`y`, whose backward pass emits `fn(cotangent)` as the cotangents of `sinks`."""
+
+    @jax.custom_vjp
+    def identity(y: Array, sinks: tuple[Array, ...]) -> Array:
+        del sinks
+        return y
+
+    def fwd(y: Array, sinks: tuple[Array, ...]) -> tuple[Array, None]:
+        del sinks
+        return y, None
+
+    def bwd(_: None, ct: Array) -> tuple[Array, tuple[Array, ...]]:
+        values = fn(ct)
+        return ct, tuple(
+            jnp.asarray(v).astype(s.dtype) for v, s in zip(values, sinks, strict=True)
+        )
+
+    identity.defvjp(fwd, bwd)
+    return identity(y, sinks)
+
+
+def split_context(out: Any) -> tuple[Any, Any]:
+    """Split a module's `(y, ctx)` result (it threads a context); else `(out, None)`."""
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Context):
+        return out[0], out[1]
+    return out, None
+
+
 class Tapped(eqx.Module):
     """The module put in place of a selected point: calls it, intervenes, records.
 
+    A module that threads a context (`module(x, ctx) -> (y, ctx)`) is handled: its
+    output is `y`, and its context passes through untouched.
+
     Attributes:
         module: the wrapped module (unchanged).
-        sinks: the marker (shape pass) or the zero sinks of the records, stacked
-            `[*stack, *vmaps, *leaf]`.
+        sinks: the marker (shape pass) or the zero sinks of the records, then the
+            number of calls, stacked `[*stack, *vmaps, *leaf]`.
+        gradient_sinks: the zero sinks of the gradient records, stacked alike.
         intervention: the tap's intervention, its arrays stacked like the sinks.
         layer: the flat layer index, int32 `[*stack]`, where an intervention needs it.
         plan: static configuration.
@@ -282,6 +390,7 @@ class Tapped(eqx.Module):
 
     module: Any
     sinks: tuple[Array, ...]
+    gradient_sinks: tuple[Array, ...]
     intervention: Intervention | None
     layer: Array | None
     plan: Plan = eqx.field(static=True)
@@ -294,7 +403,11 @@ class Tapped(eqx.Module):
         return getattr(self.module, name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        y = self.module(*args, **kwargs)
+        y, ctx = split_context(self.module(*args, **kwargs))
+        y = self._run(y)
+        return y if ctx is None else (y, ctx)
+
+    def _run(self, y: Any) -> Any:
         plan = self.plan
         tap = plan.tap
         if plan.recorder is not None:
@@ -328,10 +441,17 @@ class Tapped(eqx.Module):
         leaves, treedef = jax.tree_util.tree_flatten(y)
         i = _carrier_index(leaves)
         assert i is not None  # checked in the shape pass
-        sinks = self.sinks
+        sinks = (*self.sinks, *self.gradient_sinks)
         if plan.vmapped:
             sinks = _claim(sinks, jax.lax.stop_gradient(leaves[i]))
+        sinks, gradient_sinks = sinks[: len(self.sinks)], sinks[len(self.sinks) :]
         leaves[i] = _emit(leaves[i], sinks, jax.lax.stop_gradient(tuple(values)))
+        if gradient_sinks:  # the output is one array (checked in the shape pass)
+
+            def fn(ct: Array) -> list[Array]:
+                return jax.tree_util.tree_leaves(gradient_records(tap, ct, plan.name))
+
+            leaves[i] = _gradient_probe(leaves[i], gradient_sinks, fn)
         return treedef.unflatten(leaves)
 
     def _shapes(self, y: Any) -> Any:
@@ -354,7 +474,10 @@ class Tapped(eqx.Module):
         if i is not None:
             _probe(marker, leaves[i], log)
         spec = eqx.filter_eval_shape(lambda y: records(plan.tap, y, plan.name), y)
+        grad_spec = eqx.filter_eval_shape(
+            lambda y: gradient_records(plan.tap, y, plan.name), y
+        )
         plan.recorder.calls.setdefault(plan.name, []).append(
-            Call(depth, log, spec, i is not None)
+            Call(depth, log, spec, grad_spec, i is not None)
         )
         return y
