@@ -173,6 +173,8 @@ class _Session:
                     )
                 chosen[point.name] = (point, tap)
         self.chosen = chosen
+        # The sinks of the recording pass: (records + calls, gradient records).
+        self.sinks: dict[str, tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]] = {}
         if not chosen:
             return
 
@@ -192,8 +194,6 @@ class _Session:
             for n, (p, t) in chosen.items()
         }
         self.prefixes = {n: markers[n][: found[n].depth] for n in chosen}
-        # The sinks of the recording pass: (records + calls, gradient records).
-        self.sinks: dict[str, tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]] = {}
         for name, (_, tap) in chosen.items():
             if tap.records:
                 call = found[name]
