@@ -1,5 +1,7 @@
 """capture / hook_points on unmodified Equinox models (issue 38)."""
 
+from typing import Any
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,10 @@ from helpers import optimized_hlo
 
 
 KEY = jax.random.key(0)
+# One jitted entry each, shared by the tests: a model, tap and function seen before
+# hits the compilation cache (the tests' cost is compilation, on shared CPU cores).
+run_capture = eqx.filter_jit(capture)
+run_value_and_grad = eqx.filter_jit(eqxctx.capture_value_and_grad)
 
 
 def close(a: object, b: object, rtol: float = 1e-5) -> None:
@@ -111,11 +117,15 @@ def test_mlp_outputs_and_summaries_equal_unrolled(scan: bool) -> None:
         close(s, rms(r))
 
 
+def _attend(m: eqx.nn.MultiheadAttention, x: jax.Array) -> jax.Array:
+    return m(x, x, x)
+
+
 def test_multihead_attention_output_equals_reference() -> None:
     attn = eqx.nn.MultiheadAttention(2, 8, key=KEY)
     x = jax.random.normal(KEY, (5, 8))
     tap = Tap(["query_proj", "output_proj"], output=True)
-    y, coll = capture(lambda m, x: m(x, x, x), attn, x, taps=tap)
+    y, coll = run_capture(_attend, attn, x, taps=tap)
     outs = coll.flatten("module_outputs")
     close(y, attn(x, x, x))
     # query_proj is called by MultiheadAttention under jax.vmap over the 5 positions.
@@ -149,19 +159,9 @@ GPT_TAP = Tap(
 
 
 def test_gpt_scanned_stack_equals_python_loop() -> None:
+    # Under eqx.filter_jit (the model's arrays traced); the MLP tests run eagerly.
     model = _gpt()
-    out, coll = capture(_forward, model, TOKENS, taps=GPT_TAP)
-    _check_gpt(out, coll, model)
-
-
-def test_gpt_under_filter_jit() -> None:
-    model = _gpt()
-
-    @eqx.filter_jit
-    def run(m: GPT, t: jax.Array) -> tuple[jax.Array, eqxctx.OutputCollection]:
-        return capture(_forward, m, t, taps=GPT_TAP)
-
-    out, coll = run(model, TOKENS)
+    out, coll = run_capture(_forward, model, TOKENS, taps=GPT_TAP)
     _check_gpt(out, coll, model)
 
 
@@ -172,7 +172,9 @@ def test_capture_inside_a_differentiated_loss() -> None:
         out, coll = capture(_forward, m, TOKENS, taps=GPT_TAP)
         return jnp.mean(out**2), coll
 
-    (value, coll), grads = eqx.filter_value_and_grad(loss, has_aux=True)(model)
+    (value, coll), grads = eqx.filter_jit(
+        eqx.filter_value_and_grad(loss, has_aux=True)
+    )(model)
     ref_value, ref_grads = eqx.filter_value_and_grad(
         lambda m: jnp.mean(m(TOKENS) ** 2)
     )(model)
@@ -185,7 +187,9 @@ def test_vmap_over_capture_stacks_per_example() -> None:
     model = _gpt()
     tokens = jnp.stack([TOKENS, (TOKENS + 3) % 11])
     tap = Tap("blocks.attn", output=True, summaries={"rms": rms})
-    _out, coll = jax.vmap(lambda t: capture(_forward, model, t, taps=tap))(tokens)
+    _out, coll = eqx.filter_jit(
+        jax.vmap(lambda t: capture(_forward, model, t, taps=tap))
+    )(tokens)
     for b in range(2):
         _, per_layer = gpt_reference(model, tokens[b])
         outs = coll.flatten("module_outputs")["blocks/attn/layer/output"]
@@ -202,7 +206,7 @@ def test_vmap_inside_fn_keeps_examples_apart() -> None:
     model = _gpt()
     tokens = jnp.stack([TOKENS, (TOKENS + 3) % 11, (TOKENS + 5) % 11])
     tap = Tap("blocks.attn", output=True, summaries={"moments": eqxctx.MomentsSummary})
-    _out, coll = eqx.filter_jit(capture)(_vmapped, model, tokens, taps=tap)
+    _out, coll = run_capture(_vmapped, model, tokens, taps=tap)
     outs = coll.flatten("module_outputs")["blocks/attn/layer/output"]
     assert outs.shape == (3, 3, 5, 8)  # [layer, example, seq, dim]
     refs = [gpt_reference(model, t)[1] for t in tokens]
@@ -230,7 +234,7 @@ def test_checkpointed_stack() -> None:
         x, _ = jax.lax.scan(body, x, dynamic)
         return jax.vmap(m.head)(x)
 
-    out, coll = capture(forward, model, TOKENS, taps=GPT_TAP)
+    out, coll = run_capture(forward, model, TOKENS, taps=GPT_TAP)
     _check_gpt(out, coll, model)
 
 
@@ -246,6 +250,21 @@ def test_nothing_selected_compiles_to_the_bare_model() -> None:
 
     def tapped(p: GPT, t: jax.Array) -> jax.Array:
         return capture(_forward, eqx.combine(p, static), t, taps=())[0]
+
+    assert optimized_hlo(tapped, params, TOKENS) == optimized_hlo(bare, params, TOKENS)
+
+
+def test_nothing_selected_training_step_compiles_to_filter_value_and_grad() -> None:
+    model = _gpt()
+    params, static = eqx.partition(model, eqx.is_array)
+
+    def bare(p: GPT, t: jax.Array) -> Any:
+        return eqx.filter_value_and_grad(_mse)(eqx.combine(p, static), t)
+
+    def tapped(p: GPT, t: jax.Array) -> Any:
+        m = eqx.combine(p, static)
+        (loss, _), grads = eqxctx.capture_value_and_grad(_mse, m, t, taps=())
+        return loss, grads
 
     assert optimized_hlo(tapped, params, TOKENS) == optimized_hlo(bare, params, TOKENS)
 
@@ -300,7 +319,8 @@ def test_selected_by_two_taps_raises() -> None:
 # --- properties --------------------------------------------------------------------
 
 
-@settings(max_examples=6)
+# Each example compiles a model: a fifth of the profile's examples (3 in `ci`).
+@settings(max_examples=max(2, settings().max_examples // 5))
 @given(
     depth=st.integers(1, 4),
     chosen=st.sets(
@@ -315,7 +335,7 @@ def test_random_depths_and_selections_equal_the_loop(
 ) -> None:
     model = GPT(11, 8, 2, depth, key=KEY)
     tap = Tap(sorted(chosen), output=True)
-    out, coll = eqx.filter_jit(capture)(_forward, model, TOKENS, taps=tap)
+    out, coll = run_capture(_forward, model, TOKENS, taps=tap)
     ref, per_layer = eqx.filter_jit(gpt_reference)(model, TOKENS)
     close(out, ref)
     outs = coll.flatten("module_outputs")
@@ -340,7 +360,7 @@ def test_random_depths_and_selections_equal_the_loop(
 def test_zero_ablate_one_layer_of_a_scanned_stack_equals_hand_edited_model() -> None:
     model = _gpt()
     tap = Tap("blocks.attn", intervene=eqxctx.zero_ablate(), layers=[1])
-    out, coll = eqx.filter_jit(capture)(_forward, model, TOKENS, taps=tap)
+    out, coll = run_capture(_forward, model, TOKENS, taps=tap)
     assert coll.is_empty()
     # Reference: layer 1's attention output projection (no bias) zeroed by hand.
     proj = model.blocks.attn.output_proj
@@ -365,7 +385,7 @@ def test_add_vector_at_one_point_equals_hand_edited_model() -> None:
 
 def test_cache_then_patch_back_is_bit_identical() -> None:
     model = _gpt()
-    run = eqx.filter_jit(capture)
+    run = run_capture
     out, coll = run(_forward, model, TOKENS, taps=Tap("blocks.mlp", output=True))
     cached = coll.flatten("module_outputs")["blocks/mlp/layer/output"]
     patch = eqxctx.replace_with(cached, per_layer=True)
@@ -376,7 +396,7 @@ def test_cache_then_patch_back_is_bit_identical() -> None:
 def test_patch_from_another_input_changes_only_downstream() -> None:
     model = _gpt()
     other = (TOKENS + 4) % 11
-    run = eqx.filter_jit(capture)
+    run = run_capture
     _, coll = run(_forward, model, other, taps=Tap("blocks", output=True))
     cached = coll.flatten("module_outputs")["blocks/layer/output"]
     # Patching the last block's output with the other input's gives its logits.
@@ -394,8 +414,9 @@ def test_apply_function_sees_the_layer_index() -> None:
         intervene=lambda y, layer: y * (layer + 1).astype(y.dtype),
         output=True,
     )
-    _, coll = capture(_forward, model, TOKENS, taps=tap)
-    ref_coll = capture(_forward, model, TOKENS, taps=Tap("blocks.attn", output=True))[1]
+    _, coll = run_capture(_forward, model, TOKENS, taps=tap)
+    ref_tap = Tap("blocks.attn", output=True)
+    ref_coll = run_capture(_forward, model, TOKENS, taps=ref_tap)[1]
     got = coll.flatten("module_outputs")["blocks/attn/layer/output"]
     first = ref_coll.flatten("module_outputs")["blocks/attn/layer/output"]
     close(got[0], first[0])  # layer 0 is scaled by 1; later layers see changed inputs
@@ -428,9 +449,7 @@ def test_mlp_gradients_at_points_equal_vjp_reference(scan: bool) -> None:
         gradient_summaries={"grad_rms": None, "grad_max": jnp.max},
         gradient_output=True,
     )
-    (loss, coll), grads = eqx.filter_jit(eqxctx.capture_value_and_grad)(
-        _mse, mlp, x, taps=tap
-    )
+    (loss, coll), grads = run_value_and_grad(_mse, mlp, x, taps=tap)
     ref_loss, ref_grads = eqx.filter_value_and_grad(_mse)(mlp, x)
     close(loss, ref_loss)
     assert eqx.tree_equal(grads, ref_grads, rtol=1e-5, atol=1e-6)
@@ -490,9 +509,7 @@ GPT_GRAD_TAP = Tap(
 
 def test_scanned_gpt_gradients_per_layer_equal_vjp_reference() -> None:
     model = _gpt()
-    (loss, coll), grads = eqx.filter_jit(eqxctx.capture_value_and_grad)(
-        _mse, model, TOKENS, taps=GPT_GRAD_TAP
-    )
+    (loss, coll), grads = run_value_and_grad(_mse, model, TOKENS, taps=GPT_GRAD_TAP)
     ref_loss, ref_grads = eqx.filter_value_and_grad(_mse)(model, TOKENS)
     close(loss, ref_loss)
     assert eqx.tree_equal(grads, ref_grads, rtol=1e-5, atol=1e-6)
@@ -600,7 +617,7 @@ def test_model_that_threads_ctx_merges_into_its_collection() -> None:
         return eqxctx.functional(m, prng_key=None, is_training=False, args=(x,))
 
     tap = Tap(["blocks", "blocks.linear"], output=True, summaries={"rms": rms})
-    (y, own), captured = eqx.filter_jit(capture)(fn, model, x, taps=tap)
+    (y, own), captured = run_capture(fn, model, x, taps=tap)
     ref_y, ref_own = fn(model, x)
     close(y, ref_y)
     assert eqx.tree_equal(own, ref_own)  # the model's own entries are untouched
@@ -676,7 +693,7 @@ def test_point_in_a_cond_branch() -> None:
         return jax.lax.cond(pred, lambda: m.layers[1](m.layers[0](x)), lambda: x)
 
     tap = Tap("layers[0]", output=True)
-    run = eqx.filter_jit(capture)
+    run = run_capture
     x = jnp.ones(2)
     _, coll = run(fn, mlp, x, jnp.array(True), taps=tap)
     close(coll.flatten("module_outputs")["layers_0/output"], mlp.layers[0](x))
@@ -708,7 +725,7 @@ def test_while_body_records_raise_and_interventions_work() -> None:
     with pytest.raises(ValueError, match=r"while_loop`.*inside the loop body"):
         capture(_loop, mlp, x, n, taps=Tap("layers[0]", output=True))
     tap = Tap("layers[0]", intervene=eqxctx.add_vector(jnp.ones(4)))
-    y, coll = eqx.filter_jit(capture)(_loop, mlp, x, n, taps=tap)
+    y, coll = run_capture(_loop, mlp, x, n, taps=tap)
     assert coll.is_empty()
     bias = mlp.layers[0].bias
     assert bias is not None
@@ -723,6 +740,4 @@ def test_point_in_a_fixed_length_loop_that_does_not_map_the_model_raises() -> No
         return jax.lax.fori_loop(0, 3, lambda i, h: _forward(m, h), x)
 
     with pytest.raises(eqx.EquinoxRuntimeError, match=r"more\s+than once in a loop"):
-        eqx.filter_jit(capture)(
-            fn, mlp, jnp.ones(2), taps=Tap("layers[0]", output=True)
-        )
+        run_capture(fn, mlp, jnp.ones(2), taps=Tap("layers[0]", output=True))
