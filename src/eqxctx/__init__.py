@@ -8,6 +8,19 @@ from ._batches import (
     SummaryAccumulator as SummaryAccumulator,
     run_batches as run_batches,
 )
+from ._capture import (
+    HookPoint as HookPoint,
+    Intervention as Intervention,
+    Tap as Tap,
+    add_vector as add_vector,
+    apply_function as apply_function,
+    capture as capture,
+    capture_value_and_grad as capture_value_and_grad,
+    hook_points as hook_points,
+    mean_ablate as mean_ablate,
+    replace_with as replace_with,
+    zero_ablate as zero_ablate,
+)
 from ._collection import OutputCollection as OutputCollection
 from ._combinators import (
     scan_in_context as scan_in_context,
