@@ -669,7 +669,9 @@ def test_capture_in_a_method_runner_method() -> None:
         model,
         method,
         # Auto axes: the GPT's embedding gather has no out-sharding for Explicit.
-        mesh=jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,)),
+        mesh=jax.make_mesh(
+            (jax.device_count(),), ("data",), axis_types=(AxisType.Auto,)
+        ),
         prng_key=jax.random.key(0),
         drop_module_outputs=lambda path: False,
     )

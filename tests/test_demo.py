@@ -22,7 +22,12 @@ from tb_events import scalars, summary_values
 
 
 def run_demo(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # also on an accelerator host
+    # On the CPU also on an accelerator host, whose JAX still warns at import.
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONWARNINGS": "ignore:Transparent hugepages:UserWarning",
+    }
     # conftest asks for 8 devices in XLA_FLAGS (on the CPU; here also elsewhere):
     # --devices must override it.
     flag = "--xla_force_host_platform_device_count=8"

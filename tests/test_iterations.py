@@ -83,6 +83,7 @@ def test_views_of_an_abstract_collection_are_abstract(view: str, vmapped: bool) 
         assert len(got) == 3 * (2 * 5 + 1)  # 5 summaries per layer, and x
 
 
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 (simulated) devices")
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
 def test_abstract_views_keep_the_sharding_of_a_slice(axis_type: AxisType) -> None:
     mesh = jax.make_mesh((2,), ("data",), axis_types=(axis_type,))

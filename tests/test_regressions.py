@@ -568,4 +568,6 @@ def test_a_nested_trace_does_not_extend_an_outer_traced_collection_in_place(
     x = jnp.ones(3) if fn is _nested_checkpoint else jnp.float32(1.0)
     with jax.checking_leaks():
         got = transform(fn)(x)
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+    # (A TPU's tanh agrees with the CPU's to about 1e-5.)
+    rtol = 1e-6 if jax.default_backend() == "cpu" else 1e-4
+    np.testing.assert_allclose(np.asarray(got), want, rtol=rtol)
