@@ -318,6 +318,7 @@ def test_jsonl_full_disk_leaves_only_whole_lines(
     limit = 500  # bytes: the old line, 4 whole lines, part of a fifth
     done = subprocess.run(
         [sys.executable, "-c", FULL_DISK, str(path), mode, str(limit), wrap],
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},  # also on an accelerator host
         capture_output=True,
         text=True,
         timeout=300,
