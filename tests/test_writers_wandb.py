@@ -293,7 +293,10 @@ def test_wandb_flush_and_close_commit_the_last_step(offline: Path, end: str) -> 
     sync_file = Path(run.settings.sync_file)
     writer: Any = WandbWriter(run)
     if end == "async flush":
-        writer = AsyncWriter(writer)
+        # The calling thread's fetch, so that the refusal below is raised by the
+        # `write` itself (by default the background thread's error is raised by the
+        # next call).
+        writer = AsyncWriter(writer, background_fetch=False, defer_fetch=False)
     for step in range(3):
         writer.write(step, {"x": float(step)})
     writer.close() if end == "close" else writer.flush()
