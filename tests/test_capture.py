@@ -743,3 +743,31 @@ def test_point_in_a_fixed_length_loop_that_does_not_map_the_model_raises() -> No
 
     with pytest.raises(eqx.EquinoxRuntimeError, match=r"more\s+than once in a loop"):
         run_capture(fn, mlp, jnp.ones(2), taps=Tap("layers[0]", output=True))
+
+
+# Found by a new-user review: integer records (a MomentsSummary's count words) went
+# through float32 sinks and lost their low bits above 2**24.
+@pytest.mark.parametrize(
+    ("dtype", "value"),
+    [(jnp.uint32, 2**32 - 3), (jnp.uint32, 2**24 + 3), (jnp.int32, -(2**31) + 5)],
+)
+def test_integer_records_are_exact_past_2_24(dtype: Any, value: int) -> None:
+    model = eqx.nn.MLP(2, 2, 4, 2, key=jax.random.key(0))
+    want = np.asarray(value, dtype) + np.arange(3, dtype=dtype)
+    tap = Tap(
+        "layers[1]",
+        summaries={"n": lambda y: jnp.asarray(want) + 0 * y[:3].astype(dtype)},
+    )
+    _, coll = eqx.filter_jit(lambda m, x: capture(lambda m, x: m(x), m, x, taps=tap))(
+        model, jnp.ones(2)
+    )
+    got = coll.flatten("summaries")["layers_1/n"]
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(got), want)
+    moments = capture(
+        lambda m, x: m(x),
+        model,
+        jnp.ones(2),
+        taps=Tap("layers[1]", summaries={"m": eqxctx.MomentsSummary}),
+    )[1].flatten("summaries")["layers_1/m"]
+    assert int(moments.count) == 4

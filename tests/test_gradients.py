@@ -834,3 +834,36 @@ def test_fori_data_dependent_bounds_without_probes_equal_jax_grad() -> None:
     np.testing.assert_allclose(value, plain(x), rtol=1e-6)
     np.testing.assert_allclose(grad, jax.grad(plain)(x), rtol=1e-6)
     assert sorted(coll.flatten("summaries")) == ["iter0/m", "iter1/m"]
+
+
+# Found by a new-user review: a probe's integer outputs (a MomentsSummary's count
+# words) went through a float32 sink and lost their low bits above 2**24.
+@pytest.mark.parametrize(
+    ("dtype", "value"),
+    [(jnp.uint32, 2**32 - 3), (jnp.uint32, 2**24 + 3), (jnp.int32, -(2**31) + 5)],
+)
+def test_integer_probe_outputs_are_exact_past_2_24(dtype: Any, value: int) -> None:
+    want = np.asarray(value, dtype) + np.arange(3, dtype=dtype)
+
+    def body(
+        c: jax.Array, x: jax.Array, ctx: eqxctx.Context
+    ) -> tuple[jax.Array, None, eqxctx.Context]:
+        def fn(ct: jax.Array) -> jax.Array:
+            return jnp.asarray(want) + 0 * ct[:3].astype(dtype)
+
+        h, ctx = ctx.add_gradient_summary("n", c * x, fn)
+        return h, None, ctx
+
+    def loss(w: jax.Array, ctx: eqxctx.Context) -> tuple[jax.Array, eqxctx.Context]:
+        h, _, coll = eqxctx.scan_in_context(
+            body, context=ctx, carry=w, xs=jnp.ones((2, 3))
+        )
+        return jnp.sum(h), ctx.merge(coll)
+
+    (_, coll), _ = jax.jit(
+        lambda w: eqxctx.value_and_grad(loss)(w, prng_key=None, is_training=True)
+    )(jnp.ones(3))
+    for i in range(2):
+        got = coll.flatten("summaries")[f"iter{i}/n"]
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(got), want)

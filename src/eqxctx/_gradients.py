@@ -33,8 +33,9 @@ from ._context import (
 )
 from ._errors import OutputConflictError
 from ._leaves import validate_leaf_name
+from ._sinks import sink_layout, to_sink
 from ._summary import Summary, accumulate_leaf, is_array_leaf
-from ._typing import ArrayTree, DType, Names, TreeDef
+from ._typing import ArrayTree, Names, TreeDef
 
 
 GradKind: TypeAlias = Literal["summaries", "module_outputs"]
@@ -71,15 +72,15 @@ class Probe:
         """Zeros shaped `[*lengths, *leaf]` per output leaf, in a floating dtype."""
         lengths = tuple(level.length for level in self.levels)
         return self.treedef.unflatten(
-            [jnp.zeros((*lengths, *s.shape), _sink_dtype(s.dtype)) for s in self.leaves]
+            [jnp.zeros(*_layout(lengths, s)) for s in self.leaves]
         )
 
 
-def _sink_dtype(dtype: DType) -> DType:
-    """Integer and bool outputs travel as float32 (exact below 2**24)."""
-    if jnp.issubdtype(dtype, jnp.floating):
-        return dtype
-    return jnp.float32
+def _layout(
+    lengths: tuple[int, ...], s: jax.ShapeDtypeStruct
+) -> tuple[tuple[int, ...], jnp.dtype]:
+    shape, dtype = sink_layout(s.shape, s.dtype)
+    return (*lengths, *shape), dtype
 
 
 class GradientState:
@@ -279,10 +280,7 @@ def _probe(x: Array, sink: PyTree[Array], fn: Callable[[Array], ArrayTree]) -> A
 
     def bwd(_: None, ct: Array) -> tuple[Array, PyTree[Array]]:
         out = jax.tree_util.tree_leaves(fn(ct))
-        cast = [
-            jnp.asarray(o).astype(s.dtype)
-            for o, s in zip(out, sink_leaves, strict=True)
-        ]
+        cast = [to_sink(o, s.dtype) for o, s in zip(out, sink_leaves, strict=True)]
         return ct, treedef.unflatten(cast)
 
     identity.defvjp(fwd, bwd)

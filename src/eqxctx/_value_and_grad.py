@@ -33,16 +33,14 @@ from ._gradients import (
     is_pending,
 )
 from ._repeat import fold_stacked
+from ._sinks import from_sink
 from ._typing import ArrayTree, Leaf, PRNGKey
 
 
 def _lay_out(grad: PyTree[Array], probe: Probe, pending: PendingGradient) -> ArrayTree:
     """Turn a sink's gradient `[*lengths, ...]` into the placeholder's layout."""
     leaves = jax.tree_util.tree_leaves(grad)
-    leaves = [
-        g.astype(s.dtype) if g.dtype != s.dtype else g
-        for g, s in zip(leaves, probe.leaves, strict=True)
-    ]
+    leaves = [from_sink(g, s.dtype) for g, s in zip(leaves, probe.leaves, strict=True)]
     tree = probe.treedef.unflatten(leaves)
     if probe.kind == "summaries":
         remaining = list(probe.levels)

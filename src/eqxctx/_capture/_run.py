@@ -14,10 +14,11 @@ from eqxctx._collection import OutputCollection
 from eqxctx._iterations import IterationSummaries
 from eqxctx._leaves import validate_child_name
 from eqxctx._repeat import propagate_repeated_output_collections
+from eqxctx._sinks import from_sink, sink_layout
 
 from ._interventions import Intervention
 from ._points import HookPoint, get_node, select
-from ._tap import Call, Plan, Recorder, Tap, Tapped, sink_dtype
+from ._tap import Call, Plan, Recorder, Tap, Tapped
 
 
 R = TypeVar("R")
@@ -200,10 +201,11 @@ class _Session:
                 lead = (*self.prefixes[name], *call.vmaps)
 
                 def zeros(spec: Any, lead: tuple[int, ...] = lead) -> list[jax.Array]:
-                    return [
-                        jnp.zeros((*lead, *s.shape), sink_dtype(s.dtype))
+                    layouts = [
+                        sink_layout(s.shape, s.dtype)
                         for s in jax.tree_util.tree_leaves(spec)
                     ]
+                    return [jnp.zeros((*lead, *shape), d) for shape, d in layouts]
 
                 forward = [*zeros(call.records), jnp.zeros(lead, jnp.float32)]
                 self.sinks[name] = (tuple(forward), tuple(zeros(call.gradients)))
@@ -489,7 +491,7 @@ def _entries(
 def _unflatten(spec: Any, values: Sequence[jax.Array]) -> dict[str, Any]:
     specs, treedef = jax.tree_util.tree_flatten(spec)
     return treedef.unflatten(
-        [v.astype(s.dtype) for v, s in zip(values, specs, strict=True)]
+        [from_sink(v, s.dtype) for v, s in zip(values, specs, strict=True)]
     )
 
 

@@ -30,8 +30,8 @@ from jaxtyping import Array
 
 from eqxctx._context import Context
 from eqxctx._gradients import rms
+from eqxctx._sinks import to_sink
 from eqxctx._summary import Summary, is_array_leaf
-from eqxctx._typing import DType
 
 from ._interventions import Intervention, apply_function
 from ._points import Selection
@@ -253,17 +253,6 @@ def _summaries(
     return out
 
 
-def sink_dtype(dtype: DType) -> DType:
-    """Integers and bools travel as float32 (exact below 2**24)."""
-    if jnp.issubdtype(dtype, jnp.floating):
-        return dtype
-    if jnp.issubdtype(dtype, jnp.complexfloating) or not (
-        jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_)
-    ):
-        raise TypeError(f"cannot record values of dtype {dtype}")
-    return jnp.dtype(jnp.float32)
-
-
 def _carrier_index(leaves: list[Any]) -> int | None:
     for i, leaf in enumerate(leaves):
         if eqx.is_inexact_array(leaf):
@@ -358,7 +347,7 @@ def _gradient_probe(
     def bwd(_: None, ct: Array) -> tuple[Array, tuple[Array, ...]]:
         values = fn(ct)
         return ct, tuple(
-            jnp.asarray(v).astype(s.dtype) for v, s in zip(values, sinks, strict=True)
+            to_sink(v, s.dtype) for v, s in zip(values, sinks, strict=True)
         )
 
     identity.defvjp(fwd, bwd)
@@ -434,8 +423,7 @@ class Tapped(eqx.Module):
             return y
         values = jax.tree_util.tree_leaves(records(tap, y, plan.name))
         values = [
-            jnp.asarray(v).astype(s.dtype)
-            for v, s in zip(values, self.sinks[:-1], strict=True)
+            to_sink(v, s.dtype) for v, s in zip(values, self.sinks[:-1], strict=True)
         ]
         values.append(jnp.ones((), self.sinks[-1].dtype))  # the number of calls
         leaves, treedef = jax.tree_util.tree_flatten(y)
