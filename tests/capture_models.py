@@ -82,7 +82,7 @@ def gpt_reference(model: GPT, tokens: Array) -> tuple[Array, list[dict[str, Arra
 def mlp_reference(mlp: eqx.nn.MLP, x: Array) -> list[Array]:
     """The outputs of an `eqx.nn.MLP`'s linear layers, one by one (ReLU)."""
     layers = mlp.layers
-    if mlp.scan:
+    if getattr(mlp, "scan", False):  # (Equinox >= 0.13.5)
         first, hidden, last = layers
         n = jax.tree_util.tree_leaves(hidden)[0].shape[0]
         layers = [
