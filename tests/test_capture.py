@@ -791,3 +791,10 @@ def test_integer_records_are_exact_past_2_24(dtype: Any, value: int) -> None:
         taps=Tap("layers[1]", summaries={"m": eqxctx.MomentsSummary}),
     )[1].flatten("summaries")["layers_1/m"]
     assert int(moments.count) == 4
+
+
+def test_an_empty_selection_is_refused() -> None:
+    # Found by a new-user review: `Tap([])` recorded nothing without a word.
+    mlp = eqx.nn.MLP(2, 2, 4, 1, key=KEY)
+    with pytest.raises(ValueError, match=r"empty selection.*layers\[0\]"):
+        capture(_forward, mlp, jnp.ones(2), taps=Tap([], output=True))

@@ -146,8 +146,8 @@ def select(
     """Return the hook points of `model` that `selection` names (PyTree order).
 
     Raises:
-        ValueError: if a part of `selection` matches no point (the message lists
-            the points).
+        ValueError: if `selection` is empty or a part of it matches no point (the
+            message lists the points).
         TypeError: if a part is not a string, a type or a callable.
     """
     points = hook_points(model)
@@ -160,6 +160,11 @@ def select(
         raise TypeError(
             f"`{where}`: a selection is a name or glob, a module type, a "
             f"`where(model)` function or a list of these; got {selection!r}."
+        )
+    if not parts:
+        raise ValueError(
+            f"`{where}`: an empty selection matches no hook point. The points are: "
+            f"{_listing(points) or '(none: the model has no eqx.Module)'}."
         )
     nodes = dict(module_nodes(model))
     chosen: set[str] = set()

@@ -390,9 +390,9 @@ def capture_value_and_grad(
         `((loss, collection), grads)`: `grads` has the model's structure.
 
     Raises:
-        ValueError: as `capture`; a loss that is not a scalar.
-        TypeError: as `capture`; a loss that is not a floating-point array; a
-            gradient tap at a point whose output is not one floating-point array.
+        ValueError: as `capture`.
+        TypeError: as `capture`; a loss that is not a floating-point scalar
+            (JAX's message, from `eqx.filter_value_and_grad`); a gradient tap at a point whose output is not one floating-point array.
         EquinoxRuntimeError: as `capture`.
 
     References:
