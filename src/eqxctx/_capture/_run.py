@@ -392,7 +392,8 @@ def capture_value_and_grad(
     Raises:
         ValueError: as `capture`.
         TypeError: as `capture`; a loss that is not a floating-point scalar
-            (JAX's message, from `eqx.filter_value_and_grad`); a gradient tap at a point whose output is not one floating-point array.
+            (JAX's message, from `eqx.filter_value_and_grad`); a gradient tap at
+            a point whose output is not one floating-point array.
         EquinoxRuntimeError: as `capture`.
 
     References:
