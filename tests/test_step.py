@@ -377,6 +377,10 @@ def per_example_draws(
 def test_padding_pads_typed_key_leaves(axis_type: AxisType) -> None:
     # issue 35 item 6: per-example typed keys in a padded batch gave NumPy's
     # "PRNGKey dtype cannot be converted" TypeError, naming no leaf.
+    if axis_type == AxisType.Explicit and jax.__version_info__ < (0, 9):
+        # JAX 0.8 (`make test-min`) cannot vmap `jax.random.uniform` over keys split
+        # on an Explicit axis ("Resource axis: data ... is not found in mesh: ()").
+        pytest.skip("JAX < 0.9: random draws from keys split on an Explicit axis")
     runner = MethodRunner.create(
         {},
         per_example_draws,
