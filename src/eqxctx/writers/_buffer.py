@@ -272,13 +272,12 @@ class SummaryBuffer(eqx.Module):
 
     def cleared(self) -> "SummaryBuffer":
         """Return the buffer emptied (`count` 0), with the same row arrays."""
-        return SummaryBuffer(
-            self.size,
-            self.layouts,
-            self.rows,
-            self.steps,
-            self.slots,
-            jnp.zeros((), jnp.int32),
+        # Rebuilt from its leaves: `write_buffer` calls this on the training thread
+        # every `size` steps, and a Module's `__init__` costs ~10x an unflatten.
+        leaves, treedef = jax.tree_util.tree_flatten(self)
+        assert leaves[-1] is self.count  # the last field
+        return jax.tree_util.tree_unflatten(
+            treedef, [*leaves[:-1], jnp.zeros((), jnp.int32)]
         )
 
 
