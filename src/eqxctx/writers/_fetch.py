@@ -263,13 +263,16 @@ def start_owned(arrays: list[jax.Array], signature: Hashable) -> Started:
         if plan is None:
             raise RuntimeError  # (not made: read below)
         outs = plan.fn([arrays[k] for k in plan.batched])
-        for x in outs:
-            x.copy_to_host_async()
     except Exception:  # anything unusual: read now, JAX's own errors at `finish`
         try:
             return Started(jax.device_get(leaves), [], None, None, False)
         except Exception:
             return Started(leaves, list(range(len(leaves))), None, None, True)
+    try:
+        for x in outs:
+            x.copy_to_host_async()
+    except Exception:  # e.g. refused by a transfer guard: `finish`'s explicit
+        pass  # `jax.device_get` of the copies reads them all the same
     return Started(leaves, list(range(len(leaves))), plan, outs, False)
 
 
