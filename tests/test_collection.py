@@ -19,6 +19,8 @@ from eqxctx import (
     OutputConflictError,
     SumSummary,
     WeightedSummary,
+    functional,
+    scan_in_context,
 )
 from eqxctx.testing import (
     array_leaves,
@@ -622,3 +624,240 @@ def test_numpy_leaves_are_copied_where_they_enter() -> None:
     # JAX arrays are immutable: kept as they are, not copied.
     x = jnp.ones(2)
     assert Context.root().add_summary("x", x).collection.summaries["x"] is x
+
+
+# From test_regressions.py: found by trying eqxctx as a new user would.
+@pytest.mark.parametrize("value", [np.str_("x"), np.array(["x"]), np.array([None])])
+def test_non_numeric_arrays_are_refused(value: Any) -> None:
+    with pytest.raises(TypeError, match="summaries/a"):
+        OutputCollection.empty().add_summary("a", value)
+
+
+# From test_regressions.py: found by trying eqxctx as a new user would.
+def test_typed_key_leaves_are_accepted() -> None:
+    coll = OutputCollection.empty().add_state_update("key", jax.random.key(0))
+    assert "key" in coll.flatten("state_updates")
+
+
+# From test_regressions.py: found by trying eqxctx as a new user would.
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.int8, jnp.bool_])
+def test_numeric_dtypes_are_accepted(dtype: Any) -> None:
+    coll = OutputCollection.empty().add_summary("a", jnp.ones(2, dtype))
+    assert coll.flatten("summaries")["a"].dtype == dtype
+
+
+# From test_regressions.py: found by trying eqxctx as a new user would.
+def test_reserved_iteration_names_are_checked_on_construction() -> None:
+    from eqxctx import IterationSummaries, OutputConflictError
+    from eqxctx.writers import JsonlWriter
+
+    bad = {"iter": IterationSummaries(2, {"x": np.zeros(2)}), "iter0": {"y": 3.0}}
+    with pytest.raises(OutputConflictError, match="summaries/iter0"):
+        OutputCollection(bad, {}, {})
+    with JsonlWriter("/dev/null") as w, pytest.raises(ValueError, match="iter0"):
+        w.write(0, bad)
+
+
+# From test_regressions.py: found by trying to break frozen logs (made by unflattening).
+def test_a_traced_child_does_not_extend_a_concrete_collection_in_place() -> None:
+    # A context made outside `jax.jit`, extended inside it with a child that holds
+    # tracers: the outer log must not keep the child (it would leak the tracers).
+    outer = Context.root().add_summary("lr", 0.1)
+
+    def layer(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+        return x, ctx.add_summary("x", x)
+
+    def step(x: jax.Array) -> jax.Array:
+        y, ctx = outer.call("layer", layer, x)
+        assert ctx.collection.flatten("summaries").keys() == {"lr", "layer/x"}
+        return y
+
+    with jax.checking_leaks():
+        assert jax.jit(step)(jnp.float32(2.0)) == 2.0
+    assert list(outer.collection.summaries) == ["lr"]
+
+
+# From test_regressions.py: found by trying to break frozen logs (made by unflattening).
+def test_a_traced_scan_entry_does_not_extend_a_concrete_collection_in_place() -> None:
+    from eqxctx import IterationSummaries
+
+    outer = OutputCollection.empty().add_summary("lr", 0.1)
+
+    def step(xs: jax.Array) -> jax.Array:
+        scanned = OutputCollection({"iter": IterationSummaries(3, {"x": xs})}, {}, {})
+        merged = outer.merge(scanned)
+        assert sorted(merged.summaries) == ["iter", "lr"]
+        return xs
+
+    with jax.checking_leaks():
+        jax.jit(step)(jnp.arange(3.0))
+    assert list(outer.summaries) == ["lr"]
+    assert outer.summaries == {"lr": 0.1}
+
+
+# From test_regressions.py: found by trying to break frozen logs (made by unflattening).
+@pytest.mark.parametrize("kind", ["summaries", "state_updates", "module_outputs"])
+def test_tree_at_replaces_an_empty_level(kind: str) -> None:
+    # Unflattening gave every empty level the one shared empty mapping, so that
+    # `eqx.tree_at` (which finds nodes by identity) could not tell them apart.
+    made = OutputCollection.empty().add_summary("a", 1.0)
+    new_level = OutputCollection.empty().add_summary("x", jnp.ones(1)).summaries
+    for coll in (made, jax.jit(lambda c: c)(made)):
+        new = eqx.tree_at(lambda c: getattr(c, kind), coll, new_level)
+        assert list(getattr(new, kind)) == ["x"]
+        others = {"summaries": ["a"], "state_updates": [], "module_outputs": []}
+        others[kind] = ["x"]
+        assert {k: list(getattr(new, k)) for k in others} == others
+
+
+# From test_regressions.py: found by trying to break frozen logs (made by unflattening).
+def test_a_traced_unflattened_child_does_not_extend_a_concrete_collection() -> None:
+    # The child's levels are frozen (made by `tree_map` inside the trace), its tracer
+    # three levels down.
+    outer = OutputCollection.empty().add_summary("lr", 0.1)
+
+    def step(x: jax.Array) -> jax.Array:
+        inner = OutputCollection.empty().add_summary("x", x)
+        for name in ("a", "b"):
+            inner = OutputCollection.empty().add_child(name, inner)
+        inner = jax.tree_util.tree_map(lambda v: v * 2, inner)
+        merged = outer.add_child("c", inner)
+        assert merged.flatten("summaries").keys() == {"lr", "c/b/a/x"}
+        return x
+
+    with jax.checking_leaks():
+        jax.jit(step)(jnp.float32(1.0))
+    assert outer.summaries == {"lr": 0.1}
+
+
+# From test_regressions.py: found by trying to break frozen logs (made by unflattening).
+def test_adding_to_a_deep_unflattened_collection() -> None:
+    # Whether a level holds tracers is derived without recursion (400 levels): a
+    # tracer added at the root of a deep collection made outside the trace.
+    coll = OutputCollection.empty().add_summary("v", 1.0)
+    for _ in range(400):
+        coll = OutputCollection.empty().add_summary("v", 1.0).add_child("c", coll)
+    frozen = jax.tree_util.tree_map(lambda v: v, coll)
+
+    def step(x: jax.Array) -> jax.Array:
+        return frozen.add_summary("new", x).summaries["new"]
+
+    with jax.checking_leaks():
+        assert jax.jit(step)(jnp.float32(2.0)) == 2.0
+    assert "new" not in frozen.summaries
+    assert len(jax.tree_util.tree_leaves(frozen.add_summary("new", 2.0))) == 402
+
+
+# From test_regressions.py: found by trying to break frozen logs (made by unflattening).
+@pytest.mark.parametrize("kind", ["weighted", "max"])
+def test_a_traced_summary_does_not_extend_a_concrete_collection_in_place(
+    kind: str,
+) -> None:
+    # A `Summary` is a PyTree: a tracer inside one is a tracer in the collection.
+    from jax.core import Tracer
+
+    from eqxctx import MaxSummary
+
+    outer = Context.root().add_summary("pre", 1.0)
+
+    @jax.jit
+    def f(x: jax.Array) -> jax.Array:
+        value = WeightedSummary(x, 1.0) if kind == "weighted" else MaxSummary(x)
+        inner = outer.add_summary("in", value)
+        assert sorted(inner.collection.summaries) == ["in", "pre"]
+        return x
+
+    with jax.checking_leaks():
+        f(jnp.float32(3.0))
+    leaves = jax.tree_util.tree_leaves(outer.collection)
+    assert not any(isinstance(leaf, Tracer) for leaf in leaves)
+    assert list(outer.collection.summaries) == ["pre"]
+
+
+# From test_regressions.py: found by trying to break frozen logs (made by unflattening).
+def test_an_empty_traced_scan_does_not_extend_a_concrete_collection_in_place() -> None:
+    def body(
+        c: jax.Array, x: jax.Array, ctx: Context
+    ) -> tuple[jax.Array, None, Context]:
+        return c, None, ctx.add_summary("s", x)
+
+    outer = Context.root().add_summary("pre", 1.0)
+
+    @jax.jit
+    def f(xs: jax.Array) -> jax.Array:
+        _, _, coll = scan_in_context(body, context=outer, carry=jnp.float32(0), xs=xs)
+        outer.merge(coll)
+        return xs
+
+    with jax.checking_leaks():
+        f(jnp.zeros((0,), jnp.float32))
+    assert list(outer.collection.summaries) == ["pre"]
+
+
+def _block(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+    y = jnp.tanh(x)
+    return y, ctx.add_summary("rms", jnp.sqrt(jnp.mean(y**2)))
+
+
+def _nested_checkpoint(x: jax.Array) -> jax.Array:
+    # A context holding a tracer of the outer trace, extended inside `jax.checkpoint`
+    # (rematerializing one block): the outer log must not keep the inner tracers.
+    def model(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+        ctx = ctx.add_summary("in_mean", jnp.mean(x))
+        return jax.checkpoint(lambda x: ctx.call("blk", _block, x))(x)
+
+    out, coll = functional(model, prng_key=None, is_training=True, args=(x,))
+    assert coll.flatten("summaries").keys() == {"in_mean", "blk/rms"}
+    return out.sum()
+
+
+def _nested_vmap(x: jax.Array) -> jax.Array:
+    ctx = Context.root().add_summary("x", x)
+    ys = jax.vmap(lambda v: ctx.add_summary("y", v).collection.summaries["y"])(
+        jnp.arange(3.0)
+    )
+    ctx = ctx.add_summary("z", x)
+    assert list(ctx.collection.summaries) == ["x", "z"]
+    return ys.sum() + x
+
+
+def _nested_scan(x: jax.Array) -> jax.Array:
+    ctx = Context.root().add_summary("x", x)
+
+    def body(c: float, v: jax.Array) -> tuple[float, jax.Array]:
+        return c, ctx.add_summary("y", v).collection.summaries["y"]
+
+    _, ys = jax.lax.scan(body, 0.0, jnp.arange(3.0))
+    return ys.sum() + x
+
+
+def _nested_jit(x: jax.Array) -> jax.Array:  # under `jax.grad`: a JVP trace outside
+    ctx = Context.root().add_summary("x", x)
+    return jax.jit(lambda z: ctx.add_summary("y", z).collection.summaries["y"] * 2)(x)
+
+
+# From test_regressions.py: found by a review helper (nested traces' tracers).
+@pytest.mark.parametrize(
+    ("fn", "transform", "want"),
+    [
+        (_nested_checkpoint, lambda f: jax.jit(jax.grad(f)), 1 - np.tanh(1) ** 2),
+        (_nested_vmap, jax.jit, 4.0),
+        (_nested_scan, jax.jit, 4.0),
+        (_nested_jit, jax.grad, 2.0),
+    ],
+    ids=["checkpoint", "vmap", "scan", "jit_under_grad"],
+)
+def test_a_nested_trace_does_not_extend_an_outer_traced_collection_in_place(
+    fn: Callable[[jax.Array], jax.Array],
+    transform: Callable[[Callable[..., Any]], Callable[..., Any]],
+    want: float,
+) -> None:
+    # A level whose log holds tracers of one trace was appended to in place with
+    # tracers of a trace nested in it; the outer version kept the inner tracers
+    # alive past their trace (`jax.checking_leaks` raised). Found by a review helper.
+    x = jnp.ones(3) if fn is _nested_checkpoint else jnp.float32(1.0)
+    with jax.checking_leaks():
+        got = transform(fn)(x)
+    # (A TPU's tanh agrees with the CPU's to about 1e-5.)
+    rtol = 1e-6 if jax.default_backend() == "cpu" else 1e-4
+    np.testing.assert_allclose(np.asarray(got), want, rtol=rtol)

@@ -1,4 +1,5 @@
 import copy
+import hashlib
 import pickle
 import threading
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from eqxctx import (
     OutputConflictError,
     WeightedSummary,
     functional,
+    scan_in_context,
 )
 from eqxctx.testing import assert_collections_equal
 
@@ -441,3 +443,87 @@ def test_row_where_broadcasts_over_the_other_axes() -> None:
         np.testing.assert_array_equal(np.asarray(c.row_mask), mask)
     assert "row_mask=" in repr(ctx)
     assert "row_mask" not in repr(Context.root())
+
+
+# From test_regressions.py: found by trying eqxctx as a new user would.
+def test_call_forwards_kwargs_named_name_and_fn() -> None:
+    def f(x: float, ctx: Context, *, name: str, fn: str) -> tuple[float, Context]:
+        return x, ctx.add_summary(name, x).add_summary(fn, 2 * x)
+
+    _, ctx = Context.root().call("blk", f, 1.0, name="b", fn="c")
+    assert ctx.collection.flatten("summaries") == {"blk/b": 1.0, "blk/c": 2.0}
+
+
+# From test_regressions.py: found by trying eqxctx as a new user would.
+@pytest.mark.parametrize("name", ["abc\n", "it\n"])
+def test_child_name_with_trailing_newline_is_refused(name: str) -> None:
+    with pytest.raises(ValueError, match="invalid child name"):
+        Context.root().child(name)
+    with pytest.raises(ValueError, match="invalid child name"):
+        scan_in_context(
+            lambda c, x, ctx: (c, None, ctx),
+            context=Context.root(),
+            carry=jnp.float32(0),
+            xs=jnp.ones(2),
+            child_name_prefix=name,
+        )
+
+
+# From test_regressions.py: found by trying eqxctx as a new user would.
+def test_functional_drop_string_is_a_clear_error() -> None:
+    with pytest.raises(
+        ValueError, match=r"expected a sequence of kinds.*\('summaries',\)"
+    ):
+        functional(
+            lambda c: (None, c),
+            prng_key=None,
+            is_training=False,
+            drop_output_collections="summaries",
+        )
+
+
+# From test_regressions.py (two threads reading keys and paths of versions of one
+# context); issue 36 asks for eight threads on one base context.
+def test_threads_extending_one_base_context_see_exactly_their_own_entries() -> None:
+    n = 8
+    base = Context.root(prng_key=jax.random.PRNGKey(0)).child("a")
+    base = base.add_summary("shared", 0.0)
+    barrier = threading.Barrier(n)
+    results: dict[int, tuple[Any, ...]] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            barrier.wait(timeout=30)
+            ctx = base
+            for j in range(50):
+                ctx = ctx.add_summary(f"t{i}_{j}", float(i))
+            child = ctx.child(f"c{i}")
+            _, ctx = ctx.call(f"c{i}", lambda c: (None, c.add_summary("k", 1.0)))
+            results[i] = (
+                ctx.collection.flatten("summaries"),
+                child.path,
+                np.asarray(child.prng_key),
+                base.path,
+                np.asarray(base.prng_key),
+            )
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors
+    seed = lambda name: int(hashlib.md5(name.encode()).hexdigest(), 16) % (2**31 - 1)
+    base_key = jax.random.fold_in(jax.random.PRNGKey(0), seed("a"))
+    for i in range(n):
+        flat, path, key, root_path, root_key = results[i]
+        want = {"shared": 0.0, **{f"t{i}_{j}": float(i) for j in range(50)}}
+        assert flat == {**want, f"c{i}/k": 1.0}
+        assert path == ("root", "a", f"c{i}")
+        np.testing.assert_array_equal(key, jax.random.fold_in(base_key, seed(f"c{i}")))
+        assert root_path == ("root", "a")
+        np.testing.assert_array_equal(root_key, base_key)
+    assert base.collection.flatten("summaries") == {"shared": 0.0}
