@@ -1,5 +1,8 @@
 import contextlib
 import copy
+import gc
+import pickle
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -861,3 +864,137 @@ def test_a_nested_trace_does_not_extend_an_outer_traced_collection_in_place(
     # (A TPU's tanh agrees with the CPU's to about 1e-5.)
     rtol = 1e-6 if jax.default_backend() == "cpu" else 1e-4
     np.testing.assert_allclose(np.asarray(got), want, rtol=rtol)
+
+
+# From test_host_cost.py (issue 36: tests mirror modules).
+def test_merging_a_scan_finds_the_clashing_numbered_names() -> None:
+    ctx = Context.root().call("iter7", lambda c: (None, c))[1]
+    ctx = ctx.add_summary("iter12", 1.0)
+    entry = OutputCollection(
+        {"iter": IterationSummaries(10, {"x": jnp.zeros(10)})}, {}, {}
+    )
+    with pytest.raises(OutputConflictError, match=r"child 'iter7'"):
+        ctx.merge(entry)
+    only_leaf = Context.root().add_summary("iter3", 1.0)
+    with pytest.raises(OutputConflictError, match=r"'iter3' is a child in one"):
+        only_leaf.merge(entry)
+    # Names past the range, or with a leading zero, are not iteration names.
+    Context.root().add_summary("iter10", 1.0).add_summary("iter01", 2.0).merge(entry)
+
+
+# From test_host_cost.py (issue 36: tests mirror modules).
+@given(output_collections(), output_collections())
+def test_no_result_shares_a_mutable_container_with_an_input(
+    a: OutputCollection, b: OutputCollection
+) -> None:
+    raw: dict[str, Any] = {"x": 1.0, "nested": {"y": 2.0}}
+    coll = OutputCollection(raw, {}, {})
+    raw["x"], raw["nested"]["y"], raw["z"] = 5.0, 6.0, 7.0
+    assert coll.flatten("summaries") == {"x": 1.0, "nested/y": 2.0}
+    before = [a.flatten(k) for k in ("summaries", "state_updates", "module_outputs")]
+    try:
+        merged = a.merge(b)
+    except OutputConflictError:
+        merged = a.add_child("zz_other", b) if "zz_other" not in a.child_names() else a
+    derived = [
+        merged,
+        a.add_summary("zz_new", 1.0)
+        if "zz_new" not in a.child_names() | a.leaf_names()
+        else a,
+        a.prune(lambda p: p.endswith("0")),
+        a.materialize(),
+    ]
+    for d in derived:
+        assert_collections_equal(merged if d is merged else d, d)
+    after = [a.flatten(k) for k in ("summaries", "state_updates", "module_outputs")]
+    assert [set(f) for f in before] == [set(f) for f in after]
+    # Only read-only mappings come out; nothing a caller holds is a dict of ours.
+    for d in derived:
+        for tree in (d.summaries, d.state_updates, d.module_outputs):
+            assert not isinstance(tree, dict)
+
+
+# From test_host_cost.py (issue 36: tests mirror modules).
+def test_copy_and_pickle_round_trip() -> None:
+    coll = (
+        OutputCollection.empty()
+        .add_summary("w", WeightedSummary(1.0, 2.0))
+        .add_child("enc", OutputCollection.empty().add_module_output("h", np.ones(2)))
+    )
+    for other in (
+        copy.copy(coll),
+        copy.deepcopy(coll),
+        pickle.loads(pickle.dumps(coll)),
+    ):
+        assert_collections_equal(other, coll)
+    ctx = Context.root(prng_key=jax.random.PRNGKey(3)).child("a")
+    again = pickle.loads(pickle.dumps(ctx))
+    np.testing.assert_array_equal(again.prng_key, ctx.prng_key)
+    assert again.path == ctx.path
+
+
+# From test_host_cost.py (issue 36: tests mirror modules).
+def test_branching_versions_stay_independent() -> None:
+    base = OutputCollection.empty().add_summary("a", 1.0)
+    left = base.add_summary("b", 2.0)
+    right = base.add_summary("c", 3.0)  # a branch of `base`: copies, then adds
+    assert left.flatten("summaries") == {"a": 1.0, "b": 2.0}
+    assert right.flatten("summaries") == {"a": 1.0, "c": 3.0}
+    assert base.flatten("summaries") == {"a": 1.0}
+    assert left.add_summary("c", 4.0).flatten("summaries")["c"] == 4.0
+
+
+# From test_host_cost.py: found in a tester round.
+def test_a_kept_version_keeps_no_later_values_alive() -> None:
+
+    base = Context.root().add_summary("lr", 0.1).add_module_output("cfg", 1.0)
+    refs = []
+    for step in range(3):
+        big = np.full(1000, float(step), np.float32)
+        refs.append(weakref.ref(big))
+        _, ctx = base.call(
+            "model", lambda c, big=big: (None, c.add_module_output("h", big))
+        )
+        del ctx, big
+        gc.collect()
+    # Versions share no mutable state: `base` keeps no later value alive.
+    assert [r() is None for r in refs] == [True, True, True]
+
+
+# From test_host_cost.py: found in a tester round.
+def test_collections_made_outside_jit_keep_no_tracers() -> None:
+    g = Context.root().add_summary("cfg", 1.0)
+
+    @jax.jit
+    def f(x: jax.Array) -> jax.Array:
+        return g.add_summary("x", x * 2).collection.summaries["x"]
+
+    with jax.checking_leaks():
+        np.testing.assert_array_equal(f(jnp.ones(3)), 2 * np.ones(3))
+    assert g.collection.flatten("summaries") == {"cfg": 1.0}
+
+
+# From test_host_cost.py: found in a tester round.
+def test_tree_at_replaces_levels() -> None:
+    import equinox as eqx
+
+    c = OutputCollection.empty().add_summary("a", 1.0)
+    c = c.add_child("k", OutputCollection.empty().add_summary("v", 2.0))
+    new = eqx.tree_at(lambda c: c.summaries["k"], c, {"v": 5.0})
+    assert float(new.flatten("summaries")["k/v"]) == 5.0
+    assert c.flatten("summaries")["k/v"] == 2.0
+
+
+# From test_host_cost.py: found in a tester round.
+def test_leaves_from_tree_map_are_checked_where_they_enter() -> None:
+    bad = jax.tree_util.tree_map(
+        lambda x: "text", OutputCollection.empty().add_summary("a", 1.0)
+    )
+    for attempt in (
+        lambda: OutputCollection(bad.summaries, {}, {}),
+        lambda: OutputCollection.empty().add_child("k", bad),
+        lambda: Context.root().merge(bad),
+        lambda: Context.root().call("k", lambda c: (0, c.replace_collection(bad))),
+    ):
+        with pytest.raises(TypeError, match=r"summaries/.*a"):
+            attempt()

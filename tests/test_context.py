@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import jaxtyping
 import numpy as np
 import pytest
+from jax.core import Tracer
 
 import eqxctx
 from eqxctx import (
@@ -18,10 +19,23 @@ from eqxctx import (
     OutputCollection,
     OutputConflictError,
     WeightedSummary,
+    cond_in_context,
     functional,
     scan_in_context,
 )
 from eqxctx.testing import assert_collections_equal
+
+
+def _seed(name: str) -> int:
+    """AXLearn's seed of a child name: md5 of the name, mod `2**31 - 1`."""
+    return int(hashlib.md5(name.encode("utf-8")).hexdigest(), 16) % (2**31 - 1)
+
+
+def _key_of(key: jax.Array, names: tuple[str, ...]) -> jax.Array:
+    """`fold_in` by each name's seed, from the root down (AXLearn's derivation)."""
+    for name in names:
+        key = jax.random.fold_in(key, _seed(name))
+    return key
 
 
 # AXLearn's keys, from the issue: PRNGKey(0) -> "encoder" -> "attention".
@@ -516,14 +530,123 @@ def test_threads_extending_one_base_context_see_exactly_their_own_entries() -> N
     for t in threads:
         t.join(timeout=60)
     assert not errors
-    seed = lambda name: int(hashlib.md5(name.encode()).hexdigest(), 16) % (2**31 - 1)
-    base_key = jax.random.fold_in(jax.random.PRNGKey(0), seed("a"))
+    base_key = _key_of(jax.random.PRNGKey(0), ("a",))
     for i in range(n):
         flat, path, key, root_path, root_key = results[i]
         want = {"shared": 0.0, **{f"t{i}_{j}": float(i) for j in range(50)}}
         assert flat == {**want, f"c{i}/k": 1.0}
         assert path == ("root", "a", f"c{i}")
-        np.testing.assert_array_equal(key, jax.random.fold_in(base_key, seed(f"c{i}")))
+        np.testing.assert_array_equal(key, _key_of(base_key, (f"c{i}",)))
         assert root_path == ("root", "a")
         np.testing.assert_array_equal(root_key, base_key)
     assert base.collection.flatten("summaries") == {"shared": 0.0}
+
+
+# From test_host_cost.py (issue 36: tests mirror modules).
+def test_lazy_keys_equal_eager_derivation() -> None:
+    root = Context.root(prng_key=jax.random.PRNGKey(7))
+    deep = root.child("a").child("b").child("c")
+    want = jax.random.PRNGKey(7)
+    for name in ("a", "b", "c"):
+        want = jax.random.fold_in(want, _seed(name))
+    np.testing.assert_array_equal(deep.prng_key, want)
+    # Flattened as a PyTree, the key is the derived one.
+    leaves = jax.tree_util.tree_leaves(deep)
+    np.testing.assert_array_equal(leaves[0], want)
+
+
+def _layer_with_cond(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+    def branch(x: jax.Array, c: Context) -> tuple[jax.Array, Context]:
+        return x + jax.random.normal(c.prng_key, ()), c
+
+    y, coll = cond_in_context(x > 0, branch, lambda x, c: (x, c), x, context=ctx)
+    return y, ctx.merge(coll)
+
+
+# From test_host_cost.py: found in a tester round.
+def test_no_traced_key_outlives_its_trace_in_a_frame_made_before_it() -> None:
+    # Frames made outside a trace (or under an outer one) and read inside it keep no
+    # tracer of it: `jax.checking_leaks` finds nothing, in eqxctx's own branches too.
+    key = jax.random.PRNGKey(0)
+    outside = Context.root(prng_key=key).child("a").child("b")
+    want = jax.random.normal(_key_of(key, ("a", "b")), ())
+
+    def read(x: jax.Array) -> jax.Array:
+        return x + jax.random.normal(outside.prng_key, ())
+
+    def scan_body(c: jax.Array, _: None) -> tuple[jax.Array, None]:
+        return read(c), None
+
+    @jax.jit
+    def step(x: jax.Array, k: jax.Array) -> jax.Array:
+        model = lambda x, ctx: ctx.call("layer", _layer_with_cond, x)
+        return functional(model, prng_key=k, is_training=True, args=(x,))[0]
+
+    with jax.checking_leaks():
+        np.testing.assert_allclose(jax.jit(read)(jnp.zeros(())), want, rtol=1e-6)
+        got, _ = jax.lax.scan(scan_body, jnp.zeros(()), None, length=2)
+        np.testing.assert_allclose(got, 2 * want, rtol=1e-6)
+        out = step(jnp.ones(()), key)
+    noise = jax.random.normal(_key_of(key, ("layer", "cond")), ())
+    np.testing.assert_allclose(out, 1.0 + noise, rtol=1e-6)
+
+
+# From test_host_cost.py: found in a tester round.
+def test_keys_are_concrete_inside_ensure_compile_time_eval() -> None:
+    # A key read under a trace is not reused inside `jax.ensure_compile_time_eval`:
+    # derived there from a concrete root key, it is concrete.
+    key = jax.random.PRNGKey(0)
+    seen: list[int] = []
+
+    @jax.jit
+    def f(x: jax.Array) -> jax.Array:
+        ctx = Context.root(prng_key=key).child("a").child("b")
+        x = x + jax.random.normal(ctx.prng_key, ())  # a tracer of this trace
+        with jax.ensure_compile_time_eval():
+            seen.append(int(jax.random.randint(ctx.prng_key, (), 1, 100)))
+        return x + jax.random.normal(ctx.prng_key, ())
+
+    out = f(jnp.zeros(()))
+    want = _key_of(key, ("a", "b"))
+    assert seen == [int(jax.random.randint(want, (), 1, 100))]
+    np.testing.assert_allclose(out, 2 * jax.random.normal(want, ()), rtol=1e-6)
+
+
+# From test_host_cost.py: found in a tester round.
+def test_a_traced_key_is_reused_only_under_its_trace() -> None:
+    key = jax.random.PRNGKey(5)
+    want = [_key_of(key, ("c0", "c1", "c2")[: i + 1]) for i in range(3)]
+    escaped: list[Context] = []
+
+    def make(escape: bool) -> Callable[[jax.Array], jax.Array]:
+        def f(x: jax.Array) -> jax.Array:
+            # From a concrete key inside the trace: the keys derived here are tracers
+            # of this trace.
+            ctx = Context.root(prng_key=key).child("c0").child("c1").child("c2")
+            x = x + jax.random.normal(ctx.prng_key, ())
+            if escape:
+                escaped.append(ctx)
+
+            # Read under an inner transformation, then again under this trace.
+            def g(y: jax.Array) -> jax.Array:
+                return y + jax.random.normal(ctx.prng_key, ())
+
+            x = x + jax.vmap(g)(jnp.arange(2.0)).sum()
+            return x + jax.random.normal(ctx.prng_key, ())
+
+        return f
+
+    noise = float(jax.random.normal(want[2], ()))
+    with jax.checking_leaks():  # nothing of eqxctx keeps a tracer past its trace
+        out = jax.jit(make(escape=False))(jnp.zeros(()))
+    np.testing.assert_allclose(out, 4 * noise + 1.0, rtol=1e-6)  # 0 + 1 from arange
+    # A context that outlives its trace (a leak, on purpose) derives its key again,
+    # concretely, equal to the reference: no tracer of the finished trace comes back.
+    jax.jit(make(escape=True))(jnp.zeros(()))
+    ctx = escaped[0]
+    assert not isinstance(ctx.prng_key, Tracer)
+    np.testing.assert_array_equal(ctx.prng_key, want[2])
+    np.testing.assert_array_equal(
+        ctx.child("c3").prng_key,
+        jax.random.fold_in(want[2], _seed("c3")),
+    )

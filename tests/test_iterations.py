@@ -300,3 +300,17 @@ def test_mapping_over_a_non_leading_axis_says_why() -> None:
     )
     with pytest.raises(ValueError, match="fewer axes than when it was made"):
         jax.vmap(lambda c: c.flatten("summaries")["iter1/v"], in_axes=(0,))(coll)
+
+
+# From test_host_cost.py (issue 36: tests mirror modules).
+def test_per_iteration_views_inside_jit_slice_on_device() -> None:
+    def f(xs: jax.Array) -> Any:
+        coll = OutputCollection({"iter": IterationSummaries(3, {"x": xs})}, {}, {})
+        return coll.flatten("summaries")
+
+    out = jax.jit(f)(jnp.arange(3.0))
+    assert {k: float(v) for k, v in out.items()} == {
+        "iter0/x": 0.0,
+        "iter1/x": 1.0,
+        "iter2/x": 2.0,
+    }
