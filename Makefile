@@ -35,8 +35,8 @@ test-min: $(MIN_VENV)/bin/.installed
 LATEST_VENV := .venv-latest
 LATEST_PYTHON := $(shell .ci/latest-python)
 LATEST_TESTS := tests/test_scope.py tests/test_host_cost.py tests/test_iterations.py \
-	tests/test_regressions.py tests/test_sharding.py tests/test_context.py \
-	tests/test_public_api.py
+	tests/test_collection.py tests/test_mapping.py tests/test_sharding.py \
+	tests/test_context.py tests/test_public_api.py
 
 $(LATEST_VENV)/bin/.installed: pyproject.toml
 	$(LATEST_PYTHON) -m venv $(LATEST_VENV)

@@ -1,18 +1,32 @@
 """Shared test helpers."""
 
+import contextlib
 import os
 import re
 import socket
 import subprocess
 import sys
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jaxtyping
 import numpy as np
 import pytest
+
+
+@contextlib.contextmanager
+def unchecked() -> Generator[None]:
+    """Turn the suite's runtime type checks off, so eqxctx's own checks run."""
+    before = jaxtyping.config.jaxtyping_disable
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", before)
 
 
 def tree_allclose(a: Any, b: Any, *, rtol: float = 1e-6, atol: float = 1e-6) -> bool:

@@ -7,15 +7,13 @@ beartype) would refuse an argument before eqxctx sees it, the call runs inside
 import hook get it).
 """
 
-import contextlib
 import os
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import jaxtyping
 import numpy as np
 import pytest
 
@@ -46,20 +44,10 @@ from eqxctx import (
 )
 from eqxctx._errors import PREFIX_HINT
 from eqxctx.writers import JsonlWriter
+from helpers import unchecked
 
 
 KEY = jax.random.PRNGKey(0)
-
-
-@contextlib.contextmanager
-def unchecked() -> Generator[None]:
-    """Turn the suite's runtime type checks off, so eqxctx's own checks run."""
-    before = jaxtyping.config.jaxtyping_disable
-    jaxtyping.config.update("jaxtyping_disable", True)
-    try:
-        yield
-    finally:
-        jaxtyping.config.update("jaxtyping_disable", before)
 
 
 def _mesh() -> jax.sharding.Mesh:

@@ -18,7 +18,14 @@ from combinators_reference import (
     reference_scan,
     reference_vmap,
 )
-from eqxctx import Context, OutputCollection, scan_in_context, vmap_in_context
+from eqxctx import (
+    Context,
+    OutputCollection,
+    WeightedSummary,
+    scan_in_context,
+    vmap_in_context,
+)
+from eqxctx.testing import assert_collections_equal
 
 
 @st.composite
@@ -452,4 +459,116 @@ def test_propagate_repeated_output_collections() -> None:
     with pytest.raises(ValueError, match="invalid child name"):
         propagate_repeated_output_collections(
             rep, child_name_prefix="Rep", merge_summaries=False
+        )
+
+
+def body(c: jax.Array, x: jax.Array, ctx: Context) -> tuple[jax.Array, None, Context]:
+    ctx = ctx.add_summary("x", x)
+    ctx = ctx.add_summary("w", WeightedSummary(x, 1.0))
+    return c + x, None, ctx
+
+
+def scan_row(row: jax.Array) -> OutputCollection:
+    _, _, coll = scan_in_context(
+        body, context=Context.root(), carry=jnp.float32(0), xs=row
+    )
+    return coll
+
+
+# From test_regressions.py: found by trying eqxctx as a new user would.
+def test_per_iteration_summaries_under_vmap() -> None:
+    xs = jnp.arange(6.0).reshape(2, 3)  # batch 2, N = 3 iterations
+    coll = jax.vmap(scan_row)(xs)
+    flat = coll.flatten("summaries")
+    assert sorted(flat) == [f"iter{i}/{n}" for i in range(3) for n in ("w", "x")]
+    for i in range(3):
+        np.testing.assert_array_equal(flat[f"iter{i}/x"], xs[:, i])
+        np.testing.assert_array_equal(flat[f"iter{i}/w"].value(), xs[:, i])
+        child = coll.child(f"iter{i}").flatten("summaries")
+        np.testing.assert_array_equal(child["x"], xs[:, i])
+    mat = coll.materialize()
+    np.testing.assert_array_equal(mat.summaries["iter2"]["x"], xs[:, 2])
+    # Slicing the outer axis off gives back one row's collection.
+    for b in range(2):
+        row = jax.tree_util.tree_map(lambda a, b=b: a[b], coll)
+        assert_collections_equal(row, scan_row(xs[b]))
+
+
+# From test_regressions.py: found by trying eqxctx as a new user would.
+def test_per_iteration_summaries_under_outer_scan() -> None:
+    xs = jnp.arange(12.0).reshape(4, 3)
+
+    def outer(c: None, row: jax.Array) -> tuple[None, OutputCollection]:
+        return c, scan_row(row)
+
+    _, coll = jax.lax.scan(outer, None, xs)
+    flat = coll.flatten("summaries")
+    for i in range(3):
+        np.testing.assert_array_equal(flat[f"iter{i}/x"], xs[:, i])
+
+
+# From test_regressions.py: found by trying eqxctx as a new user would.
+def test_vmap_in_context_under_vmap() -> None:
+    xs = jnp.arange(6.0).reshape(3, 2)  # outer 3, examples 2
+
+    def f(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+        return 2 * x, ctx.add_summary("x", x)
+
+    def run(row: jax.Array) -> OutputCollection:
+        return vmap_in_context(f, context=Context.root(), xs=row)[1]
+
+    flat = jax.vmap(run)(xs).flatten("summaries")
+    for i in range(2):
+        np.testing.assert_array_equal(flat[f"iter{i}/x"], xs[:, i])
+
+
+# From test_regressions.py: found by trying eqxctx as a new user would.
+def test_nested_scans_under_vmap() -> None:
+    xs = jnp.arange(2 * 3 * 4.0).reshape(2, 3, 4)  # batch, outer N, inner N
+
+    def outer(c: jax.Array, row: jax.Array, ctx: Context) -> Any:
+        _, _, coll = scan_in_context(body, context=ctx, carry=c, xs=row)
+        return c, None, ctx.merge(coll)
+
+    def run(x: jax.Array) -> OutputCollection:
+        return scan_in_context(
+            outer, context=Context.root(), carry=jnp.float32(0), xs=x
+        )[2]
+
+    flat = jax.vmap(run)(xs).flatten("summaries")
+    assert len(flat) == 3 * 4 * 2
+    np.testing.assert_array_equal(flat["iter1/iter2/x"], xs[:, 1, 2])
+
+
+# From test_regressions.py: found by trying eqxctx as a new user would.
+def test_merged_int_weighted_summary_under_strict_promotion() -> None:
+    xs = jnp.arange(4, dtype=jnp.int32)
+
+    def f(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+        return x, ctx.add_summary("w", WeightedSummary(x, 1.0))
+
+    _, coll = vmap_in_context(f, context=Context.root(), xs=xs, merge_summaries=True)
+    np.testing.assert_allclose(coll.flatten("summaries")["iter/w"].value(), 1.5)
+
+    def g(c: None, x: jax.Array, ctx: Context) -> tuple[None, None, Context]:
+        return c, None, ctx.add_summary("w", WeightedSummary(x, 1.0))
+
+    _, _, coll = scan_in_context(
+        g, context=Context.root(), carry=None, xs=xs, merge_summaries=True
+    )
+    np.testing.assert_allclose(coll.flatten("summaries")["iter/w"].value(), 1.5)
+
+
+# From test_regressions.py: found by trying eqxctx as a new user would.
+def test_scan_length_accepts_numpy_integers() -> None:
+    def count(c: jax.Array, x: None, ctx: Context) -> tuple[jax.Array, None, Context]:
+        return c + 1, None, ctx
+
+    c, _, _ = scan_in_context(
+        count, context=Context.root(), carry=jnp.int32(0), xs=None, length=np.int64(3)
+    )
+    assert int(c) == 3
+    with pytest.raises(ValueError, match="length must be a non-negative int"):
+        scan_in_context(
+            count, context=Context.root(), carry=jnp.int32(0), xs=None, length=True
         )

@@ -288,3 +288,29 @@ def test_a_length_0_scan_still_has_views() -> None:
         jax.tree.map(lambda x: jnp.zeros((1, *x.shape[1:]), x.dtype), coll).flatten(
             "summaries"
         )
+
+
+# From test_regressions.py: found by trying eqxctx as a new user would.
+def test_mapping_over_a_non_leading_axis_says_why() -> None:
+    def f(c: None, x: jax.Array, ctx: Context) -> tuple[None, None, Context]:
+        return c, None, ctx.add_summary("v", x)
+
+    _, _, coll = scan_in_context(
+        f, context=Context.root(), carry=None, xs=jnp.arange(12.0).reshape(4, 3)
+    )
+    with pytest.raises(ValueError, match="fewer axes than when it was made"):
+        jax.vmap(lambda c: c.flatten("summaries")["iter1/v"], in_axes=(0,))(coll)
+
+
+# From test_host_cost.py (issue 36: tests mirror modules).
+def test_per_iteration_views_inside_jit_slice_on_device() -> None:
+    def f(xs: jax.Array) -> Any:
+        coll = OutputCollection({"iter": IterationSummaries(3, {"x": xs})}, {}, {})
+        return coll.flatten("summaries")
+
+    out = jax.jit(f)(jnp.arange(3.0))
+    assert {k: float(v) for k, v in out.items()} == {
+        "iter0/x": 0.0,
+        "iter1/x": 1.0,
+        "iter2/x": 2.0,
+    }

@@ -1529,3 +1529,14 @@ def test_explicit_runner_closed_over_in_jit_on_a_traced_host_batch() -> None:
     )
     y = jax.jit(lambda b: auto(b)[1].output_batch["y"])({"x": x})
     np.testing.assert_array_equal(np.asarray(y), x * 3)
+
+
+# From test_regressions.py: found by trying eqxctx as a new user would.
+def test_runner_without_key_is_a_clear_error() -> None:
+    from eqxctx import MethodRunner
+
+    mesh = jax.make_mesh((1,), ("data",))
+    with pytest.raises(TypeError, match=r"prng_key=None"):
+        MethodRunner.create(
+            {"w": jnp.ones(2)}, lambda m, b, c: (b, c), mesh=mesh, prng_key=None
+        )

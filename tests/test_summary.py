@@ -251,3 +251,29 @@ def test_documented_limits_of_weight_totals_and_raw_sums() -> None:
     assert float(flat["iter/raw"]) == 256.0
     assert float(flat["iter/sum"].value()) == 256.0
     assert float(flat["iter/f32"]) == 1000.0  # the documented remedy
+
+
+# From test_regressions.py: found by trying eqxctx as a new user would.
+def test_weighted_summary_mixed_dtypes_under_strict_promotion() -> None:
+    a = WeightedSummary(jnp.bfloat16(1.0), jnp.int32(1))
+    b = WeightedSummary(jnp.float32(3.0), jnp.float32(3.0))
+    s = a + b
+    assert s.mean.dtype == jnp.float32
+    np.testing.assert_allclose(s.value(), 2.5)
+    np.testing.assert_allclose(s.weight, 4.0)
+
+
+# From test_regressions.py: found by trying eqxctx as a new user would.
+def test_weighted_summary_zero_weight_nan_mean_is_nan() -> None:
+    # Issue 10 (summary laws): a NaN anywhere gives NaN, also a NaN mean with zero
+    # weight (the 0/0 mean of an empty batch): a broken batch is never hidden.
+    empty = WeightedSummary(jnp.float32(jnp.nan), jnp.float32(0))
+    s = empty + WeightedSummary(jnp.float32(5), jnp.float32(1))
+    assert np.isnan(s.value())
+    # A finite mean with zero weight adds nothing, and its gradient is finite.
+    s = WeightedSummary(jnp.float32(7), jnp.float32(0)) + WeightedSummary(5.0, 1.0)
+    np.testing.assert_allclose(s.value(), 5.0)
+    g = jax.grad(
+        lambda m: (WeightedSummary(m, jnp.float32(0)) + WeightedSummary(m, 1.0)).value()
+    )(jnp.float32(2.0))
+    np.testing.assert_allclose(g, 1.0)

@@ -256,8 +256,7 @@ def test_one_reduction_over_stacked_equals_accumulate(
     `WeightedSummary` in one reduction; it follows `accumulate`'s rule: NaN anywhere
     (a NaN mean at zero weight too) gives NaN, weights near the maximum do not
     overflow."""
-    from eqxctx import Context, vmap_in_context
-    from eqxctx._repeat import fold_stacked
+    from eqxctx import Context, IterationSummaries, OutputCollection, vmap_in_context
 
     means = np.stack([m for m, _ in pairs])
     weights = np.stack([w for _, w in pairs])
@@ -271,7 +270,9 @@ def test_one_reduction_over_stacked_equals_accumulate(
         weights[...] = np.float32(3.2e38 / len(pairs))
     want = _fold([WeightedSummary(m, w) for m, w in zip(means, weights, strict=True)])
     assert isinstance(want, WeightedSummary)
-    got = fold_stacked({"s": WeightedSummary(means, weights)}, len(pairs))["s"]
+    stacked = {"s": WeightedSummary(means, weights)}
+    entry = OutputCollection({"iter": IterationSummaries(len(pairs), stacked)}, {}, {})
+    got = entry.merge_iterations().flatten("summaries")["iter/s"]
     np.testing.assert_allclose(got.value(), want.value(), rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(got.weight, want.weight, rtol=1e-5)
     if len(pairs) >= 2:  # a merged vmap (one example is returned as it is)

@@ -258,3 +258,19 @@ def test_assert_collections_equal_sees_static_fields_and_values_as_given() -> No
         empty.add_summary("x", np.float64(0.5)),
         empty.add_summary("x", jnp.float32(0.5)),
     )
+
+
+# From test_regressions.py: found by trying eqxctx as a new user would.
+def test_assert_collections_equal_checks_shape_and_dtype() -> None:
+    one = OutputCollection({"x": jnp.ones(3)}, {}, {})
+    with pytest.raises(AssertionError, match=r"x: float32\[3\] != float32\[\]"):
+        assert_collections_equal(one, OutputCollection({"x": 1.0}, {}, {}))
+    with pytest.raises(AssertionError, match="int32"):
+        assert_collections_equal(
+            OutputCollection({"x": jnp.int32(1)}, {}, {}),
+            OutputCollection({"x": True}, {}, {}),
+        )
+    assert_collections_equal(
+        OutputCollection({"x": 1.0}, {}, {}),
+        OutputCollection({"x": jnp.float32(1)}, {}, {}),
+    )
