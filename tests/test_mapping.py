@@ -185,9 +185,10 @@ def test_str_subclass_keys_are_found_in_a_level() -> None:
 
 # Found while rewriting test_host_cost.py (issue 36): `inserted` on a checked level
 # returns a level that claims its new value checked, so `OutputCollection(level)`
-# takes a str leaf (`updated` too). Fixed in `_mapping.py`, not in this branch.
-@pytest.mark.xfail(strict=True, reason="inserted/updated keep the checked flag")
+# takes a str leaf (`updated` too).
 def test_a_level_grown_by_inserted_is_checked_where_it_enters() -> None:
     empty = OutputCollection.empty().summaries
     with pytest.raises(TypeError, match=r"summaries/c/a"):
         OutputCollection(empty.inserted("c", empty.inserted("a", "text")), {}, {})
+    with pytest.raises(TypeError, match=r"summaries/b"):
+        OutputCollection(empty.updated([("b", "text")]), {}, {})

@@ -296,7 +296,8 @@ class FrozenMapping(Mapping[str, Entry]):
         """Return a new version with `key: value` added; `self` is unchanged.
 
         O(log n). Only the key is checked, not the value (an add through `Context`
-        or `OutputCollection` checks both).
+        or `OutputCollection` checks both): the new version is not `checked`, so a
+        collection made from it checks its leaves.
 
         Raises:
             TypeError: if `key` is not a non-empty `str`.
@@ -304,10 +305,12 @@ class FrozenMapping(Mapping[str, Entry]):
                 once).
         """
         _check_new_key(self, key, (), "inserted")
-        return insert(self, key, value)
+        return insert(self, key, value, checked=False)
 
     def updated(self, pairs: Pairs) -> "FrozenMapping":
         """Return a new version with every `(key, value)` pair of `pairs` added.
+
+        Like `inserted`, the new version is not `checked` (its values are not).
 
         Raises:
             TypeError: if a key is not a non-empty `str`.
@@ -318,7 +321,10 @@ class FrozenMapping(Mapping[str, Entry]):
         for key, _ in pairs:
             _check_new_key(self, key, seen, "updated")
             seen.add(key)
-        return insert_all(self, pairs)
+        out = self
+        for key, value in pairs:
+            out = insert(out, key, value, checked=False)
+        return out
 
 
 def _check_new_key(
@@ -338,8 +344,14 @@ def _check_new_key(
 _new = object.__new__
 
 
-def insert(m: FrozenMapping, key: str, value: Entry) -> FrozenMapping:
-    """`m.inserted(key, value)` for callers that have checked `key` (unchecked)."""
+def insert(
+    m: FrozenMapping, key: str, value: Entry, *, checked: bool | None = None
+) -> FrozenMapping:
+    """`m.inserted(key, value)` for callers that have checked `key` (unchecked).
+
+    `checked`: whether the new version is checked (default: as `m`, for callers
+    that have checked `value` too).
+    """
     out = _new(FrozenMapping)
     out._trie = (m._trie or m._entries()).set(key, value)
     out._base = m._base
@@ -352,7 +364,7 @@ def insert(m: FrozenMapping, key: str, value: Entry) -> FrozenMapping:
     if type(value) not in _no_span and (span := _span_of(value)):
         spans = spans.set(key, span)
     out._spans = spans
-    out._checked = m._checked
+    out._checked = m._checked if checked is None else checked
     out._sorted = None
     out._flat = None
     return out
