@@ -26,7 +26,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
-from jaxtyping import Array
+from jaxtyping import Array, ArrayLike
 
 from eqxctx._context import Context
 from eqxctx._gradients import rms
@@ -34,7 +34,7 @@ from eqxctx._sinks import to_sink
 from eqxctx._summary import Summary, is_array_leaf
 
 from ._interventions import Intervention, apply_function
-from ._points import Selection
+from ._points import Selection, leaf_suffix
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -46,7 +46,9 @@ class Tap:
             (`"layers[*]"`, `*` matching any characters and `?` one; brackets are
             literal), a module type (`eqx.nn.Linear`), an `eqx.tree_at`-style
             `where(model) -> node or nodes`, or a list of these.
-        output: record each point's output as the module output `"output"`.
+        output: record each point's output as the module output `"output"`; of
+            an output that is a PyTree (`(y, aux)`), each array leaf as
+            `"output_{path}"` (`output_0`, `output_1_sq` for `aux["sq"]`).
         summaries: `{name: fn}` with `fn(output) -> array or Summary`, computed on
             the device where the point runs (e.g. `{"moments": eqxctx.MomentsSummary}`
             or `{"rms": lambda y: jnp.sqrt(jnp.mean(y**2))}`). Names are summary
@@ -55,7 +57,8 @@ class Tap:
             `add_vector`, `apply_function`) or a function `fn(output, layer) -> output`,
             applied before recording.
         layers: the flat layer indices of a stacked point where `intervene` acts
-            (None: all).
+            (None: all); `0 <= i < L` (`capture` raises otherwise), and only with
+            `intervene`.
         gradient_summaries: `{name: fn}` with `fn(cotangent) -> array or Summary`,
             the backward pass's statistics of the point's output: `cotangent` is the
             gradient of the loss with respect to the output (one floating-point
@@ -110,6 +113,11 @@ class Tap:
                     f"function `fn(output, layer)`, got {intervene!r}."
                 )
             intervene = apply_function(intervene)
+        if layers is not None and intervene is None:
+            raise ValueError(
+                "`eqxctx.Tap`: `layers` selects the layers where `intervene` acts; "
+                "it needs `intervene` (records are kept for every layer)."
+            )
         if isinstance(at, list):  # hashable, for `eqx.filter_jit`'s static arguments
             at = tuple(at)
         object.__setattr__(self, "at", at)
@@ -216,7 +224,13 @@ class Plan:
 
 def records(tap: Tap, y: Any, name: str) -> dict[str, Any]:
     """The values `tap` records for output `y` (a dict of PyTrees)."""
-    out: dict[str, Any] = {"output": y} if tap.output else {}
+    out: dict[str, Any] = {}
+    if tap.output and eqx.is_array(y):
+        out["output"] = y
+    elif tap.output:  # a PyTree: each array leaf, named by its path in `y`
+        for key_path, leaf in jax.tree_util.tree_leaves_with_path(y):
+            if eqx.is_array(leaf):
+                out[f"output_{leaf_suffix(key_path)}"] = leaf
     out.update(_summaries(tap.summaries, y, name))
     return out
 
@@ -274,9 +288,11 @@ def _emit_fwd(
 
 
 def _emit_bwd(
-    values: tuple[Array, ...], ct: Array
+    values: tuple[ArrayLike, ...], ct: Array
 ) -> tuple[Array, tuple[Array, ...], tuple[Array, ...]]:
-    return ct, values, tuple(jnp.zeros_like(v) for v in values)
+    # A constant record (the call count) comes back as a NumPy residual.
+    arrays = tuple(jnp.asarray(v) for v in values)
+    return ct, arrays, tuple(jnp.zeros_like(v) for v in arrays)
 
 
 _emit.defvjp(_emit_fwd, _emit_bwd)
@@ -433,7 +449,7 @@ class Tapped(eqx.Module):
         if plan.vmapped:
             sinks = _claim(sinks, jax.lax.stop_gradient(leaves[i]))
         sinks, gradient_sinks = sinks[: len(self.sinks)], sinks[len(self.sinks) :]
-        leaves[i] = _emit(leaves[i], sinks, jax.lax.stop_gradient(tuple(values)))
+        leaves[i] = _emit(leaves[i], sinks, tuple(values))
         if gradient_sinks:  # the output is one array (checked in the shape pass)
 
             def fn(ct: Array) -> list[Array]:
