@@ -289,10 +289,11 @@ def _emit_fwd(
 
 def _emit_bwd(
     values: tuple[ArrayLike, ...], ct: Array
-) -> tuple[Array, tuple[Array, ...], tuple[Array, ...]]:
-    # A constant record (the call count) comes back as a NumPy residual.
-    arrays = tuple(jnp.asarray(v) for v in values)
-    return ct, arrays, tuple(jnp.zeros_like(v) for v in arrays)
+) -> tuple[Array, tuple[Array, ...], None]:
+    # A constant record (the call count) comes back as a NumPy residual. The
+    # records' own cotangent is a symbolic zero (None): the model's backward pass
+    # gets nothing to add, and a loss of the records differentiates through them.
+    return ct, tuple(jnp.asarray(v) for v in values), None
 
 
 _emit.defvjp(_emit_fwd, _emit_bwd)
