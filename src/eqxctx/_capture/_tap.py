@@ -37,8 +37,7 @@ from ._interventions import Intervention, apply_function
 from ._points import Selection, leaf_suffix
 
 
-@dataclasses.dataclass(frozen=True, init=False)
-class Tap:
+class Tap(eqx.Module):
     """What `capture` does at the hook points a selection names.
 
     Attributes:
@@ -69,13 +68,16 @@ class Tap:
             `"gradient"` (only under `capture_value_and_grad`).
     """
 
-    at: Selection
-    output: bool
-    summaries: tuple[tuple[str, Callable[[Any], Any]], ...]
+    # The intervention's arrays are traced under `eqx.filter_jit`; the rest is static.
+    at: Selection = eqx.field(static=True)
+    output: bool = eqx.field(static=True)
+    summaries: tuple[tuple[str, Callable[[Any], Any]], ...] = eqx.field(static=True)
     intervene: Intervention | None
-    layers: tuple[int, ...] | None
-    gradient_summaries: tuple[tuple[str, Callable[[Any], Any]], ...]
-    gradient_output: bool
+    layers: tuple[int, ...] | None = eqx.field(static=True)
+    gradient_summaries: tuple[tuple[str, Callable[[Any], Any]], ...] = eqx.field(
+        static=True
+    )
+    gradient_output: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -120,15 +122,13 @@ class Tap:
             )
         if isinstance(at, list):  # hashable, for `eqx.filter_jit`'s static arguments
             at = tuple(at)
-        object.__setattr__(self, "at", at)
-        object.__setattr__(self, "output", output)
-        object.__setattr__(self, "summaries", pairs)
-        object.__setattr__(self, "intervene", intervene)
-        object.__setattr__(
-            self, "layers", None if layers is None else tuple(int(i) for i in layers)
-        )
-        object.__setattr__(self, "gradient_summaries", grad_pairs)
-        object.__setattr__(self, "gradient_output", gradient_output)
+        self.at = at
+        self.output = output
+        self.summaries = pairs
+        self.intervene = intervene
+        self.layers = None if layers is None else tuple(int(i) for i in layers)
+        self.gradient_summaries = grad_pairs
+        self.gradient_output = gradient_output
 
     @property
     def records(self) -> bool:
@@ -157,33 +157,6 @@ def _named_functions(
                 f"{of}, got {fn!r}."
             )
     return pairs
-
-
-_STATIC = (
-    "at",
-    "output",
-    "summaries",
-    "layers",
-    "gradient_summaries",
-    "gradient_output",
-)
-
-
-def _tap_flatten(tap: Tap) -> tuple[tuple[Any], tuple[Any, ...]]:
-    return (tap.intervene,), tuple(getattr(tap, f) for f in _STATIC)
-
-
-def _tap_unflatten(aux: tuple[Any, ...], children: tuple[Any]) -> Tap:
-    tap = object.__new__(Tap)
-    for field, value in zip(_STATIC, aux, strict=True):
-        object.__setattr__(tap, field, value)
-    object.__setattr__(tap, "intervene", children[0])
-    return tap
-
-
-# A PyTree whose child is the intervention (its arrays are traced under
-# `eqx.filter_jit`); the selection, the flags and the functions are static.
-jax.tree_util.register_pytree_node(Tap, _tap_flatten, _tap_unflatten)
 
 
 @dataclasses.dataclass
