@@ -33,6 +33,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jax.ref
 
 import eqxctx
 
@@ -84,6 +85,31 @@ def hand_scan(model: Stack, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Arr
     return y, outs, rmss
 
 
+class RefTap(eqx.Module):
+    """A block that also writes its output and RMS into `jax.ref` buffers."""
+
+    block: Block
+    layer: jax.Array  # stacked [L]: the layer index
+    refs: tuple[Any, Any] = eqx.field(static=True)  # hidden from the model's scan
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = self.block(x)
+        self.refs[0][self.layer] = y
+        self.refs[1][self.layer] = rms(y)
+        return y
+
+
+def ref_scan(model: Stack, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A prototype (not what `capture` does): record through `jax.ref` writes."""
+    refs = (
+        jax.new_ref(jnp.zeros((LAYERS, SEQ, DIM))),
+        jax.new_ref(jnp.zeros((LAYERS,))),
+    )
+    layer = jnp.arange(LAYERS)
+    y = Stack(RefTap(model.blocks, layer, refs))(x)  # pyright: ignore[reportArgumentType]
+    return y, jax.ref.freeze(refs[0]), jax.ref.freeze(refs[1])
+
+
 TAP = eqxctx.Tap("blocks", output=True, summaries={"rms": rms})
 
 
@@ -103,6 +129,7 @@ def hand_loss(m: Stack, x: jax.Array) -> Any:
 VARIANTS: dict[str, Callable[[], Callable[..., Any]]] = {
     "capture": lambda: lambda m, x: eqxctx.capture(forward, m, x, taps=TAP),
     "hand": lambda: lambda m, x: hand_scan(m, x),
+    "ref": lambda: lambda m, x: ref_scan(m, x),
     "capture_none": lambda: lambda m, x: eqxctx.capture(forward, m, x, taps=())[0],
     "bare": lambda: lambda m, x: m(x),
     "step": lambda: lambda m, x: eqxctx.capture_value_and_grad(loss, m, x, taps=TAP),
@@ -178,6 +205,8 @@ def check(model: Stack, x: jax.Array) -> None:
     sums = coll.flatten("summaries")
     got_rms = jnp.stack([sums[f"blocks/layer{i}/rms"] for i in range(LAYERS)])
     assert jnp.allclose(got_rms, rmss, rtol=1e-5)
+    for a, b in zip(ref_scan(model, x), (y2, outs, rmss), strict=True):
+        assert jnp.allclose(a, b, rtol=1e-5, atol=1e-5)
     (v, _), g = VARIANTS["step"]()(model, x)
     (v2, _), g2 = VARIANTS["hand_step"]()(model, x)
     assert jnp.allclose(v, v2, rtol=1e-5)
@@ -205,6 +234,7 @@ def main() -> None:
     print("|---|--:|--:|--:|--:|--:|:--:|")
     for label, a, b in (
         ("forward: capture / hand-written scan", "capture", "hand"),
+        ("forward: jax.ref prototype / hand-written scan", "ref", "hand"),
         ("nothing selected: capture / bare model", "capture_none", "bare"),
         ("training step: capture_value_and_grad / by hand", "step", "hand_step"),
         (

@@ -64,13 +64,20 @@ class GPT(eqx.Module):
         ]
 
 
-def gpt_reference(model: GPT, tokens: Array) -> tuple[Array, list[dict[str, Array]]]:
-    """The forward as a Python loop over layers, with each block's intermediates."""
+def gpt_reference(
+    model: GPT, tokens: Array, *, ablate_attn: int | None = None
+) -> tuple[Array, list[dict[str, Array]]]:
+    """The forward as a Python loop over layers, with each block's intermediates.
+
+    `ablate_attn`: the layer whose attention output is zeroed (None: none).
+    """
     x = jax.vmap(model.embed)(tokens)
     per_layer: list[dict[str, Array]] = []
-    for block in model.layers():
+    for i, block in enumerate(model.layers()):
         h = jax.vmap(block.norm1)(x)
         attn = block.attn(h, h, h)
+        if i == ablate_attn:
+            attn = jnp.zeros_like(attn)
         x = x + attn
         h = jax.vmap(block.norm2)(x)
         mlp = jax.vmap(block.mlp)(h)

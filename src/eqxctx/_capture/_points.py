@@ -69,6 +69,11 @@ def collection_path(key_path: KeyPath) -> str:
     return "/".join(parts)
 
 
+def leaf_suffix(key_path: KeyPath) -> str:
+    """Return a leaf's key path as one name part (`(1, "sq")` -> `"1_sq"`)."""
+    return "_".join(_UNSAFE.sub("_", _component(k)[0].lower()) for k in key_path)
+
+
 def _name(key_path: KeyPath) -> str:
     return jax.tree_util.keystr(key_path).removeprefix(".")
 

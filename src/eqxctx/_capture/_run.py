@@ -196,6 +196,16 @@ class _Session:
         }
         self.prefixes = {n: markers[n][: found[n].depth] for n in chosen}
         for name, (_, tap) in chosen.items():
+            n = math.prod(self.prefixes[name])  # 1 if not stacked
+            bad = [i for i in tap.layers or () if not 0 <= i < n]
+            if bad:
+                stacked = "" if self.prefixes[name] else "is not stacked, so it "
+                raise ValueError(
+                    f"`{where}`: `Tap(layers=...)` at {name!r} holds the index "
+                    f"{bad[0]}, but the point {stacked}has {n} layer(s); use indices "
+                    f"0 <= i < {n}."
+                )
+        for name, (_, tap) in chosen.items():
             if tap.records:
                 call = found[name]
                 lead = (*self.prefixes[name], *call.vmaps)
@@ -270,7 +280,9 @@ def capture(
     but not the model keeps its module outputs per example (`[..., B, ...]`) and
     merges its summaries over the examples (`Summary.accumulate`, `+` for arrays),
     as `vmap_in_context(merge_summaries=True)` does. Entries record the output
-    after the intervention.
+    after the intervention; an output that is a PyTree records each array leaf
+    (see `Tap.output`). Recorded values are differentiable: a loss of them, under
+    `jax.grad` of a function that calls `capture`, gets the model's gradients.
 
     Branches and loops: a recording point in a `jax.lax.cond` branch records when
     the branch runs and raises `EquinoxRuntimeError` when it does not (never
@@ -305,7 +317,8 @@ def capture(
     Raises:
         ValueError: a selection that matches no point (listing the points); a point
             selected by two taps, never called, or recorded at two call sites; a
-            per-layer intervention value without the stack's leading axes; a
+            per-layer intervention value without the stack's leading axes;
+            `Tap(layers=...)` past the point's number of layers; a
             recording point whose output flows through a `jax.lax.while_loop`.
         TypeError: bad taps; a recorded point whose output has no floating-point
             array; a summary function returning something other than an array or
@@ -460,7 +473,7 @@ def _entries(
         **_unflatten(call.gradients, gradients),
     }
     recorded = eqx.error_if(recorded, calls != 1, _CALLS_MESSAGE + f" Point: {name!r}.")
-    outputs = {k: v for k, v in recorded.items() if k in ("output", "gradient")}
+    outputs = {k: v for k, v in recorded.items() if not k.startswith("summary:")}
     summaries = {
         k.removeprefix("summary:"): v
         for k, v in recorded.items()

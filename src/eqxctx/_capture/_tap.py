@@ -26,7 +26,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
-from jaxtyping import Array
+from jaxtyping import Array, ArrayLike
 
 from eqxctx._context import Context
 from eqxctx._gradients import rms
@@ -34,11 +34,10 @@ from eqxctx._sinks import to_sink
 from eqxctx._summary import Summary, is_array_leaf
 
 from ._interventions import Intervention, apply_function
-from ._points import Selection
+from ._points import Selection, leaf_suffix
 
 
-@dataclasses.dataclass(frozen=True, init=False)
-class Tap:
+class Tap(eqx.Module):
     """What `capture` does at the hook points a selection names.
 
     Attributes:
@@ -46,7 +45,9 @@ class Tap:
             (`"layers[*]"`, `*` matching any characters and `?` one; brackets are
             literal), a module type (`eqx.nn.Linear`), an `eqx.tree_at`-style
             `where(model) -> node or nodes`, or a list of these.
-        output: record each point's output as the module output `"output"`.
+        output: record each point's output as the module output `"output"`; of
+            an output that is a PyTree (`(y, aux)`), each array leaf as
+            `"output_{path}"` (`output_0`, `output_1_sq` for `aux["sq"]`).
         summaries: `{name: fn}` with `fn(output) -> array or Summary`, computed on
             the device where the point runs (e.g. `{"moments": eqxctx.MomentsSummary}`
             or `{"rms": lambda y: jnp.sqrt(jnp.mean(y**2))}`). Names are summary
@@ -55,7 +56,8 @@ class Tap:
             `add_vector`, `apply_function`) or a function `fn(output, layer) -> output`,
             applied before recording.
         layers: the flat layer indices of a stacked point where `intervene` acts
-            (None: all).
+            (None: all); `0 <= i < L` (`capture` raises otherwise), and only with
+            `intervene`.
         gradient_summaries: `{name: fn}` with `fn(cotangent) -> array or Summary`,
             the backward pass's statistics of the point's output: `cotangent` is the
             gradient of the loss with respect to the output (one floating-point
@@ -66,13 +68,16 @@ class Tap:
             `"gradient"` (only under `capture_value_and_grad`).
     """
 
-    at: Selection
-    output: bool
-    summaries: tuple[tuple[str, Callable[[Any], Any]], ...]
+    # The intervention's arrays are traced under `eqx.filter_jit`; the rest is static.
+    at: Selection = eqx.field(static=True)
+    output: bool = eqx.field(static=True)
+    summaries: tuple[tuple[str, Callable[[Any], Any]], ...] = eqx.field(static=True)
     intervene: Intervention | None
-    layers: tuple[int, ...] | None
-    gradient_summaries: tuple[tuple[str, Callable[[Any], Any]], ...]
-    gradient_output: bool
+    layers: tuple[int, ...] | None = eqx.field(static=True)
+    gradient_summaries: tuple[tuple[str, Callable[[Any], Any]], ...] = eqx.field(
+        static=True
+    )
+    gradient_output: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -110,17 +115,20 @@ class Tap:
                     f"function `fn(output, layer)`, got {intervene!r}."
                 )
             intervene = apply_function(intervene)
+        if layers is not None and intervene is None:
+            raise ValueError(
+                "`eqxctx.Tap`: `layers` selects the layers where `intervene` acts; "
+                "it needs `intervene` (records are kept for every layer)."
+            )
         if isinstance(at, list):  # hashable, for `eqx.filter_jit`'s static arguments
             at = tuple(at)
-        object.__setattr__(self, "at", at)
-        object.__setattr__(self, "output", output)
-        object.__setattr__(self, "summaries", pairs)
-        object.__setattr__(self, "intervene", intervene)
-        object.__setattr__(
-            self, "layers", None if layers is None else tuple(int(i) for i in layers)
-        )
-        object.__setattr__(self, "gradient_summaries", grad_pairs)
-        object.__setattr__(self, "gradient_output", gradient_output)
+        self.at = at
+        self.output = output
+        self.summaries = pairs
+        self.intervene = intervene
+        self.layers = None if layers is None else tuple(int(i) for i in layers)
+        self.gradient_summaries = grad_pairs
+        self.gradient_output = gradient_output
 
     @property
     def records(self) -> bool:
@@ -149,33 +157,6 @@ def _named_functions(
                 f"{of}, got {fn!r}."
             )
     return pairs
-
-
-_STATIC = (
-    "at",
-    "output",
-    "summaries",
-    "layers",
-    "gradient_summaries",
-    "gradient_output",
-)
-
-
-def _tap_flatten(tap: Tap) -> tuple[tuple[Any], tuple[Any, ...]]:
-    return (tap.intervene,), tuple(getattr(tap, f) for f in _STATIC)
-
-
-def _tap_unflatten(aux: tuple[Any, ...], children: tuple[Any]) -> Tap:
-    tap = object.__new__(Tap)
-    for field, value in zip(_STATIC, aux, strict=True):
-        object.__setattr__(tap, field, value)
-    object.__setattr__(tap, "intervene", children[0])
-    return tap
-
-
-# A PyTree whose child is the intervention (its arrays are traced under
-# `eqx.filter_jit`); the selection, the flags and the functions are static.
-jax.tree_util.register_pytree_node(Tap, _tap_flatten, _tap_unflatten)
 
 
 @dataclasses.dataclass
@@ -216,7 +197,13 @@ class Plan:
 
 def records(tap: Tap, y: Any, name: str) -> dict[str, Any]:
     """The values `tap` records for output `y` (a dict of PyTrees)."""
-    out: dict[str, Any] = {"output": y} if tap.output else {}
+    out: dict[str, Any] = {}
+    if tap.output and eqx.is_array(y):
+        out["output"] = y
+    elif tap.output:  # a PyTree: each array leaf, named by its path in `y`
+        for key_path, leaf in jax.tree_util.tree_leaves_with_path(y):
+            if eqx.is_array(leaf):
+                out[f"output_{leaf_suffix(key_path)}"] = leaf
     out.update(_summaries(tap.summaries, y, name))
     return out
 
@@ -274,9 +261,12 @@ def _emit_fwd(
 
 
 def _emit_bwd(
-    values: tuple[Array, ...], ct: Array
-) -> tuple[Array, tuple[Array, ...], tuple[Array, ...]]:
-    return ct, values, tuple(jnp.zeros_like(v) for v in values)
+    values: tuple[ArrayLike, ...], ct: Array
+) -> tuple[Array, tuple[Array, ...], None]:
+    # A constant record (the call count) comes back as a NumPy residual. The
+    # records' own cotangent is a symbolic zero (None): the model's backward pass
+    # gets nothing to add, and a loss of the records differentiates through them.
+    return ct, tuple(jnp.asarray(v) for v in values), None
 
 
 _emit.defvjp(_emit_fwd, _emit_bwd)
@@ -433,7 +423,7 @@ class Tapped(eqx.Module):
         if plan.vmapped:
             sinks = _claim(sinks, jax.lax.stop_gradient(leaves[i]))
         sinks, gradient_sinks = sinks[: len(self.sinks)], sinks[len(self.sinks) :]
-        leaves[i] = _emit(leaves[i], sinks, jax.lax.stop_gradient(tuple(values)))
+        leaves[i] = _emit(leaves[i], sinks, tuple(values))
         if gradient_sinks:  # the output is one array (checked in the shape pass)
 
             def fn(ct: Array) -> list[Array]:
