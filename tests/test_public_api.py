@@ -66,3 +66,17 @@ def test_importing_eqxctx_starts_no_jax_backend() -> None:
         check=True,
     )
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+SRC = pathlib.Path(__file__).parent.parent / "src" / "eqxctx"
+
+
+def test_no_module_uses_jax_private_internals() -> None:
+    # issue 36: JAX's private modules change without notice; public fallbacks exist.
+    offenders = [
+        f"{path.relative_to(SRC)}:{number}: {line.strip()}"
+        for path in sorted(SRC.rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "jax._src" in line or "source_info_util" in line
+    ]
+    assert not offenders, "\n".join(offenders)

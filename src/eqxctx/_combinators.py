@@ -32,7 +32,6 @@ from ._repeat import (
     fold_stacked,
     propagate_repeated_output_collections as propagate,
 )
-from ._scope import child_scope
 from ._summary import is_array_leaf
 from ._typing import Carry, InAxes, Leaf, PRNGKeys, SummaryTree, Tree, X, Y
 
@@ -391,7 +390,7 @@ def scan_in_context(
 
     if remat is not None:
         body = jax.checkpoint(body, **remat)
-    with child_scope(prefix):
+    with jax.named_scope(prefix):
         (carry_out, merged, _, _), (ys, stacked) = jax.lax.scan(
             body,
             (carry, acc, first, index),
@@ -646,7 +645,7 @@ def vmap_in_context(
         return y, coll
 
     index = jnp.arange(n, dtype=jnp.uint32)
-    with child_scope(prefix):
+    with jax.named_scope(prefix):
         ys, stacked = jax.vmap(
             body, in_axes=(in_axes, 0, 0), axis_size=n, axis_name=axis_name
         )(xs, index, sinks)

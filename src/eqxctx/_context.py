@@ -31,7 +31,6 @@ from ._errors import CALL_TWICE_HINT, PREFIX_HINT, OutputConflictError
 from ._frozen import TreeEquality
 from ._leaves import validate_leaf_name
 from ._rows import RowMask, check_row_mask, row_where
-from ._scope import child_scope
 from ._typing import ArrayTree, Children, Leaf, MaybeKey, Names, PRNGKey, R
 
 
@@ -596,7 +595,7 @@ class Context(TreeEquality):
         at = _child_frame(frame, name, frame.is_training)
         # The child context is made in the call: the call's argument tuple holds the
         # empty child until `fn` returns (nothing that grows while `fn` runs).
-        with child_scope(name):
+        with jax.named_scope(name):
             try:
                 result = fn(*args, _make(at, _EMPTY), **kwargs)
             except TypeError as e:

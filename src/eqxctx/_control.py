@@ -20,7 +20,6 @@ from ._context import (
     iteration_context,
 )
 from ._reconcile import fill_collection, union_collections
-from ._scope import child_scope
 from ._typing import ArrayTree, R
 
 
@@ -83,7 +82,7 @@ def _run_branches(
             return branch
 
         try:
-            with child_scope(child_name):
+            with jax.named_scope(child_name):
                 out, coll = dispatch([wrapped(j) for j in range(len(branches))])
         except TypeError as e:
             # JAX's own rules decide (weak types, ...); its message names eqxctx's

@@ -21,7 +21,6 @@ from ._control import check_result
 from ._gradients import PendingGradient, is_pending
 from ._reconcile import identity_of
 from ._repeat import accumulate_trees, accumulator_shape, cast_like
-from ._scope import child_scope
 from ._summary import Summary
 from ._typing import Carry, DType, Leaf, PRNGKeys, SummaryTree
 
@@ -276,7 +275,7 @@ def _while(
         acc = jax.tree_util.tree_map(lambda a, b: jnp.where(first, a, b), new, summed)
         return new_val, acc, jnp.array(False), i + 1
 
-    with child_scope(name):
+    with jax.named_scope(name):
         val, acc, _, _ = jax.lax.while_loop(
             cond, body, (init_val, acc0, jnp.array(True), i0)
         )
