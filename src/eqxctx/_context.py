@@ -29,6 +29,15 @@ from ._collection import (
 )
 from ._errors import CALL_TWICE_HINT, PREFIX_HINT, OutputConflictError
 from ._frozen import TreeEquality
+from ._gradients import (
+    ADDERS,
+    GradientState,
+    GradKind,
+    check_probe_input,
+    pending,
+    probe,
+    probe_fn,
+)
 from ._leaves import validate_leaf_name
 from ._rows import RowMask, check_row_mask, row_where
 from ._typing import ArrayTree, Children, Leaf, MaybeKey, Names, PRNGKey, R
@@ -493,9 +502,7 @@ class Context(TreeEquality):
             OutputConflictError: under `value_and_grad`, a summary `name` already
                 exists at this path (forward and gradient summaries share names).
         """
-        from ._gradients import add_probe  # (it imports this module)
-
-        return add_probe(self, "summaries", name, x, fn, level)
+        return _add_probe(self, "summaries", name, x, fn, level)
 
     def add_gradient_output(
         self, name: str, x: ArrayTree, level: int = 0
@@ -512,9 +519,7 @@ class Context(TreeEquality):
             OutputConflictError: under `value_and_grad`, module output `name`
                 already exists at this path.
         """
-        from ._gradients import add_probe  # (it imports this module)
-
-        return add_probe(self, "module_outputs", name, x, None, level)
+        return _add_probe(self, "module_outputs", name, x, None, level)
 
     def replace_collection(self, collection: OutputCollection) -> "Context":
         """Return a new context whose collection is `collection`.
@@ -827,6 +832,43 @@ def iteration_context(
     )
 
 
+def _add_probe(
+    ctx: Context,
+    kind: GradKind,
+    name: str,
+    x: ArrayTree,  # checked here, with a message naming the path
+    fn: object,  # checked here, with a message naming the path
+    level: object,  # checked by `_drops`, with a message
+) -> tuple[ArrayTree, Context]:
+    """`ctx.add_gradient_summary` / `add_gradient_output` (see their docstrings)."""
+    where = ADDERS[kind]
+    validate_leaf_name(name, where=where)
+    path = "/".join((*ctx.path, name))
+    check_probe_input(x, where, path)
+    # A probe above the summary level is dropped: no sink, no custom_vjp, nothing
+    # in the backward pass (the default, level 0 with no level set, costs a compare).
+    if (type(level) is not int or level or ctx.summary_level is not None) and _drops(
+        ctx, name, level, where
+    ):
+        return x, ctx
+    fn = probe_fn(kind, fn, where, path)
+    state: GradientState | None = gradient_state(ctx)
+    if state is None:
+        return x, ctx  # not under `value_and_grad`: an exact identity
+    key = (ctx.path, kind, name)
+    placeholder = pending(state, key, fn, x, where)
+    try:
+        if kind == "summaries":
+            ctx = ctx.add_summary(name, placeholder)
+        else:
+            ctx = ctx.add_module_output(name, placeholder)
+    except OutputConflictError as e:
+        raise OutputConflictError(
+            f"`{where}`: {path!r}: {e} Forward and gradient {kind} share names."
+        ) from None
+    return probe(x, state.sinks.get(key), fn), ctx
+
+
 def gradient_state(ctx: Context) -> GradientSinks:
     """The context's `_gradients.GradientState`, or None (no `value_and_grad`)."""
     return ctx._frame.gradients  # pyright: ignore[reportPrivateUsage]
@@ -909,6 +951,17 @@ def _unflatten(aux: _Aux, children: Children) -> Context:
 jax.tree_util.register_pytree_with_keys(
     Context, _flatten_with_keys, _unflatten, _flatten
 )
+
+
+def check_context(value: object, where: str) -> None:
+    """Raise `TypeError` naming `where` unless `value` is a `Context`."""
+    if not isinstance(value, Context):
+        given = f"{type(value).__name__} {value!r}"[:100]
+        raise TypeError(
+            f"`{where}(context=...)`: context must be a `Context` (the calling "
+            f"context, e.g. `Context.root()` or the `ctx` your method was handed), got "
+            f"{given}."
+        )
 
 
 def check_summary_level(level: object, where: str) -> int | None:

@@ -13,10 +13,16 @@ import jax.numpy as jnp
 from jax.core import Tracer
 from jaxtyping import Array, ArrayLike
 
-from ._checks import check_context, check_drop, note_missing_key
+from ._checks import check_drop, note_missing_key
 from ._collection import OutputCollection, validate_child_name
 from ._combinators import scan_in_context
-from ._context import Context, fold_in_name, is_shape_only, iteration_context
+from ._context import (
+    Context,
+    check_context,
+    fold_in_name,
+    is_shape_only,
+    iteration_context,
+)
 from ._control import check_result
 from ._gradients import PendingGradient, is_pending
 from ._reconcile import identity_of
