@@ -1,9 +1,8 @@
 """Memory of a deep chain of `ctx.call` children, per level (exact counts).
 
 Moved from the test suite (they took minutes of it): each level of a chain K deep
-must keep the same objects and bytes alive however deep it is, and the name stack
-of a level must take fewer bytes than JAX's nested `jax.named_scope`s. Prints one
-table; the "met" column gives the targets. Usage:
+must keep the same objects and bytes alive however deep it is. Prints one table; the
+"met" column gives the targets. Usage:
 
     .venv/bin/python benchmarks/chain_memory.py
 """
@@ -17,7 +16,6 @@ from typing import Any
 import jax
 
 import eqxctx
-import eqxctx._context as context_module
 from eqxctx import Context
 
 
@@ -73,9 +71,8 @@ def chain_objects_and_bytes() -> list[str]:
         return counts
 
     def eqxctx_bytes() -> int:
-        # Not the name stack (`_scope.py`): JAX's own needs O(depth) bytes per level
-        # to spell the level's path (see the next test).
-        return _bytes_from([f"{_SRC}/*"], exclude=(f"{_SRC}/_scope.py",))
+        # (JAX's name stack is JAX's: `jax.named_scope` per level.)
+        return _bytes_from([f"{_SRC}/*"])
 
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(limit, 4000))
@@ -117,43 +114,9 @@ def chain_objects_and_bytes() -> list[str]:
     return rows
 
 
-def name_stack_bytes_per_level() -> list[str]:
-    """The name stack of a level D deep spells D names, but not as JAX's tuple of D.
-
-    `jax.named_scope` per level keeps a tuple of D entries per level (8 bytes each);
-    `child_scope` keeps one joined string of the names (a few bytes per name).
-    """
-
-    def name_stack_bytes() -> int:
-        return _bytes_from(["*/_scope.py", "*/jax/_src/source_info_util.py"])
-
-    limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(max(limit, 4000))
-    per_level: dict[str, float] = {}
-    try:
-        _chain_bottom(300, lambda: None)
-        for label in ("child_scope", "named_scope"):
-            if label == "named_scope":
-                context_module.child_scope = jax.named_scope
-            tracemalloc.start()
-            try:
-                size = {k: _chain_bottom(k, name_stack_bytes) for k in (200, 300)}
-            finally:
-                tracemalloc.stop()
-            per_level[label] = (size[300] - size[200]) / 100
-    finally:
-        sys.setrecursionlimit(limit)
-    met = per_level["child_scope"] < 0.7 * per_level["named_scope"]
-    return [
-        f"| name-stack bytes per level (child_scope / named_scope) | "
-        f"{per_level['child_scope']:.0f} / {per_level['named_scope']:.0f} | "
-        f"< 0.7x | {'yes' if met else 'NO'} |"
-    ]
-
-
 def main() -> None:
     print("| measure | measured | target | met |\n|---|---|---|:--:|")
-    for row in chain_objects_and_bytes() + name_stack_bytes_per_level():
+    for row in chain_objects_and_bytes():
         print(row)
 
 

@@ -655,3 +655,76 @@ def test_a_traced_key_is_reused_only_under_its_trace() -> None:
         ctx.child("c3").prng_key,
         jax.random.fold_in(want[2], _seed("c3")),
     )
+
+
+def _seed(name: str) -> int:
+    """AXLearn's child seed, computed here as the reference."""
+    import hashlib
+
+    return int(hashlib.md5(name.encode()).hexdigest(), 16) % (2**31 - 1)
+
+
+def _frame_fields(ctx: Context) -> list[object]:
+    frame = ctx._frame  # pyright: ignore[reportPrivateUsage]
+    return [getattr(frame, name) for name in type(frame).__slots__]
+
+
+def test_reading_a_context_writes_nothing() -> None:
+    # issue 36: a frame is never written after construction (no memo of paths or
+    # keys, per trace or otherwise), so versions of a context shared between threads
+    # and traces need no lock.
+    key = jax.random.PRNGKey(0)
+    seen: list[tuple[object, ...]] = []
+
+    def leaf(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+        before = _frame_fields(ctx)
+        out = x + jax.random.normal(ctx.prng_key, x.shape)
+        seen.append((ctx.path, ctx.prng_key))
+        assert all(a is b for a, b in zip(before, _frame_fields(ctx), strict=True))
+        return out, ctx
+
+    def model(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+        return ctx.call("a", lambda x, c: c.call("b", leaf, x), x)
+
+    def run(x: jax.Array) -> jax.Array:
+        return functional(model, prng_key=key, is_training=False, args=(x,))[0]
+
+    jax.jit(run)(jnp.zeros(2))
+    run(jnp.zeros(2))
+    outside = Context.root(prng_key=key).child("a").child("b")
+    before = _frame_fields(outside)
+    want = jax.random.fold_in(jax.random.fold_in(key, _seed("a")), _seed("b"))
+    np.testing.assert_array_equal(outside.prng_key, want)
+    assert outside.path == ("root", "a", "b")
+    assert all(a is b for a, b in zip(before, _frame_fields(outside), strict=True))
+    assert [p for p, _ in seen] == [("root", "a", "b")] * 2
+    np.testing.assert_array_equal(seen[1][1], want)
+
+
+def test_eight_threads_reading_one_base_contexts_children_see_their_own() -> None:
+    # issue 36: eight threads building and reading children of one base context.
+    base = Context.root(prng_key=jax.random.PRNGKey(0)).child("base")
+    results: dict[int, tuple[tuple[str, ...], np.ndarray, dict[str, object]]] = {}
+
+    def work(i: int) -> None:
+        ctx = base.child(f"t{i}").add_summary(f"s{i}", float(i))
+        ctx = ctx.child("deep").add_summary("x", float(i))
+        results[i] = (
+            ctx.path,
+            np.asarray(ctx.prng_key),
+            ctx.collection.flatten("summaries"),
+        )
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(8):
+        want = jax.random.PRNGKey(0)
+        for name in ("base", f"t{i}", "deep"):
+            want = jax.random.fold_in(want, _seed(name))
+        path, key, summaries = results[i]
+        assert path == ("root", "base", f"t{i}", "deep")
+        np.testing.assert_array_equal(key, want)
+        assert summaries == {"x": float(i)}

@@ -66,3 +66,85 @@ def test_importing_eqxctx_starts_no_jax_backend() -> None:
         check=True,
     )
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+SRC = pathlib.Path(__file__).parent.parent / "src" / "eqxctx"
+
+
+def test_no_module_uses_jax_private_internals() -> None:
+    # issue 36: JAX's private modules change without notice; public fallbacks exist.
+    offenders = [
+        f"{path.relative_to(SRC)}:{number}: {line.strip()}"
+        for path in sorted(SRC.rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "jax._src" in line or "source_info_util" in line
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
+def _imports_of(path: pathlib.Path) -> set[str]:
+    """The eqxctx modules `path` imports, wherever the import statement sits."""
+    import ast
+
+    package = ["eqxctx", *path.relative_to(SRC).with_suffix("").parts]
+    if package[-1] == "__init__":
+        package.pop()
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("eqxctx."))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package[
+                    : len(package) - node.level + (path.stem == "__init__")
+                ]
+                base = ".".join([*parent, *([base] if base else [])])
+            if base == "eqxctx" or base.startswith("eqxctx."):
+                # `from . import _x` imports the module `_x`.
+                found.update(
+                    f"{base}.{a.name}"
+                    if (SRC.parent / base.replace(".", "/") / a.name).exists()
+                    or (SRC.parent / f"{base.replace('.', '/')}/{a.name}.py").exists()
+                    else base
+                    for a in node.names
+                )
+    return found
+
+
+def test_no_import_circle() -> None:
+    # issue 36: every import counts, at module level, inside functions and under
+    # `if TYPE_CHECKING:` alike (a type named across two modules ties them as much
+    # as a call does). A package's `__init__` re-exporting its modules is not a
+    # circle: a module importing its own package's `__init__` is left out.
+    modules = {
+        ".".join(["eqxctx", *p.relative_to(SRC).with_suffix("").parts]).removesuffix(
+            ".__init__"
+        ): p
+        for p in SRC.rglob("*.py")
+    }
+    graph = {
+        name: {
+            m
+            for m in _imports_of(path)
+            if m in modules and not name.startswith(m + ".")
+        }
+        - {name}
+        for name, path in modules.items()
+    }
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(name: str, trail: list[str]) -> None:
+        state[name] = 1
+        for dep in sorted(graph[name]):
+            if state.get(dep) == 1:
+                cycles.append([*trail[trail.index(dep) :], dep])
+            elif dep not in state:
+                visit(dep, [*trail, dep])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)

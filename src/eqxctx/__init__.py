@@ -39,7 +39,7 @@ from ._loops import (
     while_in_context as while_in_context,
 )
 from ._partition import DataPartition as DataPartition
-from ._repeat import (
+from ._propagate import (
     propagate_repeated_output_collections as propagate_repeated_output_collections,
 )
 from ._runner import MethodRunner as MethodRunner

@@ -6,7 +6,7 @@ lowering and compilation" in the JAX docs), applied to the runner's jitted step
 `compile()` returns a `CompiledRunner` called like the runner.
 """
 
-from typing import TYPE_CHECKING, Any, Generic, cast
+from typing import Any, Generic, Protocol, TypeVar, cast, runtime_checkable
 
 import jax
 import numpy as np
@@ -16,17 +16,32 @@ from jaxtyping import PyTree
 from ._frozen import Frozen
 from ._partition import leaf_shardings, path_str, resolve_specs
 from ._plan import BatchPlan, batch_rows
-from ._step import check_donated, in_mesh
+from ._step import Step, check_donated, in_mesh
 from ._transfer import place
-from ._typing import ArrayLeaf, Batch, ModelT, OutputT
+from ._typing import ArrayLeaf, Batch, PRNGKeyArray
 
 
-if TYPE_CHECKING:
-    from ._runner import MethodRunner
+@runtime_checkable
+class Runner(Protocol):
+    """What lowering reads of a `MethodRunner` (whose `lower` calls this module)."""
+
+    def __init__(
+        self, param_leaves: tuple[jax.Array, ...], prng_key: PRNGKeyArray, step: Step
+    ) -> None: ...
+    @property
+    def param_leaves(self) -> tuple[jax.Array, ...]: ...
+    @property
+    def prng_key(self) -> PRNGKeyArray: ...
+    @property
+    def step(self) -> Step: ...
+
+
+#: The `MethodRunner` (type) a lowered or compiled step is bound to.
+RunnerT = TypeVar("RunnerT", bound=Runner)
 
 
 def _signature(
-    runner: "MethodRunner[Any, Any]",
+    runner: Runner,
 ) -> list[tuple[tuple[int, ...], Any, Sharding]]:
     leaves = [*runner.param_leaves, runner.prng_key]
     return [(np.shape(x), jax.typeof(x).dtype, x.sharding) for x in leaves]
@@ -39,8 +54,8 @@ def _dtype(x: ArrayLeaf) -> Any:
 
 
 def lower_runner(
-    runner: "MethodRunner[ModelT, OutputT]", batch_spec: Batch, **kwargs: PyTree
-) -> "LoweredRunner[ModelT, OutputT]":
+    runner: RunnerT, batch_spec: Batch, **kwargs: PyTree
+) -> "LoweredRunner[RunnerT]":
     """Lower `runner`'s step for batches like `batch_spec`; see `MethodRunner.lower`.
 
     The batch goes through the call's placement rule (`leaf_shardings`, a leaf's own
@@ -53,10 +68,10 @@ def lower_runner(
 
 
 def _lower(
-    runner: "MethodRunner[ModelT, OutputT]",
+    runner: RunnerT,
     batch_spec: Batch,
     kwargs: dict[str, PyTree],
-) -> "LoweredRunner[ModelT, OutputT]":
+) -> "LoweredRunner[RunnerT]":
     step = runner.step
     mesh = step.mesh
     with_path, treedef = jax.tree_util.tree_flatten_with_path(batch_spec)
@@ -129,12 +144,12 @@ def _check_padded_rows(plan: BatchPlan, batch_sizes: tuple[int, ...] | None) -> 
     )
 
 
-class _Staged(Generic[ModelT, OutputT]):
+class _Staged(Generic[RunnerT]):
     """A runner's step at one ahead-of-time stage (JAX's `Lowered` or `Compiled`)."""
 
     def __init__(
         self,
-        runner: "MethodRunner[ModelT, OutputT]",
+        runner: RunnerT,
         program: Any,
         static_kwargs: Frozen | None,
         plan: BatchPlan,
@@ -149,7 +164,7 @@ class _Staged(Generic[ModelT, OutputT]):
         return self._program.as_text()
 
 
-class LoweredRunner(_Staged[ModelT, OutputT]):
+class LoweredRunner(_Staged[RunnerT]):
     """A runner step lowered ahead of time by `MethodRunner.lower`.
 
     Follows JAX's `jax.stages.Lowered`: `as_text()` gives the StableHLO, `compile()`
@@ -157,14 +172,14 @@ class LoweredRunner(_Staged[ModelT, OutputT]):
     `batch_spec` given to `lower`.
     """
 
-    def compile(self) -> "CompiledRunner[ModelT, OutputT]":
+    def compile(self) -> "CompiledRunner[RunnerT]":
         """Compile the lowered program; the result is called like the runner."""
         return CompiledRunner(
             self._runner, self._program.compile(), self._static_kwargs, self._plan
         )
 
 
-class CompiledRunner(_Staged[ModelT, OutputT]):
+class CompiledRunner(_Staged[RunnerT]):
     """A compiled runner step: `compiled(batch, **kwargs) -> (runner, output)`.
 
     Runs the program compiled by `MethodRunner.lower(...).compile()` with the
@@ -186,13 +201,11 @@ class CompiledRunner(_Staged[ModelT, OutputT]):
     """
 
     @property
-    def runner(self) -> "MethodRunner[ModelT, OutputT]":
+    def runner(self) -> RunnerT:
         """The runner whose parameters and key the next call uses."""
         return self._runner
 
-    def bind(
-        self, runner: "MethodRunner[ModelT, OutputT]"
-    ) -> "CompiledRunner[ModelT, OutputT]":
+    def bind(self, runner: RunnerT) -> "CompiledRunner[RunnerT]":
         """Return this compiled program bound to `runner` (e.g. a call's successor).
 
         Raises:
@@ -200,7 +213,7 @@ class CompiledRunner(_Staged[ModelT, OutputT]):
                 static model parts) than the runner this program was compiled for, or
                 parameters or a key of another shape, dtype or sharding.
         """
-        if runner.settings != self._runner.settings:
+        if runner.step.settings != self._runner.step.settings:
             raise ValueError(
                 "`CompiledRunner.bind`: the runner has other settings (method, mesh, "
                 "partitions or static parts of the model) than the one this program "
@@ -234,9 +247,7 @@ class CompiledRunner(_Staged[ModelT, OutputT]):
         """
         return self._program.memory_analysis()
 
-    def __call__(
-        self, input_batch: Batch, **kwargs: PyTree
-    ) -> tuple["MethodRunner[ModelT, OutputT]", "MethodRunner.Output[OutputT]"]:
+    def __call__(self, input_batch: Batch, **kwargs: PyTree) -> tuple[RunnerT, Any]:
         """Run the compiled step; see `MethodRunner.__call__`.
 
         Raises:

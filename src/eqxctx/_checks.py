@@ -15,24 +15,9 @@ import numpy as np
 
 T = TypeVar("T")
 
-# `_context` uses `explain_missing_key`, so this module does not import it at the top
-# (`check_context` does, when called).
-
 
 def _given(value: object) -> str:
     return f"{type(value).__name__} {value!r}"[:100]
-
-
-def check_context(value: object, where: str) -> None:
-    """Raise `TypeError` naming `where` unless `value` is a `Context`."""
-    from ._context import Context
-
-    if not isinstance(value, Context):
-        raise TypeError(
-            f"`{where}(context=...)`: context must be a `Context` (the calling "
-            f"context, e.g. `Context.root()` or the `ctx` your method was handed), got "
-            f"{_given(value)}."
-        )
 
 
 def check_drop(value: object, where: str, arg: str = "drop_output") -> None:
@@ -106,7 +91,7 @@ _KEY_HINT = (
 )
 
 
-# `ctx: Any`: a `Context` (`_context` imports this module, so it cannot be named).
+# `ctx: Any`: a `Context` (`_context` imports this module).
 def note_missing_key(error: TypeError, ctx: Any, where: str) -> None:
     """Add a note to JAX's error for drawing from a `None` key, naming `ctx`'s path.
 

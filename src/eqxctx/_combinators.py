@@ -13,26 +13,24 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, PyTree
 
-from ._checks import check_context, check_drop, check_in_axes, note_missing_key
+from ._checks import check_drop, check_in_axes, note_missing_key
 from ._collection import OutputCollection, validate_child_name
 from ._context import (
     Context,
+    check_context,
     check_path,
     fold_in_name,
+    gradient_state,
     is_shape_only,
     iteration_context,
 )
 from ._gradients import enter_iterations
 from ._mapping import EMPTY
-from ._repeat import (
-    accumulate_trees,
-    accumulator_shape,
+from ._propagate import (
     assemble,
-    cast_like,
-    fold_stacked,
     propagate_repeated_output_collections as propagate,
 )
-from ._scope import child_scope
+from ._repeat import accumulate_trees, accumulator_shape, cast_like, fold_stacked
 from ._summary import is_array_leaf
 from ._typing import Carry, InAxes, Leaf, PRNGKeys, SummaryTree, Tree, X, Y
 
@@ -301,7 +299,12 @@ def scan_in_context(
     count = given_keys is None and child_key is not None and split_prng_key
     # Gradient sinks of the probes inside (under `value_and_grad`), sliced like xs.
     grads = enter_iterations(
-        context, prefix, length=n, merged=merge_summaries, reverse=reverse
+        gradient_state(context),
+        context.path,
+        prefix,
+        length=n,
+        merged=merge_summaries,
+        reverse=reverse,
     )
     sinks = grads.sinks if grads is not None else None
 
@@ -391,7 +394,7 @@ def scan_in_context(
 
     if remat is not None:
         body = jax.checkpoint(body, **remat)
-    with child_scope(prefix):
+    with jax.named_scope(prefix):
         (carry_out, merged, _, _), (ys, stacked) = jax.lax.scan(
             body,
             (carry, acc, first, index),
@@ -626,7 +629,12 @@ def vmap_in_context(
     child_key: PRNGKeys | None = fold_in_name(context.prng_key, prefix)
     split = child_key is not None and split_prng_key
     grads = enter_iterations(
-        context, prefix, length=n, merged=merge_summaries, reverse=False
+        gradient_state(context),
+        context.path,
+        prefix,
+        length=n,
+        merged=merge_summaries,
+        reverse=False,
     )
     sinks = grads.sinks if grads is not None else None
 
@@ -646,7 +654,7 @@ def vmap_in_context(
         return y, coll
 
     index = jnp.arange(n, dtype=jnp.uint32)
-    with child_scope(prefix):
+    with jax.named_scope(prefix):
         ys, stacked = jax.vmap(
             body, in_axes=(in_axes, 0, 0), axis_size=n, axis_name=axis_name
         )(xs, index, sinks)

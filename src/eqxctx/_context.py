@@ -13,10 +13,8 @@ from typing import Any, NoReturn, TypeAlias
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.core import Tracer
 from jaxtyping import Array, ArrayLike, Bool
 
-from . import _traces
 from ._checks import note_missing_key
 from ._collection import (
     OutputCollection,
@@ -29,9 +27,17 @@ from ._collection import (
 )
 from ._errors import CALL_TWICE_HINT, PREFIX_HINT, OutputConflictError
 from ._frozen import TreeEquality
+from ._gradients import (
+    ADDERS,
+    GradientState,
+    GradKind,
+    check_probe_input,
+    pending,
+    probe,
+    probe_fn,
+)
 from ._leaves import validate_leaf_name
 from ._rows import RowMask, check_row_mask, row_where
-from ._scope import child_scope
 from ._typing import ArrayTree, Children, Leaf, MaybeKey, Names, PRNGKey, R
 
 
@@ -123,11 +129,11 @@ class Context(TreeEquality):
     its path and training flag static), so contexts pass through JAX
     transformations.
 
-    A child's key is derived when it is read (`ctx.prng_key`) or when the context is
-    flattened as a PyTree, not when the child is made, so children whose key is never
-    read cost nothing at trace time. Reading it costs one `fold_in` per context
-    between this one and the nearest ancestor whose key is known (the root, an
-    iteration of a scan, or a context unflattened by a transformation).
+    A child's key is folded in when it is read (`ctx.prng_key`, or flattening the
+    context as a PyTree), from the nearest ancestor whose key is known (the root, an
+    iteration of a scan, or a context unflattened by a transformation), so children
+    whose key is never read cost nothing at trace time. Nothing is remembered: a
+    read D levels below that ancestor costs D `fold_in`s.
 
     Args:
         path: the names from the root to this context.
@@ -221,26 +227,22 @@ class Context(TreeEquality):
 
     @property
     def path(self) -> tuple[str, ...]:
-        """The names from the root to this context (built when first read)."""
+        """The names from the root to this context (a child's, built on each read)."""
         frame = self._frame
         path = frame.path
-        if path is None:
-            path = _derive_path(frame)
-        return path
+        return _render_path(frame) if path is None else path
 
     @property
     def prng_key(self) -> MaybeKey:
-        """The context's key (derived from its ancestors' names when first needed).
+        """The context's key: a child's is `jax.random.fold_in(parent_key, seed(name))`.
 
-        A child's key is `jax.random.fold_in(parent_key, seed(name))`, derived once
-        per frame (and once per JAX trace for a traced key), or None in a keyless
-        context.
+        Folded in on each read, from the nearest ancestor whose key is known (the
+        root, an iteration, a context unflattened by a transformation); None in a
+        keyless context.
         """
         frame = self._frame
-        key = frame.base_key
-        if key is not _DERIVED:
-            return key
-        return _derive_key(frame)
+        key = frame.key
+        return _derive_key(frame) if key is _DERIVED else key
 
     @property
     def is_training(self) -> bool:
@@ -365,10 +367,9 @@ class Context(TreeEquality):
 
         The child's key is `jax.random.fold_in(self.prng_key, seed(name))` with
         AXLearn's seed (`int(md5(name).hexdigest(), 16) % (2**31 - 1)`), so keys match
-        AXLearn's bit for bit. Typed keys give the same key data as raw keys. It is
-        derived when read, not here, and so is the child's `path`: until both have
-        been read (outside a trace), the child refers to `self`'s path, key and name
-        (not to its outputs), keeping them alive.
+        AXLearn's bit for bit. Typed keys give the same key data as raw keys. The child
+        refers to `self`'s frame for its path and key, folded in when read (not to
+        its outputs), keeping it alive.
 
         Args:
             name: the child's name, matching `^[a-z][a-z0-9_]*$`.
@@ -494,9 +495,7 @@ class Context(TreeEquality):
             OutputConflictError: under `value_and_grad`, a summary `name` already
                 exists at this path (forward and gradient summaries share names).
         """
-        from ._gradients import add_probe  # (it imports this module)
-
-        return add_probe(self, "summaries", name, x, fn, level)
+        return _add_probe(self, "summaries", name, x, fn, level)
 
     def add_gradient_output(
         self, name: str, x: ArrayTree, level: int = 0
@@ -513,9 +512,7 @@ class Context(TreeEquality):
             OutputConflictError: under `value_and_grad`, module output `name`
                 already exists at this path.
         """
-        from ._gradients import add_probe  # (it imports this module)
-
-        return add_probe(self, "module_outputs", name, x, None, level)
+        return _add_probe(self, "module_outputs", name, x, None, level)
 
     def replace_collection(self, collection: OutputCollection) -> "Context":
         """Return a new context whose collection is `collection`.
@@ -563,10 +560,8 @@ class Context(TreeEquality):
         """Run `fn(*args, child_ctx, **kwargs)` in child context `name`.
 
         `fn` returns `(out, child_ctx)`; its collection is attached under `name`.
-        Runs in a named scope with `jax.named_scope(name)`'s op names, so profiles
-        show the model tree (a scope whose cost does not grow with the nesting
-        depth). Costs O(1) besides `fn` itself, whatever the context already
-        holds.
+        Runs in `jax.named_scope(name)`, so profiles show the model tree. Costs
+        O(1) besides `fn` itself and the scope, whatever the context already holds.
 
         Args:
             name: the child's name, matching `^[a-z][a-z0-9_]*$`.
@@ -596,7 +591,7 @@ class Context(TreeEquality):
         at = _child_frame(frame, name, frame.is_training)
         # The child context is made in the call: the call's argument tuple holds the
         # empty child until `fn` returns (nothing that grows while `fn` runs).
-        with child_scope(name):
+        with jax.named_scope(name):
             try:
                 result = fn(*args, _make(at, _EMPTY), **kwargs)
             except TypeError as e:
@@ -624,33 +619,31 @@ _MAX_VALID_NAMES = 1 << 16
 
 
 class _Frame:
-    """Everything of a context but its collection.
+    """Everything of a context but its collection; never written after construction.
 
     Shared by the contexts that adds make from it (an add builds a context of two
-    fields). A child's frame (`_child_frame`) has no path yet (`path` None): it is
-    `(*up.path, name)`, built when read; its key may be `_DERIVED` (`fold_in(up's
-    key, name)`). Both are remembered here once derived (outside a trace), for every
-    context of the frame, and `up` is then dropped.
+    fields). A child's frame (`_child_frame`) holds its parent's frame and its name
+    instead of a path (`path` None) and a key (`key` `_DERIVED`), so making a child
+    is O(1) whatever the depth; `Context.path` and `Context.prng_key` derive them on
+    each read.
     """
 
     __slots__ = (
-        "base_key",
         "gradients",
         "is_training",
+        "key",
         "name",
         "path",
         "row_mask",
         "shape_only",
         "summary_level",
-        "trace",
-        "traced_key",
         "up",
     )
 
     def __init__(
         self,
         path: Names | None,
-        base_key: MaybeKey,  # also batched: a context unflattened by `jax.vmap`
+        key: MaybeKey,  # also batched: a context unflattened by `jax.vmap`
         is_training: bool,
         shape_only: bool,
         summary_level: int | None,
@@ -661,7 +654,7 @@ class _Frame:
         row_mask: RowMask | None = None,
     ) -> None:
         self.path = path
-        self.base_key = base_key
+        self.key = key
         self.is_training = is_training
         # True inside eqxctx's own shape-only passes (`jax.eval_shape` of a scan
         # body): nested scans then skip their own shape pass (see `scan_in_context`).
@@ -673,10 +666,6 @@ class _Frame:
         self.name = name
         # The padded step's row mask (`Context.row_mask`), inherited as is.
         self.row_mask = row_mask
-        # A child's frame: the JAX trace it was made under, and its key derived as a
-        # tracer of that trace, kept and reused only under it (`_derive_key`).
-        self.trace: object = None
-        self.traced_key: MaybeKey = _DERIVED
 
 
 def _note_context(error: Exception, ctx: Context) -> None:
@@ -699,21 +688,15 @@ def _make(frame: _Frame, collection: OutputCollection) -> Context:
     return out
 
 
-#: The `base_key` of a child whose key is `fold_in(parent's key, seed(name))`, not
-#: derived yet.
+#: The `key` of a child's frame whose key is `fold_in(parent's key, seed(name))`.
 _DERIVED: Any = _Unset()
 
 
 def _child_frame(parent: _Frame, name: str, is_training: bool) -> _Frame:
-    """The frame of `parent`'s child `name`: its path and key are derived when read.
-
-    O(1) whatever the depth: the child points at its parent for its path and key (a
-    path tuple built per level would make a chain K deep cost O(K^2)). The parent
-    frame stays alive while the child's does.
-    """
-    frame = _Frame(
+    """The frame of `parent`'s child `name` (O(1): its path and key are read later)."""
+    return _Frame(
         None,
-        _DERIVED if parent.base_key is not None else None,
+        None if parent.key is None else _DERIVED,
         is_training,
         parent.shape_only,
         parent.summary_level,
@@ -722,83 +705,30 @@ def _child_frame(parent: _Frame, name: str, is_training: bool) -> _Frame:
         name,
         row_mask=parent.row_mask,
     )
-    frame.trace = _traces.current_trace()
-    return frame
-
-
-def _walk_up(frame: _Frame, field: str, unknown: object) -> tuple[Any, list[str]]:
-    """Walk up to the nearest frame whose `field` (`path`, `base_key`) is known.
-
-    Returns that value and the names of the frames below it, nearest first. Every
-    version of a context shares its frame, and another thread may remember the
-    field and then drop `up` meanwhile (never the other way round): `up` is read
-    first, so a frame whose `up` is None has the field.
-    """
-    names: list[str] = []
-    node = frame
-    while True:
-        up = node.up
-        if (value := getattr(node, field)) is not unknown:
-            return value, names
-        assert up is not None  # (a child's frame has both)
-        assert node.name is not None
-        names.append(node.name)
-        node = up
-
-
-def _derive_path(frame: _Frame) -> tuple[str, ...]:
-    """Build (and remember) the path of a child's frame."""
-    path, names = _walk_up(frame, "path", None)
-    path = (*path, *reversed(names))
-    frame.path = path
-    if frame.base_key is not _DERIVED:
-        frame.up = None  # both known: the parent is not needed
-    return path
 
 
 def _derive_key(frame: _Frame) -> MaybeKey:
-    """Fold in the names from the nearest ancestor whose key is known.
-
-    Every frame on the way down remembers its key: a concrete key for good (and its
-    parent is dropped once its path is known too); a tracer only if the frame was
-    made under the current JAX trace, and then for that trace only. Such a frame
-    normally ends with its trace, so no tracer outlives its trace in a frame made
-    before it (`jax.checking_leaks`). So a chain of children reading their keys
-    costs one `fold_in` per frame per trace, however deep (not one per ancestor per
-    read). Inside `jax.ensure_compile_time_eval` no tracer is reused or kept (a key
-    derived there from a concrete one is concrete).
-    """
-    trace: object = None
-    folding = getattr(jax.config, "eager_constant_folding", False)  # (no stub)
-    below: list[_Frame] = []
-    node = frame
-    while True:
-        up = node.up  # first: see `_walk_up`
-        key = node.base_key
-        if key is not _DERIVED:
-            break
-        if node.traced_key is not _DERIVED and not folding:
-            if trace is None:
-                trace = _traces.current_trace()
-            if node.trace == trace:
-                key = node.traced_key
-                break
-        assert up is not None  # (a child's frame has both)
-        below.append(node)
-        node = up
-    for node in reversed(below):
-        assert node.name is not None
-        key = fold_in_name(key, node.name)
-        if not isinstance(key, Tracer):  # concrete: remember it
-            node.base_key = key
-            if node.path is not None:  # both known: the parent is not needed
-                node.up = None
-        elif not folding:
-            if trace is None:
-                trace = _traces.current_trace()
-            if node.trace == trace:
-                node.traced_key = key
+    """Fold the names in from the nearest ancestor whose key is known (no memo)."""
+    names: list[str] = []
+    while (key := frame.key) is _DERIVED:
+        assert frame.up is not None  # (a child's frame has both)
+        assert frame.name is not None
+        names.append(frame.name)
+        frame = frame.up
+    for name in reversed(names):
+        key = fold_in_name(key, name)
     return key
+
+
+def _render_path(frame: _Frame) -> tuple[str, ...]:
+    """The path of a child's frame: its ancestors' names up to one with a path."""
+    names: list[str] = []
+    while frame.path is None:
+        assert frame.up is not None  # (a child's frame has both)
+        assert frame.name is not None
+        names.append(frame.name)
+        frame = frame.up
+    return (*frame.path, *reversed(names))
 
 
 def iteration_context(
@@ -826,6 +756,43 @@ def iteration_context(
         ),
         _EMPTY,
     )
+
+
+def _add_probe(
+    ctx: Context,
+    kind: GradKind,
+    name: str,
+    x: ArrayTree,  # checked here, with a message naming the path
+    fn: object,  # checked here, with a message naming the path
+    level: object,  # checked by `_drops`, with a message
+) -> tuple[ArrayTree, Context]:
+    """`ctx.add_gradient_summary` / `add_gradient_output` (see their docstrings)."""
+    where = ADDERS[kind]
+    validate_leaf_name(name, where=where)
+    path = "/".join((*ctx.path, name))
+    check_probe_input(x, where, path)
+    # A probe above the summary level is dropped: no sink, no custom_vjp, nothing
+    # in the backward pass (the default, level 0 with no level set, costs a compare).
+    if (type(level) is not int or level or ctx.summary_level is not None) and _drops(
+        ctx, name, level, where
+    ):
+        return x, ctx
+    fn = probe_fn(kind, fn, where, path)
+    state: GradientState | None = gradient_state(ctx)
+    if state is None:
+        return x, ctx  # not under `value_and_grad`: an exact identity
+    key = (ctx.path, kind, name)
+    placeholder = pending(state, key, fn, x, where)
+    try:
+        if kind == "summaries":
+            ctx = ctx.add_summary(name, placeholder)
+        else:
+            ctx = ctx.add_module_output(name, placeholder)
+    except OutputConflictError as e:
+        raise OutputConflictError(
+            f"`{where}`: {path!r}: {e} Forward and gradient {kind} share names."
+        ) from None
+    return probe(x, state.sinks.get(key), fn), ctx
 
 
 def gradient_state(ctx: Context) -> GradientSinks:
@@ -910,6 +877,17 @@ def _unflatten(aux: _Aux, children: Children) -> Context:
 jax.tree_util.register_pytree_with_keys(
     Context, _flatten_with_keys, _unflatten, _flatten
 )
+
+
+def check_context(value: object, where: str) -> None:
+    """Raise `TypeError` naming `where` unless `value` is a `Context`."""
+    if not isinstance(value, Context):
+        given = f"{type(value).__name__} {value!r}"[:100]
+        raise TypeError(
+            f"`{where}(context=...)`: context must be a `Context` (the calling "
+            f"context, e.g. `Context.root()` or the `ctx` your method was handed), got "
+            f"{given}."
+        )
 
 
 def check_summary_level(level: object, where: str) -> int | None:

@@ -9,10 +9,11 @@ from collections.abc import Callable, Sequence
 import jax
 from jaxtyping import ArrayLike, PyTree
 
-from ._checks import check_context, note_missing_key
+from ._checks import note_missing_key
 from ._collection import OutputCollection, validate_child_name
 from ._context import (
     Context,
+    check_context,
     check_path,
     check_returns_context,
     fold_in_name,
@@ -20,7 +21,6 @@ from ._context import (
     iteration_context,
 )
 from ._reconcile import fill_collection, union_collections
-from ._scope import child_scope
 from ._typing import ArrayTree, R
 
 
@@ -83,7 +83,7 @@ def _run_branches(
             return branch
 
         try:
-            with child_scope(child_name):
+            with jax.named_scope(child_name):
                 out, coll = dispatch([wrapped(j) for j in range(len(branches))])
         except TypeError as e:
             # JAX's own rules decide (weak types, ...); its message names eqxctx's

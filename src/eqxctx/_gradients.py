@@ -18,7 +18,7 @@ nothing.
 
 import dataclasses
 from collections.abc import Callable
-from typing import Literal, NoReturn, TypeAlias
+from typing import Any, Literal, NoReturn, TypeAlias
 
 import equinox as eqx
 import jax
@@ -26,13 +26,6 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, PyTree
 
-from ._context import (
-    Context,
-    _drops as drops,  # pyright: ignore[reportPrivateUsage]
-    gradient_state,
-)
-from ._errors import OutputConflictError
-from ._leaves import validate_leaf_name
 from ._sinks import sink_layout, to_sink
 from ._summary import Summary, accumulate_leaf, is_array_leaf
 from ._typing import ArrayTree, Names, TreeDef
@@ -43,7 +36,7 @@ GradKind: TypeAlias = Literal["summaries", "module_outputs"]
 ProbeKey: TypeAlias = tuple[Names, str, str]
 #: The stacked sinks of the probes, by address: PyTrees of float arrays.
 Sinks: TypeAlias = dict[ProbeKey, ArrayTree]
-_ADDERS = {
+ADDERS = {
     "summaries": "Context.add_gradient_summary",
     "module_outputs": "Context.add_gradient_output",
 }
@@ -177,21 +170,6 @@ def _identity(cotangent: Array) -> Array:
     return cotangent
 
 
-def _check_probe_input(x: object, where: str, path: str) -> None:
-    dtype = getattr(x, "dtype", None)
-    if not isinstance(x, (jax.Array, np.ndarray)) or dtype is None:
-        raise TypeError(
-            f"`{where}`: {path!r}: expected a floating-point array to probe, got "
-            f"{type(x).__name__}. Probe one array at a time."
-        )
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(
-            f"`{where}`: {path!r}: the array has dtype {dtype}; only floating-point "
-            "arrays have cotangents. Probe a floating-point value (e.g. the "
-            "activations, not integer ids or masks)."
-        )
-
-
 def _output_spec(
     fn: Callable[[Array], ArrayTree], x: Array, where: str, path: str
 ) -> tuple[TreeDef, tuple[jax.ShapeDtypeStruct, ...]]:
@@ -219,50 +197,51 @@ def _output_spec(
     return treedef, tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in leaves)
 
 
-def add_probe(
-    ctx: Context,
-    kind: GradKind,
-    name: str,
-    x: ArrayTree,  # checked here, with a message naming the path
-    fn: object,  # checked here, with a message naming the path
-    level: object = 0,  # checked by `drops`, with a message
-) -> tuple[ArrayTree, Context]:
-    """`ctx.add_gradient_summary` / `add_gradient_output` (see their docstrings)."""
-    where = _ADDERS[kind]
-    validate_leaf_name(name, where=where)
-    path = "/".join((*ctx.path, name))
-    _check_probe_input(x, where, path)
-    # A probe above the summary level is dropped: no sink, no custom_vjp, nothing
-    # in the backward pass (the default, level 0 with no level set, costs a compare).
-    if (type(level) is not int or level or ctx.summary_level is not None) and drops(
-        ctx, name, level, where
-    ):
-        return x, ctx
+def check_probe_input(x: object, where: str, path: str) -> None:
+    """Raise `TypeError` unless `x` is a floating-point array (`path` names it)."""
+    dtype = getattr(x, "dtype", None)
+    if not isinstance(x, (jax.Array, np.ndarray)) or dtype is None:
+        raise TypeError(
+            f"`{where}`: {path!r}: expected a floating-point array to probe, got "
+            f"{type(x).__name__}. Probe one array at a time."
+        )
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"`{where}`: {path!r}: the array has dtype {dtype}; only floating-point "
+            "arrays have cotangents. Probe a floating-point value (e.g. the "
+            "activations, not integer ids or masks)."
+        )
+
+
+def probe_fn(kind: GradKind, fn: object, where: str, path: str) -> Callable[..., Any]:
+    """`fn`, or the kind's default (`rms` for summaries, the cotangent for outputs)."""
     if fn is None:
-        fn = rms if kind == "summaries" else _identity
-    elif not callable(fn):
+        return rms if kind == "summaries" else _identity
+    if not callable(fn):
         raise TypeError(f"`{where}`: {path!r}: fn must be callable, got {fn!r}.")
-    state: GradientState | None = gradient_state(ctx)
-    if state is None:
-        return x, ctx  # not under `value_and_grad`: an exact identity
+    return fn
+
+
+def pending(
+    state: GradientState,
+    key: ProbeKey,
+    fn: Callable[[Array], ArrayTree],
+    x: Array,
+    where: str,
+) -> PendingGradient:
+    """The placeholder a probe adds: zeros shaped as `fn(cotangent)`, to be filled."""
+    path = "/".join((*key[0], key[2]))
     treedef, leaves = _output_spec(fn, x, where, path)
-    key = (ctx.path, kind, name)
-    probe = Probe(kind, state.levels, treedef, leaves)
+    probe = Probe(key[1], state.levels, treedef, leaves)
     zeros = treedef.unflatten([jnp.zeros(s.shape, s.dtype) for s in leaves])
-    pending = PendingGradient(zeros, key, probe)
-    try:
-        if kind == "summaries":
-            ctx = ctx.add_summary(name, pending)
-        else:
-            ctx = ctx.add_module_output(name, pending)
-    except OutputConflictError as e:
-        raise OutputConflictError(
-            f"`{where}`: {path!r}: {e} Forward and gradient {kind} share names."
-        ) from None
-    sink = state.sinks.get(key)
-    if sink is not None:
-        x = _probe(x, sink, fn)
-    return x, ctx
+    return PendingGradient(zeros, key, probe)
+
+
+def probe(
+    x: Array, sink: PyTree[Array] | None, fn: Callable[[Array], ArrayTree]
+) -> Array:
+    """`x`, whose backward pass emits `fn(cotangent)` as `sink`'s cotangent (if any)."""
+    return x if sink is None else _probe(x, sink, fn)
 
 
 def _probe(x: Array, sink: PyTree[Array], fn: Callable[[Array], ArrayTree]) -> Array:
@@ -312,11 +291,16 @@ class Iterations:
 
 
 def enter_iterations(
-    context: Context, prefix: str, *, length: int, merged: bool, reverse: bool
+    state: "GradientState | None",
+    path: Names,
+    prefix: str,
+    *,
+    length: int,
+    merged: bool,
+    reverse: bool,
 ) -> Iterations | None:
-    """Return the `Iterations` of a scan or vmap in `context`, or None (no probes)."""
-    state: GradientState | None = gradient_state(context)
+    """Return the `Iterations` of a scan or vmap at `path`, or None (no probes)."""
     if state is None:
         return None
-    level = Level((*context.path, prefix), length, merged, reverse)
+    level = Level((*path, prefix), length, merged, reverse)
     return Iterations(state, level)

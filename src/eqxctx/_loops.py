@@ -13,15 +13,20 @@ import jax.numpy as jnp
 from jax.core import Tracer
 from jaxtyping import Array, ArrayLike
 
-from ._checks import check_context, check_drop, note_missing_key
+from ._checks import check_drop, note_missing_key
 from ._collection import OutputCollection, validate_child_name
 from ._combinators import scan_in_context
-from ._context import Context, fold_in_name, is_shape_only, iteration_context
+from ._context import (
+    Context,
+    check_context,
+    fold_in_name,
+    is_shape_only,
+    iteration_context,
+)
 from ._control import check_result
 from ._gradients import PendingGradient, is_pending
 from ._reconcile import identity_of
 from ._repeat import accumulate_trees, accumulator_shape, cast_like
-from ._scope import child_scope
 from ._summary import Summary
 from ._typing import Carry, DType, Leaf, PRNGKeys, SummaryTree
 
@@ -276,7 +281,7 @@ def _while(
         acc = jax.tree_util.tree_map(lambda a, b: jnp.where(first, a, b), new, summed)
         return new_val, acc, jnp.array(False), i + 1
 
-    with child_scope(name):
+    with jax.named_scope(name):
         val, acc, _, _ = jax.lax.while_loop(
             cond, body, (init_val, acc0, jnp.array(True), i0)
         )

@@ -38,7 +38,8 @@ from ._partition import (
     resolve_param_specs,
     resolve_specs,
 )
-from ._step import Settings, Step
+from ._step import Step
+from ._traced import Settings
 from ._transfer import place, replicated
 from ._typing import (
     Batch,
@@ -472,7 +473,7 @@ class MethodRunner(TreeEquality, Generic[ModelT, OutputT]):
 
     def lower(
         self, batch_spec: Batch, **kwargs: PyTree
-    ) -> LoweredRunner[ModelT, OutputT]:
+    ) -> "LoweredRunner[MethodRunner[ModelT, OutputT]]":
         """Lower the step for batches like `batch_spec`, ahead of time.
 
         Args:

@@ -1,7 +1,6 @@
 """The runner's step: its settings, its caches, and the path around the program.
 
-`Settings` is a runner's hashable configuration (the method, the mesh, the
-partitions, the model's non-array leaves, padding and donation), compared by value.
+`Settings` (`_traced.py`) is a runner's hashable configuration, compared by value.
 `Step` is the explicit cache of one `Settings`: its `jax.jit`s, how batches of each
 structure are placed, its trace count. Runners created from equal settings share one
 `Step`, so they share compilations, as equal static parts do under `eqx.filter_jit`.
@@ -9,13 +8,12 @@ structure are placed, its trace count. Runners created from equal settings share
 pad it; run the program; build the `Output`, through `finish` where it needs
 unpadding) is the one path around the compiled program for a call and `run_batches`;
 a `CompiledRunner` runs `place_batch` and `finish` too, as Equinox's `_jit.py` routes
-its call and `.lower()` through one `_call`. The traced function is in `_traced.py`,
-batch plans and padding in `_plan.py`.
+its call and `.lower()` through one `_call`. The settings and the traced function
+are in `_traced.py`, batch plans and padding in `_plan.py`.
 """
 
 import collections
 import contextlib
-import dataclasses
 import functools
 import threading
 import weakref
@@ -47,7 +45,7 @@ from ._plan import (
     padded_size,
     unpad,
 )
-from ._traced import StaticOut, run_step, run_step_without_kwargs
+from ._traced import Settings, StaticOut, run_step, run_step_without_kwargs
 from ._transfer import (
     place,
     replicated,
@@ -57,8 +55,6 @@ from ._typing import (
     ArrayLeaf,
     Batch,
     KeyPath,
-    Method,
-    PathPredicate,
     PRNGKeyArray,
     TreeDef,
 )
@@ -72,32 +68,6 @@ StepResult: TypeAlias = tuple[
     PRNGKeyArray, tuple[PyTree, PyTree, PyTree], StaticOut | None
 ]
 _flatten_with_path = jax.tree_util.tree_flatten_with_path
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """The hashable configuration of a runner; equal settings share one `Step`.
-
-    Holds no caches and no arrays: everything here decides what the step computes,
-    and is compared by value (static callables by identity).
-    """
-
-    method: Method
-    mesh: Mesh
-    input_partition: Frozen
-    output_partition: Frozen
-    # One spec per parameter leaf, already fitted to its rank.
-    param_specs: tuple[PartitionSpec, ...]
-    static_model: Frozen
-    drop_module_outputs: PathPredicate
-    is_training: bool
-    # The structure of the model's array part (`MethodRunner.param_leaves`).
-    param_treedef: TreeDef
-    pad_batches: bool = False
-    batch_sizes: tuple[int, ...] | None = None
-    mask_kwarg: str | None = None
-    donate_batch: bool = False
-    summary_level: int | None = None
 
 
 class Step:

@@ -4,14 +4,16 @@ Follows `axlearn/common/inference.py`: split the key, run the method in a root
 context, and constrain inputs, outputs and parameters to their shardings; summaries
 and the kept module outputs come back replicated, non-array outputs in the output
 treedef (`StaticOut`, as `eqx.filter_jit` does). `Step` (`_step.py`) jits these
-functions closed over itself.
+functions closed over itself; `Settings` is the runner's configuration they run.
 """
 
+import dataclasses
 import warnings
-from typing import TYPE_CHECKING
+from typing import Protocol, runtime_checkable
 
 import equinox as eqx
 import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array
 
 from ._collection import OutputCollection
@@ -24,11 +26,65 @@ from ._transfer import (
     replicate_tree,
     replicated,
 )
-from ._typing import ArrayTree, Batch, Children, Leaf, PRNGKey
+from ._typing import (
+    ArrayTree,
+    Batch,
+    Children,
+    Leaf,
+    Method,
+    PathPredicate,
+    PRNGKey,
+    TreeDef,
+)
 
 
-if TYPE_CHECKING:
-    from ._step import Step
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The hashable configuration of a runner; equal settings share one `Step`.
+
+    Holds no caches and no arrays: everything here decides what the step computes,
+    and is compared by value (static callables by identity).
+    """
+
+    method: Method
+    mesh: Mesh
+    input_partition: Frozen
+    output_partition: Frozen
+    # One spec per parameter leaf, already fitted to its rank.
+    param_specs: tuple[PartitionSpec, ...]
+    static_model: Frozen
+    drop_module_outputs: PathPredicate
+    is_training: bool
+    # The structure of the model's array part (`MethodRunner.param_leaves`).
+    param_treedef: TreeDef
+    pad_batches: bool = False
+    batch_sizes: tuple[int, ...] | None = None
+    mask_kwarg: str | None = None
+    donate_batch: bool = False
+    summary_level: int | None = None
+
+
+@runtime_checkable
+class StepState(Protocol):
+    """What the traced step reads and counts of its `_step.Step`."""
+
+    traces: int
+    warned_unmasked: bool
+
+    @property
+    def settings(self) -> Settings: ...
+    @property
+    def mesh(self) -> Mesh: ...
+    @property
+    def explicit(self) -> bool: ...
+    @property
+    def param_shardings(self) -> tuple[NamedSharding, ...]: ...
+    @property
+    def static_model(self) -> ArrayTree: ...
+    @property
+    def input_partition(self) -> ArrayTree: ...
+    @property
+    def output_partition(self) -> ArrayTree: ...
 
 
 @jax.tree_util.register_pytree_node_class
@@ -48,7 +104,7 @@ class StaticOut:
 
 
 def run_step(
-    step: "Step",
+    step: StepState,
     static_kwargs: Frozen | None,
     param_leaves: tuple[Leaf, ...],
     prng_key: PRNGKey,
@@ -123,7 +179,7 @@ def run_step(
     return new_key, dynamic, StaticOut(static) if has_static else None
 
 
-def _warn_unmasked(step: "Step", root: Context, ctx: Context) -> None:
+def _warn_unmasked(step: StepState, root: Context, ctx: Context) -> None:
     """Warn once per step when a padded step's summaries never read the row mask.
 
     The padded rows are zeros that every summary over the rows would count (a mean
@@ -151,7 +207,7 @@ def _warn_unmasked(step: "Step", root: Context, ctx: Context) -> None:
 
 
 def run_step_without_kwargs(
-    step: "Step",
+    step: StepState,
     param_leaves: tuple[Leaf, ...],
     prng_key: PRNGKey,
     batch: Batch,

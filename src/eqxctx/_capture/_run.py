@@ -13,7 +13,7 @@ import numpy as np
 from eqxctx._collection import OutputCollection
 from eqxctx._iterations import IterationSummaries
 from eqxctx._leaves import validate_child_name
-from eqxctx._repeat import propagate_repeated_output_collections
+from eqxctx._propagate import propagate_repeated_output_collections
 from eqxctx._sinks import from_sink, sink_layout
 
 from ._interventions import Intervention
