@@ -272,7 +272,7 @@ class WeightedSummary(Summary):
                 f"`WeightedSummary(mean, weight)`: weight has shape {weight.shape}"
                 f", expected () or the mean's shape {mean.shape}."
             )
-        if not isinstance(weight, Tracer) and bool(np.any(weight < 0)):
+        if not isinstance(weight, Tracer) and bool((weight < 0).any()):
             raise ValueError(
                 "`WeightedSummary(mean, weight)`: weights must not be negative, got "
                 f"{np.asarray(weight)!r}; a weight counts examples (use 0 to add "
