@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from jax.core import Tracer
 
 import eqxctx
 import eqxctx.testing
@@ -274,3 +275,40 @@ def test_docs_user_kind_prints_what_it_shows() -> None:
         printed
         == f"{{'step': 0, 'iter/max_abs': {float(np.max(np.abs([0.5, -3.0, 2.0])))}}}\n"
     )
+
+
+class Positive(eqxctx.Summary):
+    """A sum of values that must not be negative (a user's kind with `validate`)."""
+
+    total: jax.Array
+
+    def __init__(self, x: Any):
+        self.total = jnp.asarray(x, jnp.float32)
+
+    def value(self) -> jax.Array:
+        return self.total
+
+    def accumulate(self, other: Any) -> "Positive":
+        return Positive(self.total + other.total)
+
+    def validate(self) -> None:
+        if not isinstance(self.total, Tracer) and bool(
+            np.any(np.asarray(self.total) < 0)
+        ):
+            raise ValueError(f"negative total {np.asarray(self.total)}")
+
+    def host_value(self) -> jax.Array:  # an override: writes of it are replayed
+        return self.total
+
+
+def test_user_kind_validated_again_when_a_write_is_replayed(tmp_path: Path) -> None:
+    # Found while moving the writers' weight check into the kinds (issue 36): a
+    # replayed write must run the kind's `validate()` again.
+    path = tmp_path / "s.jsonl"
+    with JsonlWriter(path) as writer:
+        writer.write(0, {"p": Positive(2.0)})
+        writer.write(1, {"p": Positive(3.0)})  # replayed
+        with pytest.raises(ValueError, match=r"'p'.*negative total -1"):
+            writer.write(2, {"p": Positive(-1.0)})
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines == [{"step": 0, "p": 2.0}, {"step": 1, "p": 3.0}]
