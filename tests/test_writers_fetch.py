@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import eqxctx
 import eqxctx.writers._fetch as fetch
-from eqxctx.writers import fetch_summaries
+from eqxctx.writers import Histogram, fetch_summaries
 
 
 @pytest.fixture(autouse=True)
@@ -185,7 +185,8 @@ def test_fetch_summaries_values_unchanged() -> None:
                 assert got.dtype == value.dtype
                 assert got.tobytes() == value.tobytes()
     hist = again["h"]
-    assert isinstance(hist, eqxctx.HistogramSummary)
+    assert isinstance(hist, Histogram)  # `HistogramSummary.host_value`'s record
+    assert hist.edges == (0.0, 1.25, 2.5, 3.75, 5.0)
     want = np.histogram(np.arange(5.0), bins=4, range=(0.0, 5.0))[0]
     np.testing.assert_array_equal(np.asarray(hist.counts), want)
 

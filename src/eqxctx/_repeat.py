@@ -20,18 +20,7 @@ from ._iterations import (
     materialize_tree,
 )
 from ._mapping import EMPTY
-from ._summary import (
-    AudioSummary,
-    CallbackSummary,
-    ImageSummary,
-    MaxSummary,
-    MinSummary,
-    Summary,
-    SumSummary,
-    WeightedSummary,
-    accumulate_leaf,
-    weight_total_dtype,
-)
+from ._summary import Summary, accumulate_leaf
 from ._typing import Leaf, SummaryTree
 
 
@@ -119,43 +108,6 @@ def accumulator_shape(first: SummaryTree) -> SummaryTree:
     return jax.eval_shape(accumulate_trees, first, first)
 
 
-def _trailing(w: Array, like: Array) -> Array:
-    """`w` with trailing unit axes, to broadcast against `like` (same leading axes)."""
-    return w.reshape(w.shape + (1,) * (like.ndim - w.ndim))
-
-
-def _reduce_weighted(s: WeightedSummary) -> WeightedSummary:
-    # `WeightedSummary.accumulate`'s rule over the leading axis at once: the weights
-    # scaled by the largest (no overflow of `m * w` or of the total), a NaN mean (even
-    # at zero weight) or weight gives NaN, 0 at zero total weight.
-    with jax.numpy_dtype_promotion("standard"):
-        dtype = jnp.result_type(s.mean)
-        if not jnp.issubdtype(dtype, jnp.floating):
-            dtype = jnp.float32
-        compute = jnp.promote_types(dtype, jnp.float32)  # as `accumulate`
-        m = jnp.asarray(s.mean, compute)
-        w = jnp.broadcast_to(
-            _trailing(jnp.asarray(s.weight), m).astype(compute), m.shape
-        )
-        scale = jnp.max(w, axis=0)  # NaN if a weight is NaN
-        positive = scale > 0
-        # `w / scale` as two multiplications by `rsqrt(scale)`: XLA rewrites a
-        # division by a broadcast into a multiplication by its reciprocal, which
-        # flushes to zero above 2**126 in float32 (the mean's ratio cancels the
-        # rounding of `rsqrt`).
-        r = jax.lax.rsqrt(jnp.where(positive, scale, jnp.ones_like(scale)))
-        a = (w * r[None]) * r[None]
-        numerator = jnp.sum(m * a, axis=0)  # NaN for a NaN mean or weight
-        # Double `where`s: no NaN in the value or its gradient at zero weight.
-        denominator = jnp.where(positive, jnp.sum(a, axis=0), jnp.ones_like(scale))
-        broken = jnp.isnan(numerator) | jnp.isnan(scale)
-        mean = jnp.where(positive, numerator / denominator, 0)
-        mean = jnp.where(broken, jnp.nan, mean).astype(dtype)
-        weights = jnp.asarray(s.weight)
-        weight = jnp.sum(weights, axis=0, dtype=weight_total_dtype(weights.dtype))
-    return WeightedSummary(mean, weight)
-
-
 def _reduce_raw(x: ArrayLike) -> Array:
     x = jnp.asarray(x)
     if x.dtype == jnp.bool_:
@@ -170,31 +122,10 @@ def _reduce_unit(x: Leaf) -> Leaf:
         # axis, keep the iterations.
         reduced = jax.tree_util.tree_map(_reduce_unit, x.stacked, is_leaf=_is_unit)
         return IterationSummaries(x.length, reduced, x.ndims, x.reverse)
-    if type(x) is WeightedSummary:
-        return _reduce_weighted(x)
-    if type(x) is MinSummary:
-        return MinSummary(jnp.min(x.value_, axis=0))
-    if type(x) is MaxSummary:
-        return MaxSummary(jnp.max(x.value_, axis=0))
-    if type(x) is SumSummary:
-        return SumSummary(jnp.sum(x.value_, axis=0, dtype=x.value_.dtype))
-    if isinstance(x, (ImageSummary, AudioSummary, CallbackSummary)):
-        return jax.tree_util.tree_map(lambda a: a[0], x)  # keep the first
-    # Another kind (HistogramSummary, MomentsSummary, ...): its own `accumulate`, in
-    # index order.
     if isinstance(x, Summary):
-        return _fold(x)
+        # Through the class: `x.reduce_stacked` builds an Equinox bound method.
+        return type(x).reduce_stacked(x)
     return _reduce_raw(x)
-
-
-def _fold(stacked: Summary) -> Summary:
-    first = jax.tree_util.tree_map(lambda a: a[0], stacked)
-    rest = jax.tree_util.tree_map(lambda a: a[1:], stacked)
-
-    def step(acc: Summary, new: Summary) -> tuple[Summary, None]:
-        return accumulate_leaf(acc, new), None
-
-    return jax.lax.scan(step, first, rest)[0]
 
 
 def fold_stacked(
@@ -202,10 +133,9 @@ def fold_stacked(
 ) -> SummaryTree:
     """Accumulate a stacked summary tree over its leading axis.
 
-    One reduction per leaf (a sum, a weighted mean, a minimum or maximum; the first
-    entry for media kinds), equal to accumulating entries `0, 1, …, N-1` in index
-    order up to floating-point rounding; a `Summary` kind without a known reduction
-    is folded with its own `accumulate`, in index order. With `reverse=True` the
+    Raw arrays are summed (`any` for booleans) and each `Summary` reduced by its
+    `reduce_stacked`: equal to accumulating entries `0, 1, …, N-1` in index order
+    up to floating-point rounding. With `reverse=True` the
     order is `N-1, …, 0` (a reversed scan's execution order: media kinds keep entry
     N-1).
 

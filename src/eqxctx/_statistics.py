@@ -9,7 +9,7 @@ parallel-variance formula).
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -27,6 +27,7 @@ from ._counting import (
     words_to_float,
     zero_words,
 )
+from ._records import Histogram
 from ._summary import (
     Summary,
     _extreme,  # pyright: ignore[reportPrivateUsage]
@@ -380,6 +381,10 @@ class HistogramSummary(Summary):
         """
         return words_to_float(self._words, jnp.float32)
 
+    def host_value(self) -> Histogram:
+        """Return the exact counts (`counts`) and `edges` as a `Histogram` record."""
+        return Histogram(self.counts, self.edges)
+
     def accumulate(self, other: Any) -> "HistogramSummary":
         """Return the histogram with both counts added; both are unchanged.
 
@@ -569,6 +574,24 @@ class MomentsSummary(Summary):
             "min": self.min_,
             "max": self.max_,
             "nonfinite": words_to_float(self._nonfinite, dtype),
+        }
+
+    rowwise_host_value: ClassVar[bool] = True
+
+    def host_value(self) -> dict[str, np.ndarray]:
+        """Return `value()`'s mapping with the exact counts (NumPy int64), on the host.
+
+        The variance is `m2 / max(count, 1)`, with the count in `m2`'s dtype.
+        """
+        count = self.count
+        m2 = np.asarray(self.m2)
+        return {
+            "count": count,
+            "mean": np.asarray(self.mean),
+            "variance": np.asarray(m2 / np.maximum(count, 1).astype(m2.dtype)),
+            "min": np.asarray(self.min_),
+            "max": np.asarray(self.max_),
+            "nonfinite": self.nonfinite,
         }
 
     def accumulate(self, other: Any) -> "MomentsSummary":

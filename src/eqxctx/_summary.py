@@ -8,7 +8,7 @@ Follows AXLearn's `axlearn/common/summary.py` (`Summary`, `ImageSummary`,
 import abc
 import dataclasses
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import equinox as eqx
 import jax
@@ -17,6 +17,7 @@ import numpy as np
 from jax.core import Tracer
 from jaxtyping import Array, ArrayLike, PyTree
 
+from ._records import Audio, Image
 from ._typing import ArrayTree, ArrayValue, Leaf
 
 
@@ -110,7 +111,11 @@ class Summary(eqx.Module):
 
     Summaries are `eqx.Module` PyTrees: their array fields are traced through `jax.jit`,
     `jax.lax.scan` and `jax.vmap` like any other leaf. Concrete kinds are final; write a
-    new subclass of `Summary` for a new kind.
+    new subclass of `Summary` for a new kind: implement `value()` and `accumulate()`
+    (and `identity()` where one exists, `validate()` where shapes can be wrong). The
+    other methods (`reduce_stacked`, `host_value`) have defaults derived from those,
+    and everything in eqxctx (merged scans and vmaps, branches, `SummaryAccumulator`,
+    the writers, `eqxctx.testing`) calls only these methods, never a concrete kind.
 
     Raw arrays (and Python numbers) are also valid summary leaves; when eqxctx
     accumulates them (e.g. `scan_in_context(..., merge_summaries=True)`) it adds them
@@ -157,6 +162,40 @@ class Summary(eqx.Module):
         missing one). Override it in a new kind that has one.
         """
         return None
+
+    def reduce_stacked(self) -> "Summary":
+        """Return the accumulation of N >= 2 summaries stacked along a leading axis.
+
+        `self` holds the summaries as `scan_in_context` / `vmap_in_context` stack
+        them: every array field has a leading axis of length N. The result equals
+        `s[0].accumulate(s[1]).accumulate(s[2])...` in index order (up to rounding).
+        The default folds with `accumulate` in a `jax.lax.scan`; a kind may override
+        it with one vectorised reduction (the built-in elementwise ones do).
+        """
+        first = jax.tree_util.tree_map(lambda a: a[0], self)
+        rest = jax.tree_util.tree_map(lambda a: a[1:], self)
+
+        def step(acc: Summary, new: Summary) -> tuple[Summary, None]:
+            return type(acc).accumulate(acc, new), None
+
+        return jax.lax.scan(step, first, rest)[0]
+
+    #: Whether `host_value()` of summaries stacked along leading axes gives each
+    #: value stacked the same way (elementwise kinds); writers then read a scan's
+    #: per-iteration summaries at once instead of one iteration at a time.
+    rowwise_host_value: ClassVar[bool] = False
+
+    def host_value(self) -> ArrayTree:
+        """Return what writers write, read on the host (the arrays are NumPy there).
+
+        A NumPy array or number (a scalar; an array as a JSON list, or a
+        TensorBoard / W&B histogram of its values), a host record (`Histogram`,
+        `Image`, `Audio` of `eqxctx.writers`), or a mapping of them, written under
+        `path/key`. The default is `value()`. Writers call `validate()` first. An
+        override must depend only on the fields: writers may call it again to
+        replay a read of the same structure.
+        """
+        return type(self).value(self)
 
 
 #: `WeightedSummary.accumulate` scales weights above it (or below its inverse) by a
@@ -227,13 +266,13 @@ class WeightedSummary(Summary):
                 concrete (not traced) weight is negative. Traced weights are not
                 checked.
         """
-        if self.weight.shape not in ((), self.mean.shape):
+        weight, mean = self.weight, self.mean  # Equinox's attribute reads: ~1 µs
+        if weight.shape not in ((), mean.shape):
             raise ValueError(
-                f"`WeightedSummary(mean, weight)`: weight has shape {self.weight.shape}"
-                f", expected () or the mean's shape {self.mean.shape}."
+                f"`WeightedSummary(mean, weight)`: weight has shape {weight.shape}"
+                f", expected () or the mean's shape {mean.shape}."
             )
-        weight = self.weight
-        if not isinstance(weight, Tracer) and bool(np.any(weight < 0)):
+        if not isinstance(weight, Tracer) and bool((weight < 0).any()):
             raise ValueError(
                 "`WeightedSummary(mean, weight)`: weights must not be negative, got "
                 f"{np.asarray(weight)!r}; a weight counts examples (use 0 to add "
@@ -295,12 +334,68 @@ class WeightedSummary(Summary):
     def __add__(self, other: Any) -> "WeightedSummary":
         return type(self).accumulate(self, other)
 
+    rowwise_host_value: ClassVar[bool] = True
+
+    def host_value(self) -> ArrayValue:
+        """Return the mean (as `value()`)."""
+        return self.mean
+
+    def reduce_stacked(self) -> "WeightedSummary":
+        """`accumulate`'s rule over the leading axis at once (see `Summary`).
+
+        The weights are scaled by the largest (no overflow of `m * w` or of the
+        total); a NaN mean (even at zero weight) or weight gives NaN, 0 at zero
+        total weight.
+        """
+        with jax.numpy_dtype_promotion("standard"):
+            dtype = jnp.result_type(self.mean)
+            if not jnp.issubdtype(dtype, jnp.floating):
+                dtype = jnp.float32
+            compute = jnp.promote_types(dtype, jnp.float32)  # as `accumulate`
+            m = jnp.asarray(self.mean, compute)
+            w = jnp.asarray(self.weight)
+            w = jnp.broadcast_to(
+                w.reshape(w.shape + (1,) * (m.ndim - w.ndim)).astype(compute), m.shape
+            )
+            scale = jnp.max(w, axis=0)  # NaN if a weight is NaN
+            positive = scale > 0
+            # `w / scale` as two multiplications by `rsqrt(scale)`: XLA rewrites a
+            # division by a broadcast into a multiplication by its reciprocal, which
+            # flushes to zero above 2**126 in float32 (the mean's ratio cancels the
+            # rounding of `rsqrt`).
+            r = jax.lax.rsqrt(jnp.where(positive, scale, jnp.ones_like(scale)))
+            a = (w * r[None]) * r[None]
+            numerator = jnp.sum(m * a, axis=0)  # NaN for a NaN mean or weight
+            # Double `where`s: no NaN in the value or its gradient at zero weight.
+            denominator = jnp.where(positive, jnp.sum(a, axis=0), jnp.ones_like(scale))
+            broken = jnp.isnan(numerator) | jnp.isnan(scale)
+            mean = jnp.where(positive, numerator / denominator, 0)
+            mean = jnp.where(broken, jnp.nan, mean).astype(dtype)
+            weights = jnp.asarray(self.weight)
+            weight = jnp.sum(weights, axis=0, dtype=weight_total_dtype(weights.dtype))
+        return WeightedSummary(mean, weight)
+
     def identity(self) -> "WeightedSummary":
         """Return weight 0 (mean 0): it adds nothing to a weighted mean."""
         return WeightedSummary(jnp.zeros_like(self.mean), jnp.zeros_like(self.weight))
 
 
-class MinSummary(Summary):
+class _Elementwise(Summary):
+    """A kind of one array, `value_`, accumulated elementwise (min, max, sum)."""
+
+    value_: eqx.AbstractVar[Array]
+    rowwise_host_value: ClassVar[bool] = True
+
+    def value(self) -> ArrayValue:
+        """Return the value (the minimum, maximum or sum)."""
+        return self.value_
+
+    def host_value(self) -> ArrayValue:
+        """Return the value (as `value()`)."""
+        return self.value_
+
+
+class MinSummary(_Elementwise):
     """An elementwise minimum (AXLearn's `MinSummary`).
 
     Attributes:
@@ -309,10 +404,6 @@ class MinSummary(Summary):
     """
 
     value_: Array = eqx.field(converter=_as_array)
-
-    def value(self) -> ArrayValue:
-        """Return the minimum."""
-        return self.value_
 
     def accumulate(self, other: Any) -> "MinSummary":
         """Return the elementwise minimum of both.
@@ -323,12 +414,16 @@ class MinSummary(Summary):
         check_same_kind(self, other, "MinSummary.accumulate")
         return MinSummary(jnp.minimum(self.value_, other.value_))
 
+    def reduce_stacked(self) -> "MinSummary":
+        """Return the elementwise minimum over the leading axis (one reduction)."""
+        return MinSummary(jnp.min(self.value_, axis=0))
+
     def identity(self) -> "MinSummary":
         """Return the dtype's maximum (+inf for floats, True for booleans)."""
         return MinSummary(jnp.full_like(self.value_, _extreme(self.value_, True)))
 
 
-class MaxSummary(Summary):
+class MaxSummary(_Elementwise):
     """An elementwise maximum (AXLearn's `MaxSummary`).
 
     Attributes:
@@ -337,10 +432,6 @@ class MaxSummary(Summary):
     """
 
     value_: Array = eqx.field(converter=_as_array)
-
-    def value(self) -> ArrayValue:
-        """Return the maximum."""
-        return self.value_
 
     def accumulate(self, other: Any) -> "MaxSummary":
         """Return the elementwise maximum of both.
@@ -351,12 +442,16 @@ class MaxSummary(Summary):
         check_same_kind(self, other, "MaxSummary.accumulate")
         return MaxSummary(jnp.maximum(self.value_, other.value_))
 
+    def reduce_stacked(self) -> "MaxSummary":
+        """Return the elementwise maximum over the leading axis (one reduction)."""
+        return MaxSummary(jnp.max(self.value_, axis=0))
+
     def identity(self) -> "MaxSummary":
         """Return the dtype's minimum (-inf for floats, False for booleans)."""
         return MaxSummary(jnp.full_like(self.value_, _extreme(self.value_, False)))
 
 
-class SumSummary(Summary):
+class SumSummary(_Elementwise):
     """An elementwise sum.
 
     The sum keeps the value's dtype and rounds to it at every addition, as a raw
@@ -370,10 +465,6 @@ class SumSummary(Summary):
 
     value_: Array = eqx.field(converter=_as_array)
 
-    def value(self) -> ArrayValue:
-        """Return the sum."""
-        return self.value_
-
     def accumulate(self, other: Any) -> "SumSummary":
         """Return the elementwise sum of both.
 
@@ -382,6 +473,10 @@ class SumSummary(Summary):
         """
         check_same_kind(self, other, "SumSummary.accumulate")
         return SumSummary(self.value_ + other.value_)
+
+    def reduce_stacked(self) -> "SumSummary":
+        """Return the elementwise sum over the leading axis (one reduction)."""
+        return SumSummary(jnp.sum(self.value_, axis=0, dtype=self.value_.dtype))
 
     def identity(self) -> "SumSummary":
         """Return 0."""
@@ -412,6 +507,10 @@ class _KeepFirst(Summary):
         check_same_kind(self, other, f"{type(self).__name__}.accumulate")
         return self
 
+    def reduce_stacked(self: _S) -> _S:
+        """Return the first of the stacked summaries (as `accumulate` keeps it)."""
+        return jax.tree_util.tree_map(lambda a: a[0], self)
+
 
 class ImageSummary(_KeepFirst):
     """A batch of images (AXLearn's `ImageSummary`).
@@ -433,6 +532,10 @@ class ImageSummary(_KeepFirst):
     def value(self) -> ArrayValue:
         """Return the images."""
         return self.value_
+
+    def host_value(self) -> Image:
+        """Return the images as an `Image` record."""
+        return Image(np.asarray(self.value_))
 
     def validate(self) -> None:
         """Check the rank and the channel count.
@@ -501,6 +604,10 @@ class AudioSummary(_KeepFirst):
     def value(self) -> ArrayValue:
         """Return the waveform."""
         return self.value_
+
+    def host_value(self) -> Audio:
+        """Return the waveform and its sample rate as an `Audio` record."""
+        return Audio(np.asarray(self.value_), self.sample_rate)
 
     def validate(self) -> None:
         """Check the dtype, the rank and the sample rate.

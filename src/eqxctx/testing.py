@@ -56,6 +56,7 @@ __all__ = [
 ]
 
 Draw: TypeAlias = Callable[[st.SearchStrategy[Any]], Any]
+Strategy: TypeAlias = st.SearchStrategy[Any]
 
 #: The raw-value marker in `summary_kinds`: raw arrays as summary leaves.
 RAW = "raw"
@@ -80,7 +81,6 @@ DEFAULT_SUMMARY_KINDS: tuple[SummaryKind, ...] = (
 )
 # The kinds a scan body adds per iteration (elementwise, stackable).
 _STACKABLE = (RAW, WeightedSummary, MinSummary, MaxSummary, SumSummary)
-_KIND_NAMES = {RAW: "raw", **{k: k.__name__ for k in DEFAULT_SUMMARY_KINDS[1:]}}
 
 # Characters every writer keeps as they are (TensorBoard turns others into '_').
 _WRITER_SAFE = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-"
@@ -176,8 +176,9 @@ def summary_leaves(
     draws accumulate).
 
     Args:
-        summary_kinds: the kinds to draw, among `DEFAULT_SUMMARY_KINDS` (the
-            default: all of them); `"raw"` stands for raw arrays.
+        summary_kinds: the kinds to draw (default: `DEFAULT_SUMMARY_KINDS`);
+            `"raw"` stands for raw arrays. Any other `Summary` subclass (a user's
+            kind) is drawn as `kind(value)`, with `value` drawn as a raw array.
         shapes: shapes of raw arrays and of the elementwise kinds (`WeightedSummary`,
             `MinSummary`, `MaxSummary`, `SumSummary`) and of the values reduced by
             `HistogramSummary`, `MomentsSummary` and `CallbackSummary`; default:
@@ -186,11 +187,15 @@ def summary_leaves(
             values; floating ones for `WeightedSummary` means.
     """
     kinds = DEFAULT_SUMMARY_KINDS if summary_kinds is None else tuple(summary_kinds)
-    unknown = [k for k in kinds if k not in DEFAULT_SUMMARY_KINDS]
+    unknown = [
+        k
+        for k in kinds
+        if k != RAW and not (isinstance(k, type) and issubclass(k, Summary))
+    ]
     if unknown or not kinds:
         raise ValueError(
-            f"`summary_leaves(summary_kinds=...)`: expected some of "
-            f"{[_KIND_NAMES[k] for k in DEFAULT_SUMMARY_KINDS]}, got {list(kinds)!r}."
+            f"`summary_leaves(summary_kinds=...)`: expected `Summary` subclasses or "
+            f'"raw", got {list(kinds)!r}.'
         )
     shape_st = st.just(()) if shapes is None else shapes
     values = array_leaves(shapes=shape_st, dtypes=dtypes)
@@ -205,43 +210,52 @@ def summary_leaves(
     return leaf()
 
 
+def _weighted(draw: Draw, values: Strategy, means: Strategy) -> Leaf:
+    weight = draw(hnp.arrays(np.float32, (), elements=st.floats(0, 10, width=32)))
+    return WeightedSummary(draw(means), weight)
+
+
+def _image(draw: Draw, values: Strategy, means: Strategy) -> Leaf:
+    shape = draw(
+        st.tuples(
+            st.integers(1, 2),
+            st.integers(1, 3),
+            st.integers(1, 3),
+            st.sampled_from([(), (1,), (3,), (4,)]),
+        )
+    )
+    full = shape[:3] + shape[3]
+    pixels = st.floats(0, 1, width=32)
+    return ImageSummary(draw(hnp.arrays(np.float32, full, elements=pixels)))
+
+
+def _audio(draw: Draw, values: Strategy, means: Strategy) -> Leaf:
+    shape = draw(st.sampled_from([(4,), (4, 1), (4, 2)]))
+    wave = draw(hnp.arrays(np.float32, shape, elements=st.floats(-1, 1, width=32)))
+    return AudioSummary(wave, sample_rate=8000)
+
+
+#: How to draw the kinds whose constructor takes more than one value; every other
+#: kind (`MinSummary`, ..., a user's) is drawn as `kind(value)`.
+_DRAW: dict[type, Callable[[Draw, Strategy, Strategy], Leaf]] = {
+    WeightedSummary: _weighted,
+    HistogramSummary: lambda draw, values, means: HistogramSummary(
+        draw(values), bins=4, range=(-100, 100)
+    ),
+    CallbackSummary: lambda draw, values, means: CallbackSummary(_plot, draw(values)),
+    ImageSummary: _image,
+    AudioSummary: _audio,
+}
+
+
 def _summary_leaf(
-    draw: Draw,
-    kind: SummaryKind,
-    values: st.SearchStrategy[Any],
-    means: st.SearchStrategy[Any],
+    draw: Draw, kind: SummaryKind, values: Strategy, means: Strategy
 ) -> Leaf:
     """Draw one summary leaf of `kind` (see `summary_leaves`)."""
     if kind == RAW:
         return draw(values)
-    if kind is WeightedSummary:
-        mean = draw(means)
-        weight = draw(hnp.arrays(np.float32, (), elements=st.floats(0, 10, width=32)))
-        return WeightedSummary(mean, weight)
-    if kind in (MinSummary, MaxSummary, SumSummary):
-        return kind(draw(values))
-    if kind is HistogramSummary:
-        return HistogramSummary(draw(values), bins=4, range=(-100, 100))
-    if kind is MomentsSummary:
-        return MomentsSummary(draw(values))
-    if kind is CallbackSummary:
-        return CallbackSummary(_plot, draw(values))
-    if kind is ImageSummary:
-        shape = draw(
-            st.tuples(
-                st.integers(1, 2),
-                st.integers(1, 3),
-                st.integers(1, 3),
-                st.sampled_from([(), (1,), (3,), (4,)]),
-            )
-        )
-        full = shape[:3] + shape[3]
-        pixels = st.floats(0, 1, width=32)
-        return ImageSummary(draw(hnp.arrays(np.float32, full, elements=pixels)))
-    assert kind is AudioSummary
-    shape = draw(st.sampled_from([(4,), (4, 1), (4, 2)]))
-    wave = draw(hnp.arrays(np.float32, shape, elements=st.floats(-1, 1, width=32)))
-    return AudioSummary(wave, sample_rate=8000)
+    make = _DRAW.get(kind)
+    return kind(draw(values)) if make is None else make(draw, values, means)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,13 +269,19 @@ class _Spec:
     iterations: bool
 
 
+#: What a scan body adds per iteration, for a stackable kind not made as `kind(x)`.
+_STACKED: dict[SummaryKind, Callable[[Array], Leaf]] = {
+    RAW: lambda x: x,
+    WeightedSummary: lambda x: WeightedSummary(
+        x.astype(jnp.float32), jnp.ones((), jnp.float32)
+    ),
+}
+
+
 def _stacked_leaf(kind: SummaryKind, x: Array) -> Leaf:
     """What a scan body adds per iteration for `kind`, from its slice `x`."""
-    if kind == RAW:
-        return x
-    if kind is WeightedSummary:
-        return WeightedSummary(x.astype(jnp.float32), jnp.ones((), jnp.float32))
-    return kind(x)
+    make = _STACKED.get(kind)
+    return kind(x) if make is None else make(x)
 
 
 @contextlib.contextmanager

@@ -19,6 +19,8 @@ In a multi-process run, every process creates the writers and calls `write` with
 same summaries (fetching is a collective); only process 0 writes files.
 """
 
+from eqxctx._records import Audio as Audio, Histogram as Histogram, Image as Image
+
 from ._async import AsyncWriter as AsyncWriter, MultiWriter as MultiWriter
 from ._base import (
     AbstractWriter as AbstractWriter,

@@ -15,16 +15,7 @@ import numpy as np
 from eqxctx._collection import OutputCollection
 from eqxctx._iterations import IterationSummaries
 from eqxctx._mapping import FrozenMapping
-from eqxctx._statistics import HistogramSummary, MomentsSummary
-from eqxctx._summary import (
-    AudioSummary,
-    ImageSummary,
-    MaxSummary,
-    MinSummary,
-    Summary,
-    SumSummary,
-    WeightedSummary,
-)
+from eqxctx._summary import Summary
 
 from ._base import (
     AbstractWriter,
@@ -54,26 +45,23 @@ _BUFFER = "buffer"
 #: does not narrow through the unpacked tuple.
 _Job: TypeAlias = tuple[str, Any]
 
-#: The built-in summary kinds: array fields (and static ones) only, no container.
-_ARRAY_FIELDS = frozenset(
-    {
-        WeightedSummary,
-        MinSummary,
-        MaxSummary,
-        SumSummary,
-        MomentsSummary,
-        HistogramSummary,
-        ImageSummary,
-        AudioSummary,
-    }
-)
-
 
 def _copy_numpy(x: object) -> object:
     return x.copy() if isinstance(x, np.ndarray) else x
 
 
-_KEEP, _COPY, _FIELDS, _STACKED, _TREE, _COLLECTION, _FROZEN, _MAPPING = range(8)
+_KEEP, _COPY, _FIELDS, _STACKED, _COLLECTION, _FROZEN, _MAPPING = range(7)
+
+
+@functools.cache
+def _is_flat(cls: type) -> bool:
+    """Whether a summary's field of type `cls` needs no copy (no NumPy array in it).
+
+    JAX arrays and numbers: kept. NumPy arrays and containers (a
+    `CallbackSummary`'s `args`, a `HistogramSummary`'s static edges): copied by a
+    `tree_map` where a leaf is a NumPy array.
+    """
+    return not issubclass(cls, (np.ndarray, tuple, list, dict, Mapping))
 
 
 @functools.cache
@@ -87,12 +75,10 @@ def _kind(cls: type) -> int:
         return _MAPPING
     if issubclass(cls, np.ndarray):
         return _COPY
-    if cls in _ARRAY_FIELDS:
-        return _FIELDS
     if issubclass(cls, IterationSummaries):
         return _STACKED
-    if issubclass(cls, Summary):  # a CallbackSummary or a user's kind
-        return _TREE
+    if issubclass(cls, Summary):
+        return _FIELDS
     return _KEEP  # JAX arrays, Python and NumPy scalars: immutable
 
 
@@ -106,15 +92,15 @@ def _owned(summaries: object) -> object:
     copied), NumPy arrays (`ndarray.copy()`), and the containers and NumPy arrays
     of a summary (a `CallbackSummary`'s `args` and `kwargs`). JAX arrays are
     immutable and kept as they are (no device copy, no transfer), as are Python and
-    NumPy scalars and the built-in summaries without a NumPy field.
+    NumPy scalars and the summaries without a NumPy array or container field.
     """
     kind = _kind(type(summaries))
     if kind == _KEEP:
         return summaries
-    if kind == _FIELDS:  # copied only where a field is a NumPy array
+    if kind == _FIELDS:  # copied only where a leaf is a NumPy array
         # `object.__getattribute__`: Equinox's own attribute lookup costs ~0.4 µs.
         fields = object.__getattribute__(summaries, "__dict__").values()
-        if np.ndarray not in map(type, fields):
+        if all(_is_flat(type(f)) for f in fields):
             return summaries
         return jax.tree_util.tree_map(_copy_numpy, summaries)
     if kind == _MAPPING:
@@ -136,13 +122,12 @@ def _owned(summaries: object) -> object:
         return summaries if trees is levels else trees
     if kind == _COPY:
         return cast(np.ndarray, summaries).copy()
-    if kind == _STACKED:  # a read-only stacked mapping
-        entry = cast(IterationSummaries, summaries)
-        stacked = _owned(entry.stacked)
-        if stacked is entry.stacked:
-            return summaries
-        return dataclasses.replace(entry, stacked=stacked)
-    return jax.tree_util.tree_map(_copy_numpy, summaries)  # _TREE
+    # _STACKED: a read-only stacked mapping
+    entry = cast(IterationSummaries, summaries)
+    stacked = _owned(entry.stacked)
+    if stacked is entry.stacked:
+        return summaries
+    return dataclasses.replace(entry, stacked=stacked)
 
 
 def _snapshot(summaries: Summaries) -> Summaries:

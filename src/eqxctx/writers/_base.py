@@ -4,7 +4,7 @@ import abc
 import dataclasses
 import functools
 import operator
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import NamedTuple, SupportsIndex, TypeAlias, TypeVar
 
@@ -16,17 +16,8 @@ from eqxctx._collection import OutputCollection, summary_tree
 from eqxctx._iterations import flatten_into
 from eqxctx._leaves import check_summary_name
 from eqxctx._mapping import FrozenMapping
-from eqxctx._statistics import HistogramSummary, MomentsSummary
-from eqxctx._summary import (
-    AudioSummary,
-    CallbackSummary,
-    ImageSummary,
-    MaxSummary,
-    MinSummary,
-    Summary,
-    SumSummary,
-    WeightedSummary,
-)
+from eqxctx._records import is_record_type
+from eqxctx._summary import Summary
 from eqxctx._transfer import to_host
 from eqxctx._typing import ArrayTree, Leaf, SummaryTree, TreeDef
 
@@ -39,9 +30,7 @@ from ._host import (
     Part,
     Recipe,
     Rows,
-    exact_count,
     make_recipe,
-    variance,
 )
 
 
@@ -90,20 +79,15 @@ def flatten_summaries(summaries: object, *, where: str) -> dict[str, Leaf]:
 #: The largest step: TensorBoard (and W&B) store steps as int64.
 MAX_STEP = 2**63 - 1
 
-_MEDIA = (ImageSummary, AudioSummary, HistogramSummary)
-
 
 def _validate(path: str, leaf: Summary, where: str) -> None:
-    """`leaf.validate()`, and a media kind's array checked as numbers."""
+    """`leaf.validate()`, its error naming `path`."""
     try:
         # Through the class: `leaf.validate` would build an Equinox bound method
         # (a Module) per call, ~30 µs.
         type(leaf).validate(leaf)
     except ValueError as e:
         raise ValueError(f"`{where}`: the summary at {path!r}: {e}") from e
-    if isinstance(leaf, _MEDIA):
-        field = leaf.counts_low if isinstance(leaf, HistogramSummary) else leaf.value_
-        _numeric(path, field, where=where)
 
 
 def check_positive_int(value: object, *, where: str, name: str, meaning: str) -> int:
@@ -154,13 +138,29 @@ def check_step(step: object, *, where: str) -> int:
 def _expand(
     path: str, value: ArrayTree, *, where: str
 ) -> Iterator[tuple[str, ArrayTree]]:
-    """Yield `(path, value)`; a mapping (a `CallbackSummary` result) is expanded."""
-    if isinstance(value, Mapping):
+    """Yield `(path, value)`; a mapping is expanded, a `Summary` read (`host_value`).
+
+    A `Summary` here comes from another's `host_value` (a `CallbackSummary` that
+    returns an `ImageSummary`): it is validated and read in turn.
+    """
+    kind = _kind_of(type(value))
+    if kind is Mapping:
         for key, sub in value.items():
             name = check_summary_name(key, f"{path}/", where=where)
             yield from _expand(f"{path}/{name}", sub, where=where)
+    elif kind is Summary:
+        _validate(path, value, where)
+        yield from _expand(path, _host_value(path, value, where), where=where)
     else:
         yield path, value
+
+
+@functools.cache
+def _kind_of(cls: type) -> type | None:
+    """`Mapping`, `Summary` or None (one check per type: an ABC's is ~1 µs)."""
+    if issubclass(cls, Summary):
+        return Summary
+    return Mapping if issubclass(cls, Mapping) else None
 
 
 # `value: ArrayTree`: any value, checked here with a message naming the path.
@@ -404,30 +404,20 @@ def _read(
             seen.add(path)
             out[path] = arr
             return
-        read = _READERS.get(cls)
-        if read is not None:  # a built-in kind: its fields read directly
-            items: Iterable[tuple[str, ArrayTree]] = read(
-                leaf.__dict__, path, where, notes
-            )
-        else:
-            if isinstance(leaf, Summary):
-                _validate(path, leaf, where)
-            if isinstance(leaf, _MEDIA):
-                items = [(path, leaf)]
-            else:
-                if notes is not None:  # a function's result: read every time
-                    notes.opaque = True
-                items = _expand(path, _callback_value(path, leaf, where), where=where)
-        for sub, value in items:
+        values: list[HostValue] = []
+        for sub, value in _expand(path, leaf, where=where):
             if sub in seen:
                 raise _collision(sub, where=where)
-            if isinstance(value, _MEDIA):
-                if value is not leaf:  # from a `CallbackSummary`'s result
-                    _validate(sub, value, where)
+            if is_record_type(type(value)):
+                for array in jax.tree_util.tree_leaves(value):
+                    _numeric(sub, array, where=where)
             else:
                 value = _numeric(sub, value, where=where)
             seen.add(sub)
             out[sub] = value
+            values.append(value)
+        if notes is not None:
+            _note(notes, leaf, values)
 
     def put_rows(paths: tuple[str, ...], columns: list[np.ndarray]) -> None:
         nonlocal out
@@ -446,7 +436,7 @@ def _read(
             out = {}
         parts.append(Rows(paths, columns))
 
-    def read_stacked(leaf: Leaf) -> _Entries | None:
+    def read_stacked(leaf: Leaf) -> list[tuple[str, np.ndarray]] | None:
         return _read_stacked(leaf, notes)
 
     flatten_into(put, tree, "", "/", put_rows, read_stacked)
@@ -455,113 +445,85 @@ def _read(
     return HostValues(parts)
 
 
-#: A summary's fields (`leaf.__dict__`: NumPy values after the fetch).
-_Fields: TypeAlias = dict[str, ArrayTree]
-#: `(path, value)` entries read from one summary's fields.
-_Entries: TypeAlias = list[tuple[str, ArrayTree]]
+def _note(notes: Notes, leaf: Leaf, values: list[HostValue]) -> None:
+    """Record how a summary's host values are made from its fetched leaves.
+
+    A replay validates the summary again (where its kind checks anything) and
+    remakes the values that are not its leaves themselves (`_Remake`). A kind
+    that keeps `Summary`'s default `host_value` (`value()`, e.g. a
+    `CallbackSummary`'s function) is read in full at every write instead.
+    """
+    cls = type(leaf)
+    if not isinstance(leaf, Summary) or cls.host_value is Summary.host_value:
+        notes.opaque = True
+        return
+    leaves, treedef = jax.tree_util.tree_flatten(leaf)
+    if cls.validate is not Summary.validate:  # checked again at each replay
+        notes.checks.append((functools.partial(_check, treedef), leaves))
+    remake = _Remake(treedef)
+    for j, value in enumerate(values):
+        if not any(value is x for x in leaves):  # else replayed as that leaf
+            notes.made(value, functools.partial(remake, j), *leaves)
 
 
-def _read_weighted(
-    fields: _Fields, path: str, where: str, notes: Notes | None
-) -> _Entries:
-    mean, weight = fields["mean"], fields["weight"]
-    if np.shape(weight) not in ((), np.shape(mean)):
-        # `validate`'s message, without building the summary again.
-        raise ValueError(
-            f"`{where}`: the summary at {path!r}: `WeightedSummary(mean, weight)`: "
-            "weight has "
-            f"shape {np.shape(weight)}, expected () or the mean's shape "
-            f"{np.shape(mean)}."
-        )
-    if bool(np.any(np.asarray(weight) < 0)):
-        raise ValueError(
-            f"`{where}`: the summary at {path!r}: `WeightedSummary(mean, weight)`: "
-            f"weights must not be negative, got {np.asarray(weight)!r}; a weight "
-            "counts examples (use 0 to add nothing)."
-        )
-    if notes is not None:
-        notes.weights.append(weight)
-    return [(path, mean)]
+def _check(treedef: TreeDef, *leaves: object) -> None:
+    """`validate()` the summary of `leaves` (a replay; raises `ValueError`)."""
+    summary = treedef.unflatten(leaves)
+    type(summary).validate(summary)
 
 
-def _read_value(
-    fields: _Fields, path: str, where: str, notes: Notes | None
-) -> _Entries:
-    return [(path, fields["value_"])]
+class _Remake:
+    """Value `j` of a summary's host values, from its fetched leaves (a replay).
+
+    The last summary's values are kept, so that a summary of several values (a
+    `MomentsSummary`'s six) is read once per replay.
+    """
+
+    __slots__ = ("last", "treedef")
+
+    def __init__(self, treedef: TreeDef):
+        self.treedef = treedef
+        self.last: tuple[tuple[object, ...], list[HostValue]] | None = None
+
+    def __call__(self, j: int, *leaves: object) -> HostValue:
+        last = self.last  # one read: another thread may replace it
+        if last is None or not all(
+            a is b for a, b in zip(last[0], leaves, strict=True)
+        ):
+            summary = self.treedef.unflatten(leaves)
+            try:  # `_expand` validates the summary and reads its `host_value`
+                values = [v for _, v in _expand("", summary, where="replay")]
+                values = [
+                    v if is_record_type(type(v)) else _numeric("", v, where="replay")
+                    for v in values
+                ]
+            except Exception as e:  # the full read raises, naming the path
+                raise ValueError(str(e)) from e
+            last = self.last = (leaves, values)
+        return last[1][j]
 
 
-def _read_moments(
-    fields: _Fields, path: str, where: str, notes: Notes | None
-) -> _Entries:
-    high, low = fields["count_high"], fields["count_low"]
-    count = exact_count(high, low)
-    m2 = np.asarray(fields["m2"])
-    var = variance(m2, high, low)
-    nonfinite = exact_count(fields["nonfinite_high"], fields["nonfinite_low"])
-    if notes is not None:
-        notes.made(count, exact_count, high, low)
-        notes.made(var, variance, m2, high, low)
-        notes.made(
-            nonfinite,
-            exact_count,
-            fields["nonfinite_high"],
-            fields["nonfinite_low"],
-        )
-    return [
-        (f"{path}/count", count),
-        (f"{path}/mean", fields["mean"]),
-        (f"{path}/variance", var),
-        (f"{path}/min", fields["min_"]),
-        (f"{path}/max", fields["max_"]),
-        (f"{path}/nonfinite", nonfinite),
-    ]
+def _read_stacked(
+    leaf: Leaf, notes: Notes | None
+) -> list[tuple[str, np.ndarray]] | None:
+    """`(suffix, column)` of a summary with stacked fields, or None.
 
-
-#: The built-in kinds whose values are read from their fields (`leaf.__dict__`:
-#: Equinox's `Module.__getattribute__` costs ~1 µs per field read), by exact type
-#: (the kinds are final). The same values as `_host_value`, and `validate`'s check.
-_READERS: dict[type, Callable[[_Fields, str, str, Notes | None], _Entries]] = {
-    WeightedSummary: _read_weighted,
-    MinSummary: _read_value,
-    MaxSummary: _read_value,
-    SumSummary: _read_value,
-    MomentsSummary: _read_moments,
-}
-
-
-#: The built-in kinds read whole from a per-iteration entry's stacked fields (NumPy,
-#: iteration axis first): the same paths and values as `_READERS` per iteration.
-#: None where an iteration would raise, so that the per-iteration read names it.
-_STACKED_READERS: dict[type, Callable[[_Fields, Notes | None], _Entries | None]] = {
-    WeightedSummary: lambda fields, notes: _stacked_weighted(fields, notes),
-    MinSummary: lambda fields, notes: [("", fields["value_"])],
-    MaxSummary: lambda fields, notes: [("", fields["value_"])],
-    SumSummary: lambda fields, notes: [("", fields["value_"])],
-    MomentsSummary: lambda fields, notes: [
-        (suffix[len("x") :], value)
-        for suffix, value in _read_moments(fields, "x", "stacked", notes)
-    ],
-}
-
-
-def _stacked_weighted(fields: _Fields, notes: Notes | None) -> _Entries | None:
-    mean, weight = np.asarray(fields["mean"]), np.asarray(fields["weight"])
-    if weight.shape[1:] not in ((), mean.shape[1:]) or bool(np.any(weight < 0)):
+    Only kinds whose `host_value` is elementwise (`Summary.rowwise_host_value`)
+    are read whole; None also where `validate()` or a dtype check refuses the
+    stacked summary, so that the per-iteration read names the path it refuses.
+    """
+    if not isinstance(leaf, Summary) or not type(leaf).rowwise_host_value:
         return None
-    if notes is not None:
-        notes.weights.append(weight)
-    return [("", mean)]
-
-
-def _read_stacked(leaf: Leaf, notes: Notes | None) -> _Entries | None:
-    """`(suffix, column)` of a built-in summary with stacked fields, or None."""
-    read = _STACKED_READERS.get(type(leaf))
-    entries = None if read is None else read(leaf.__dict__, notes)
-    if entries is None:
+    try:
+        type(leaf).validate(leaf)
+        entries = list(_expand("", type(leaf).host_value(leaf), where="stacked"))
+    except (ValueError, TypeError):
         return None
     for _, column in entries:
         if type(column) is not np.ndarray or _dtype_problem(column.dtype) is not None:
             return None  # read per iteration, which names the path it refuses
+    if notes is not None:
+        _note(notes, leaf, [column for _, column in entries])
     return entries
 
 
@@ -610,42 +572,15 @@ def _in_order(host: ArrayTree, like: ArrayTree) -> ArrayTree:
     return host
 
 
-def _callback_value(path: str, leaf: Leaf, where: str) -> ArrayTree:
-    """`_host_value(leaf)`; an error raised by a `CallbackSummary`'s fn names `path`."""
-    if not isinstance(leaf, CallbackSummary):
-        return _host_value(leaf)
+def _host_value(path: str, leaf: Summary, where: str) -> ArrayTree:
+    """`leaf.host_value()`; an error raised by it (a function's) names `path`."""
     try:
-        return leaf.fn(*leaf.args, **leaf.kwargs)
+        return type(leaf).host_value(leaf)
     except Exception as e:
         raise ValueError(
-            f"`{where}`: the function of the CallbackSummary at {path!r} raised "
+            f"`{where}`: reading the {type(leaf).__name__} at {path!r} raised "
             f"{type(e).__name__}: {e}"
         ) from e
-
-
-def _host_value(leaf: Leaf) -> ArrayTree:
-    """What a writer writes for a fetched leaf (NumPy fields): its `value()`.
-
-    The built-in kinds are read on the host (NumPy), without a device round trip; a
-    `CallbackSummary` runs its function on the NumPy arguments.
-    """
-    if isinstance(leaf, WeightedSummary):
-        return leaf.mean
-    if isinstance(leaf, (MinSummary, MaxSummary, SumSummary)):
-        return leaf.value_
-    if isinstance(leaf, MomentsSummary):
-        m2 = np.asarray(leaf.m2)
-        return {
-            "count": leaf.count,
-            "mean": np.asarray(leaf.mean),
-            "variance": variance(m2, leaf.count_high, leaf.count_low),
-            "min": np.asarray(leaf.min_),
-            "max": np.asarray(leaf.max_),
-            "nonfinite": leaf.nonfinite,
-        }
-    if isinstance(leaf, Summary):
-        return type(leaf).value(leaf)
-    return leaf
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,17 +10,13 @@ from typing import Any, TypeAlias
 
 import jax
 import numpy as np
-from jaxtyping import ArrayLike
 
-from eqxctx._counting import host_count
-from eqxctx._statistics import HistogramSummary
-from eqxctx._summary import AudioSummary, ImageSummary, Summary
-from eqxctx._typing import TreeDef
+from eqxctx._records import Audio, Histogram, Image
 
 
-#: A value ready to write: a NumPy array, or (kept whole, with NumPy fields) an
-#: `ImageSummary`, `AudioSummary` or `HistogramSummary`.
-HostValue: TypeAlias = np.ndarray | ImageSummary | AudioSummary | HistogramSummary
+#: A value ready to write: a NumPy array, or a host record (`Histogram`, `Image`,
+#: `Audio`) that a `Summary.host_value` returned.
+HostValue: TypeAlias = np.ndarray | Histogram | Image | Audio
 
 
 class Rows:
@@ -121,36 +117,22 @@ class HostValues(Mapping[str, HostValue]):
         return f"HostValues({self._full()!r})"
 
 
-def exact_count(high: ArrayLike, low: ArrayLike) -> np.ndarray:
-    """A count from its uint32 words (`MomentsSummary`): NumPy int64, exact."""
-    return host_count(high, low, "MomentsSummary.count")
-
-
-def variance(m2: np.ndarray, high: ArrayLike, low: ArrayLike) -> np.ndarray:
-    """A `MomentsSummary`'s variance from its fields: `m2 / max(count, 1)`.
-
-    The count (from its words `high`, `low`) in `m2`'s dtype, as `value()` has it.
-    An array also for 0-d fields (where NumPy's division returns a scalar).
-    """
-    count = exact_count(high, low)
-    return np.asarray(m2 / np.maximum(count, 1).astype(m2.dtype))
-
-
 class Notes:
-    """What a full read records for a `Recipe`: the values it derived, the weights.
+    """What a full read records for a `Recipe`: the values it derived.
 
     Each derived value is kept (with its sources) so that its `id` stays unique.
     `opaque`: a value came from a function that must run at every read (a
-    `CallbackSummary`, a user's `Summary.value()`): no recipe.
+    `Summary.value()`, e.g. a `CallbackSummary`'s function): no recipe.
     """
 
-    __slots__ = ("derived", "opaque", "weights")
+    __slots__ = ("checks", "derived", "opaque")
 
     def __init__(self) -> None:
         #: id(value) -> (fn, sources, value): `value` is `fn(*sources)`.
         self.derived: dict[int, tuple[Callable[..., Any], tuple[object, ...], Any]] = {}
-        self.weights: list[object] = []
         self.opaque = False
+        #: `(fn, sources)`: `fn(*sources)` raises `ValueError` for invalid values.
+        self.checks: list[tuple[Callable[..., Any], Sequence[object]]] = []
 
     def made(self, result: Any, fn: Callable[..., Any], *sources: object) -> None:
         """Record that `result` is `fn(*sources)` (sources: fetched leaves).
@@ -170,39 +152,31 @@ class _Refused(Exception):
     """A replayed value differs from what the recipe recorded: read in full."""
 
 
-def _rebuild(treedef: TreeDef, *leaves: object) -> Summary:
-    """A media summary kept whole, from its fetched leaves; `validate`d."""
-    summary = treedef.unflatten(leaves)
-    type(summary).validate(summary)
-    return summary
-
-
 class Recipe:
     """How one structure's `HostValues` are made from its fetched leaves.
 
     Built by `make_recipe` from a full read (which raises on anything invalid), and
     checked there to replay that read exactly. A replay re-checks what depends on
-    the values (no negative weight; media `validate()`) and returns None where a
-    check fails, so that the full read runs and raises, naming the path.
+    the values (each summary's `validate()`) and returns None where a check fails,
+    so that the full read runs and raises, naming the path.
     """
 
-    __slots__ = ("parts", "weights")
+    __slots__ = ("checks", "parts")
 
     def __init__(
         self,
         parts: list[tuple[bool, tuple[str, ...], list[_Op]]],
-        weights: tuple[int, ...],
+        checks: list[tuple[Callable[..., Any], tuple[int, ...]]],
     ):
         self.parts = parts  # (rows?, paths, ops)
-        self.weights = weights
+        self.checks = checks
 
     def replay(self, host: Sequence[Any]) -> HostValues | None:
         """The `HostValues` of `host` (the fetched leaves), or None (read in full)."""
-        for k in self.weights:
-            if (host[k] < 0).any():
-                return None
         parts: list[Part] = []
         try:
+            for fn, ks in self.checks:
+                fn(*[host[k] for k in ks])
             for rows, paths, ops in self.parts:
                 values = [
                     host[op] if type(op) is int else _made(op, host)  # pyright: ignore[reportArgumentType]
@@ -238,19 +212,14 @@ def make_recipe(values: HostValues, host: list[Any], notes: Notes) -> Recipe | N
         return None
 
     def op_of(value: object) -> _Op | None:
-        k = positions.get(id(value))
-        if k is not None:
-            return k
+        # Derived first: a summary's value that is one of its leaves is remade, so
+        # that the replay validates the summary again.
         derived = notes.derived.get(id(value))
         if derived is not None:
             fn, sources, result = derived
             ks = tuple(positions.get(id(x), -1) for x in sources)
-            return None if -1 in ks else (fn, ks, result.dtype)
-        if isinstance(value, _MEDIA):
-            leaves, treedef = jax.tree_util.tree_flatten(value)
-            ks = tuple(positions.get(id(x), -1) for x in leaves)
-            return None if -1 in ks else (lambda *xs: _rebuild(treedef, *xs), ks, None)
-        return None
+            return None if -1 in ks else (fn, ks, getattr(result, "dtype", None))
+        return positions.get(id(value))
 
     parts: list[tuple[bool, tuple[str, ...], list[_Op]]] = []
     for part in values.parts:
@@ -264,15 +233,15 @@ def make_recipe(values: HostValues, host: list[Any], notes: Notes) -> Recipe | N
         if len(ops) != len(found):
             return None
         parts.append((rows, paths, ops))
-    weights = tuple(positions.get(id(w), -1) for w in notes.weights)
-    if -1 in weights or any(type(host[k]) is not np.ndarray for k in weights):
+    checks = [
+        (fn, tuple(positions.get(id(x), -1) for x in sources))
+        for fn, sources in notes.checks
+    ]
+    if any(-1 in ks for _, ks in checks):
         return None
-    recipe = Recipe(parts, weights)
+    recipe = Recipe(parts, checks)
     replayed = recipe.replay(host)
     return recipe if replayed is not None and _same(replayed, values) else None
-
-
-_MEDIA = (ImageSummary, AudioSummary, HistogramSummary)
 
 
 def _same(a: HostValues, b: HostValues) -> bool:

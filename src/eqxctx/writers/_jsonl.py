@@ -10,8 +10,7 @@ from typing import Literal, TypeAlias, TypeGuard, cast
 import numpy as np
 import orjson
 
-from eqxctx._statistics import HistogramSummary
-from eqxctx._summary import AudioSummary, ImageSummary
+from eqxctx._records import Audio, Histogram, Image
 
 from ._base import AbstractWriter, HostSummaries, is_writing_process
 from ._host import HostValue, HostValues, Part, Rows
@@ -110,7 +109,7 @@ def nonempty_span(counts: np.ndarray) -> tuple[int, int]:
     return int(nonzero[0]), int(nonzero[-1]) + 1
 
 
-def histogram_json(h: HistogramSummary) -> dict[str, JsonValue]:
+def histogram_json(h: Histogram) -> dict[str, JsonValue]:
     """Return `{"edges": [...], "counts": [...]}` of the non-empty bucket span.
 
     The buckets from the first to the last non-empty one, with their `k + 1` edges
@@ -132,10 +131,12 @@ def record_value(value: HostValue) -> JsonValue:
     """Return what `JsonlWriter` writes for one fetched value."""
     if type(value) is np.ndarray:
         return json_value(value)
-    if isinstance(value, HistogramSummary):
+    if isinstance(value, Histogram):
         return histogram_json(value)
-    if isinstance(value, (ImageSummary, AudioSummary)):
-        return json_value(np.asarray(value.value_))
+    if isinstance(value, Image):
+        return json_value(value.images)
+    if isinstance(value, Audio):
+        return json_value(value.samples)
     return json_value(value)
 
 

@@ -17,8 +17,8 @@ from typing import IO, Any, TypeAlias
 import numpy as np
 
 from eqxctx._errors import OutputConflictError
-from eqxctx._statistics import HistogramSummary, tensorflow_edges
-from eqxctx._summary import AudioSummary, ImageSummary
+from eqxctx._records import Audio, Histogram, Image
+from eqxctx._statistics import tensorflow_edges
 
 from ._base import (
     AbstractWriter,
@@ -352,10 +352,10 @@ class TensorBoardWriter(AbstractWriter):
 
     def _value(self, tag: str, value: HostValue) -> Proto | None:
         summary = self._summary_pb2.Summary
-        if isinstance(value, ImageSummary):
-            return self._images(tag, np.asarray(value.value_))
-        if isinstance(value, AudioSummary):
-            audio = np.asarray(value.value_)
+        if isinstance(value, Image):
+            return self._images(tag, value.images)
+        if isinstance(value, Audio):
+            audio = value.samples
             proto = summary.Audio(
                 sample_rate=float(value.sample_rate),
                 num_channels=1 if audio.ndim == 1 else audio.shape[1],
@@ -364,7 +364,7 @@ class TensorBoardWriter(AbstractWriter):
                 content_type="audio/wav",
             )
             return summary.Value(tag=tag, audio=proto)
-        if isinstance(value, HistogramSummary):
+        if isinstance(value, Histogram):
             histo = self._histogram(np.asarray(value.counts), value.edges, None)
         elif value.ndim > 0:
             finite = value.astype(np.float64).ravel()

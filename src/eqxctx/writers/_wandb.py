@@ -12,8 +12,7 @@ from typing import Any, TypeAlias
 
 import numpy as np
 
-from eqxctx._statistics import HistogramSummary
-from eqxctx._summary import AudioSummary, ImageSummary
+from eqxctx._records import Audio, Histogram, Image
 
 from ._base import AbstractWriter, HostSummaries, HostValue, is_writing_process
 from ._jsonl import nonempty_span
@@ -266,18 +265,18 @@ class WandbWriter(AbstractWriter):
 
     def _value(self, path: str, step: int, value: HostValue) -> object:
         wandb = self._wandb
-        if isinstance(value, ImageSummary):
-            nhwc = images_nhwc(np.asarray(value.value_))
+        if isinstance(value, Image):
+            nhwc = images_nhwc(value.images)
             return [
                 wandb.Image(image[..., 0] if image.shape[-1] == 1 else image)
                 for image in nhwc
             ]
-        if isinstance(value, AudioSummary):
+        if isinstance(value, Audio):
             return wandb.Audio(
-                self._wav_file(path, step, np.asarray(value.value_), value.sample_rate),
+                self._wav_file(path, step, value.samples, value.sample_rate),
                 sample_rate=value.sample_rate,
             )
-        if isinstance(value, HistogramSummary):
+        if isinstance(value, Histogram):
             buckets = histogram_buckets(np.asarray(value.counts), value.edges)
             if buckets is None:
                 return None
