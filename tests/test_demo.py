@@ -124,7 +124,9 @@ def test_demo_jsonl(demo_run: tuple[Any, Path]) -> None:
     }
     # issue 36: pandas reads the file too (one row per step, one column per path).
     pandas = pytest.importorskip("pandas")
-    frame = pandas.read_json(run_dir / "summaries.jsonl", lines=True)
+    frame = pandas.read_json(
+        run_dir / "summaries.jsonl", lines=True, precise_float=True
+    )
     assert frame["step"].tolist() == list(range(31))
     np.testing.assert_array_equal(frame["train/loss"][:30], losses)
 

@@ -135,7 +135,7 @@ class JsonlWriter(AbstractWriter):
     (after `jax.distributed.initialize`): only process 0 opens and writes the file.
 
     Read it back with `[json.loads(line) for line in open(path)]` or
-    `pandas.read_json(path, lines=True)`.
+    `pandas.read_json(path, lines=True, precise_float=True)`.
 
     Args:
         path: the file to write (`str` or `os.PathLike`); missing parent folders are
