@@ -657,13 +657,6 @@ def test_a_traced_key_is_reused_only_under_its_trace() -> None:
     )
 
 
-def _seed(name: str) -> int:
-    """AXLearn's child seed, computed here as the reference."""
-    import hashlib
-
-    return int(hashlib.md5(name.encode()).hexdigest(), 16) % (2**31 - 1)
-
-
 def _frame_fields(ctx: Context) -> list[object]:
     frame = ctx._frame  # pyright: ignore[reportPrivateUsage]
     return [getattr(frame, name) for name in type(frame).__slots__]

@@ -122,6 +122,13 @@ def test_demo_jsonl(demo_run: tuple[Any, Path]) -> None:
         for k in train[0]
         if k != "step" and "/activations/" not in k and "stream_grad_rms" not in k
     }
+    # issue 36: pandas reads the file too (one row per step, one column per path).
+    pandas = pytest.importorskip("pandas")
+    frame = pandas.read_json(
+        run_dir / "summaries.jsonl", lines=True, precise_float=True
+    )
+    assert frame["step"].tolist() == list(range(31))
+    np.testing.assert_array_equal(frame["train/loss"][:30], losses)
 
 
 def test_demo_tensorboard_equals_jsonl(demo_run: tuple[Any, Path]) -> None:

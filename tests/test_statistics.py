@@ -81,6 +81,39 @@ def test_tpu_counts_equal_numpy(edges: tuple[float, ...], x: np.ndarray) -> None
     np.testing.assert_array_equal(got, np_histogram(flushed[~np.isnan(x)], edges))
 
 
+def _instructions(fn: Any, spec: jax.ShapeDtypeStruct) -> int:
+    text = jax.jit(fn).lower(spec).compile().as_text()
+    assert text is not None
+    return sum(" = " in line for line in text.splitlines())
+
+
+@pytest.mark.cpu_only("XLA:CPU instruction counts")
+def test_histogram_program_is_one_search_per_value() -> None:
+    # issue 36: the bucket search is `jnp.searchsorted` (a loop over the edges'
+    # halvings, or every edge compared for few edges), not one unrolled step per
+    # halving: the program does not grow with the number of edges.
+    spec = jax.ShapeDtypeStruct((1000,), jnp.float32)
+    assert _instructions(lambda v: HistogramSummary(v), spec) <= 200
+    ranged = _instructions(lambda v: HistogramSummary(v, bins=30, range=(-1, 1)), spec)
+    assert ranged <= 100
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float16, np.float32])
+@pytest.mark.parametrize("edges", _TPU_EDGES, ids=["4", "64", "65", "tf"])
+def test_histogram_edge_cases_equal_numpy(edges: tuple[float, ...], dtype: Any) -> None:
+    # issue 36: NaN, infinities, signed zeros, values on every edge and between.
+    e32 = np.asarray(edges, np.float64).astype(np.float32)
+    finite = e32[np.isfinite(e32)][:200]
+    special = [np.nan, -np.nan, np.inf, -np.inf, -0.0, 0.0, 3.0, 5.0, -5.0]
+    x = np.concatenate([special, finite, np.nextafter(finite, np.inf)])
+    with np.errstate(over="ignore"):  # large edges are infinite in float16
+        x = x.astype(dtype)
+    got = HistogramSummary(jnp.asarray(x), edges=edges).counts
+    x32 = x.astype(np.float32)
+    flushed = np.where(np.abs(x32) < np.finfo(np.float32).tiny, np.float32(0), x32)
+    np.testing.assert_array_equal(got, np_histogram(flushed[~np.isnan(x32)], edges))
+
+
 def test_histogram_edge_rules_and_explicit_edges() -> None:
     x = np.asarray([-1.0, 0.0, 0.5, 1.0, 1.5, 3.0, 4.0, np.nan, np.inf], np.float32)
     h = HistogramSummary(x, edges=[0.0, 1.0, 2.0, 3.0])

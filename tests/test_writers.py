@@ -162,13 +162,24 @@ def test_jsonl_arrays_of_each_rank(tmp_path: Path, rank: int, dtype: Any) -> Non
 
 
 def test_jsonl_float32_is_short_and_exact(tmp_path: Path) -> None:
+    # issue 36: orjson's text; NaN and infinities are JSON's null (RFC 8259), which
+    # every JSON reader takes (Python's json, pandas, orjson, jq, JavaScript).
     x = np.float32(0.1)
     with JsonlWriter(tmp_path / "s.jsonl") as w:
         w.write(0, {"x": x, "nan": np.float32(np.nan), "inf": -np.inf})
+        w.write(1, {"x": 2.5, "nan": 1.0, "inf": np.float32(np.inf)})
     text = (tmp_path / "s.jsonl").read_text()
-    assert text == '{"step": 0, "x": 0.1, "nan": NaN, "inf": -Infinity}\n'
-    (line,) = read_jsonl(tmp_path / "s.jsonl")
-    assert np.float32(line["x"]) == x
+    assert text.splitlines()[0] == '{"step":0,"x":0.1,"nan":null,"inf":null}'
+    first, second = read_jsonl(tmp_path / "s.jsonl")
+    assert first == {"step": 0, "x": 0.1, "nan": None, "inf": None}
+    assert second == {"step": 1, "x": 2.5, "nan": 1.0, "inf": None}
+    assert np.float32(first["x"]) == x
+    pandas = pytest.importorskip("pandas")
+    frame = pandas.read_json(tmp_path / "s.jsonl", lines=True, precise_float=True)
+    assert frame["step"].tolist() == [0, 1]
+    np.testing.assert_array_equal(frame["x"], [0.1, 2.5])
+    np.testing.assert_array_equal(frame["nan"], [np.nan, 1.0])
+    assert frame["inf"].isna().all()
 
 
 def test_jsonl_appends_one_line_per_write(tmp_path: Path) -> None:
@@ -315,7 +326,7 @@ def test_jsonl_full_disk_leaves_only_whole_lines(
     # last line.
     path = tmp_path / "s.jsonl"
     path.write_text('{"step": -1}\n')
-    limit = 500  # bytes: the old line, 4 whole lines, part of a fifth
+    limit = 350  # bytes: the old line, 4 whole lines, part of a fifth
     done = subprocess.run(
         [sys.executable, "-c", FULL_DISK, str(path), mode, str(limit), wrap],
         env={**os.environ, "JAX_PLATFORMS": "cpu"},  # also on an accelerator host
@@ -759,6 +770,11 @@ _EDGE_FLOAT32 = [
 ]
 
 
+def _shortest(v: np.floating[Any]) -> float | None:
+    """NumPy's shortest decimal of a float32 (None for NaN and infinities)."""
+    return float(str(np.float32(v))) if np.isfinite(v) else None
+
+
 @given(
     hnp.arrays(
         np.float32,
@@ -766,26 +782,30 @@ _EDGE_FLOAT32 = [
         elements=st.floats(width=32, allow_nan=True, allow_infinity=True),
     )
 )
-def test_shortest_float32_matches_numpy_shortest_repr(values: np.ndarray) -> None:
-    from eqxctx.writers._jsonl import float32_texts, shortest_float32
+def test_jsonl_float32_is_numpys_shortest_decimal(values: np.ndarray) -> None:
+    # issue 36: orjson writes float32 arrays and scalars with their shortest
+    # decimal, the one NumPy's `str` gives (`0.1`, not `0.10000000149011612`).
+    from eqxctx.writers._base import HostSummaries
+    from eqxctx.writers._jsonl import json_line
 
     powers = np.float32(10.0) ** np.arange(-45, 39, dtype=np.float32)
     edges = [np.asarray(_EDGE_FLOAT32, np.float32), powers, -powers * 1.5]
     values = np.concatenate([values, *edges, np.nextafter(powers, 0)])
-    got = shortest_float32(values)
-    want = [float(str(v)) for v in values]
-    # Same decimal (repr), sign of zero and NaN included.
-    assert [repr(g) for g in got] == [repr(w) for w in want]
-    # The JSON lines writer's one-call spelling of the same values.
-    assert float32_texts(values) == [json.dumps(w) for w in want]
+    scalars = {f"s{i}": np.asarray(v) for i, v in enumerate(values)}
+    line = json_line(HostSummaries(0, {"all": values, **scalars}))
+    want = [_shortest(v) for v in values]
+    got = json.loads(line)
+    assert got == {"step": 0, "all": want, **dict(zip(scalars, want, strict=True))}
 
 
-def test_shortest_float32_on_every_float32_near_one() -> None:
-    from eqxctx.writers._jsonl import shortest_float32
+def test_jsonl_float32_near_one_is_shortest() -> None:
+    from eqxctx.writers._base import HostSummaries
+    from eqxctx.writers._jsonl import json_line
 
     bits = np.arange(0x3F800000 - 20_000, 0x3F800000 + 20_000, dtype=np.uint32)
     values = bits.view(np.float32)
-    assert shortest_float32(values) == [float(str(v)) for v in values]
+    got = json.loads(json_line(HostSummaries(0, {"v": values})))["v"]
+    assert got == [float(str(v)) for v in values]
 
 
 def test_jsonl_per_iteration_floats_are_shortest(tmp_path: Path) -> None:
@@ -804,7 +824,7 @@ def test_jsonl_per_iteration_floats_are_shortest(tmp_path: Path) -> None:
         **{f"iter{i}/v": float(str(np.float32(i) / np.float32(10))) for i in range(4)},
         **{f"iter{i}/n": 7 for i in range(4)},
     }
-    assert '"iter1/v": 0.1,' in path.read_text()
+    assert '"iter1/v":0.1,' in path.read_text()
 
 
 def test_fetch_checks_built_in_kinds_read_from_their_fields() -> None:
@@ -830,17 +850,19 @@ def test_fetch_checks_built_in_kinds_read_from_their_fields() -> None:
 
 
 def _json_value_per_value(arr: np.ndarray) -> Any:
-    """The conversion before the vectorized one: `str(np.float32(v))` per value."""
+    """The value read back, per value: `str(np.float32(v))`'s decimal, None if
+    not finite; bools as 0/1; float64 exact."""
     if arr.dtype.kind == "b":
         return arr.astype(np.int64).tolist()
     if arr.dtype.kind in "iu":
         return arr.tolist()
     if arr.dtype.itemsize <= 4:
-        if arr.ndim == 0:
-            return float(str(np.float32(arr)))
-        short = [float(str(v)) for v in arr.astype(np.float32).ravel()]
-        return np.asarray(short, dtype=np.float64).reshape(arr.shape).tolist()
-    return arr.astype(np.float64).tolist()
+        short = [_shortest(v) for v in arr.astype(np.float32).ravel()]
+    else:
+        short = [float(v) if np.isfinite(v) else None for v in arr.ravel()]
+    if arr.ndim == 0:
+        return short[0]
+    return np.asarray(short, dtype=object).reshape(arr.shape).tolist()
 
 
 @given(
@@ -854,7 +876,7 @@ def test_jsonl_text_matches_per_value_conversion_on_bit_patterns(
     # Random bit patterns (subnormals, NaN payloads, -0.0, powers of two, ...), as
     # 0-d values (converted together) and as arrays, in every float dtype.
     from eqxctx.writers._base import HostSummaries
-    from eqxctx.writers._jsonl import json_record
+    from eqxctx.writers._jsonl import json_line
 
     f32 = bits32.view(np.float32)
     values: dict[str, np.ndarray] = {
@@ -870,20 +892,20 @@ def test_jsonl_text_matches_per_value_conversion_on_bit_patterns(
     for i, v in enumerate(bits16.view(np.float16)):
         values[f"h{i}"] = np.asarray(v)
         values[f"b{i}"] = np.asarray(bits16[i : i + 1].view(jnp.bfloat16)[0])
-    got = json.dumps(json_record(HostSummaries(7, values)))
+    got = json.loads(json_line(HostSummaries(7, values)))
     want = {"step": 7, **{p: _json_value_per_value(v) for p, v in values.items()}}
-    assert got == json.dumps(want)
+    assert got == want
 
 
 # -- per-iteration rows: formatted from their stacked arrays ------------------------
 
 
-def _dict_line(step: int, summaries: Any) -> str:
-    """The JSON text through the per-value path: `json_record` of a plain dict."""
+def _dict_line(step: int, summaries: Any) -> bytes:
+    """The JSON line through the per-value path: `json_line` of a plain dict."""
     from eqxctx.writers._base import HostSummaries
-    from eqxctx.writers._jsonl import json_record
+    from eqxctx.writers._jsonl import json_line
 
-    return json.dumps(json_record(HostSummaries(step, fetch_summaries(summaries))))
+    return json_line(HostSummaries(step, fetch_summaries(summaries)))
 
 
 @given(
@@ -1003,7 +1025,7 @@ def test_built_in_kinds_in_rows_equal_per_iteration_values(mapped: bool) -> None
     coll = jax.vmap(run)(jnp.stack([v, -v]), jnp.stack([w, w])) if mapped else run(v, w)
     from eqxctx.writers._base import HostSummaries, host_values
     from eqxctx.writers._host import Rows
-    from eqxctx.writers._jsonl import json_line, json_record
+    from eqxctx.writers._jsonl import json_line
 
     host = host_values({"train": coll}, where="test")
     assert [type(part) for part in host.parts] == [Rows]
@@ -1016,7 +1038,7 @@ def test_built_in_kinds_in_rows_equal_per_iteration_values(mapped: bool) -> None
         assert got.shape == value.shape, path
         np.testing.assert_array_equal(got, value, err_msg=path)
     record = HostSummaries(2, host)
-    assert json_line(record) == json.dumps(json_record(record))
+    assert json_line(record) == json_line(HostSummaries(2, dict(host.items())))
 
 
 def test_negative_weight_in_rows_names_its_iteration() -> None:
@@ -1052,7 +1074,7 @@ def test_bfloat16_rows_are_written_as_float32_shortest_decimals() -> None:
     host = HostSummaries(1, host_values({"t": coll}, where="test"))
     line = json_line(host)
     assert line == _dict_line(1, {"t": coll})
-    assert '"t/iter0/w": 0.100097656' in line
+    assert b'"t/iter0/w":0.100097656' in line
 
 
 def test_a_refused_column_in_rows_names_its_own_path() -> None:

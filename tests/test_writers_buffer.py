@@ -245,7 +245,7 @@ def test_an_interrupted_loop_leaves_exactly_its_steps(
                 buffer = writer.write_buffer(buffer)
         assert raised
         lines = path.read_text().splitlines()
-        assert [int(line.split(",")[0].split(": ")[1]) for line in lines] == list(
+        assert [int(line.split(",")[0].split(":")[1]) for line in lines] == list(
             range(k)
         )
 
@@ -277,9 +277,7 @@ def test_a_write_interrupted_midway_resumes_without_writing_twice(
         writer.write_buffer(buffer)  # once more: nothing
         assert int(empty.count) == 0
     lines = (tmp_path / "s.jsonl").read_text().splitlines()
-    assert [line.split(",")[0] for line in lines] == [
-        f'{{"step": {s}' for s in range(5)
-    ]
+    assert [line.split(",")[0] for line in lines] == [f'{{"step":{s}' for s in range(5)]
 
 
 def test_async_buffer_writes_the_same_files_with_a_donated_buffer(
@@ -373,7 +371,7 @@ def test_a_full_buffer_writes_its_rows_then_says_how_many_were_lost(
         writer.write_buffer(buffer)
     lines = (tmp_path / "s.jsonl").read_text().splitlines()
     assert [line.split(",")[0] for line in lines] == [
-        f'{{"step": {s}' for s in (0, 1, 2, 5)
+        f'{{"step":{s}' for s in (0, 1, 2, 5)
     ]
 
 
@@ -424,36 +422,3 @@ def _scalar_step(buffer: SummaryBuffer, i: jax.Array) -> Any:
     )
     collection = ctx.merge(scanned).collection
     return buffer.add(i, {"train": collection}), {"train": collection}
-
-
-def test_a_buffers_float32_values_are_formatted_in_one_pass(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Issue 39 item 2: the float32 scalars of a buffer's steps (one structure) go
-    # through one `float32_texts` call, not one per step; the lines are unchanged.
-    import eqxctx.writers._jsonl as jsonl_module
-
-    calls: list[int] = []
-    real = jsonl_module.float32_texts
-
-    def counting(values: np.ndarray) -> list[str]:
-        calls.append(values.size)
-        return real(values)
-
-    monkeypatch.setattr(jsonl_module, "float32_texts", counting)
-    buffer = SummaryBuffer.create(7)
-    with (
-        JsonlWriter(tmp_path / "b.jsonl") as writer,
-        JsonlWriter(tmp_path / "s.jsonl") as reference,
-    ):
-        for step in range(2 * 7):
-            buffer, out = _scalar_step(buffer, jnp.int32(step))
-            reference.write(step, out)
-            if (step + 1) % 7 == 0:
-                buffer = writer.write_buffer(buffer)
-            if step == 6:
-                calls.clear()  # the first writes (full reads) are done
-    # 8 float32 scalars a step (loss; the moments' mean, variance, min and max; 3
-    # rows of y), in one call per step written alone and one for the buffer's 7.
-    assert calls == [8] * 7 + [8 * 7]
-    assert (tmp_path / "b.jsonl").read_bytes() == (tmp_path / "s.jsonl").read_bytes()

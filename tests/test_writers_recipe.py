@@ -99,7 +99,7 @@ def _without_recipes(fn: Callable[[], Any]) -> Any:
         writers_base._RECIPES.clear()  # pyright: ignore[reportPrivateUsage]
 
 
-def _line(tree: Any) -> str:
+def _line(tree: Any) -> bytes:
     values = writers_base.host_values(tree, where="test")
     return json_line(writers_base.HostSummaries(7, values))
 
@@ -267,8 +267,8 @@ def test_histogram_edges_keep_no_negative_zero(tmp_path: Path) -> None:
         writer.write(0, {"h": eqxctx.HistogramSummary(x, edges=[-1.0, 0.0, 1.0, 5.0])})
         writer.write(1, {"h": h})
     lines = (tmp_path / "s.jsonl").read_text().splitlines()
-    assert [line.split('"h": ')[1] for line in lines] == [
-        '{"edges": [-1.0, 0.0, 1.0, 5.0], "counts": [1, 1, 1]}}'
+    assert [line.split('"h":')[1] for line in lines] == [
+        '{"edges":[-1.0,0.0,1.0,5.0],"counts":[1,1,1]}}'
     ] * 2
 
 

@@ -38,6 +38,8 @@ class Runner(Protocol):
 
 #: The `MethodRunner` (type) a lowered or compiled step is bound to.
 RunnerT = TypeVar("RunnerT", bound=Runner)
+#: What a call of the compiled step returns beside the runner (`MethodRunner.Output`).
+OutT = TypeVar("OutT")
 
 
 def _signature(
@@ -55,7 +57,7 @@ def _dtype(x: ArrayLeaf) -> Any:
 
 def lower_runner(
     runner: RunnerT, batch_spec: Batch, **kwargs: PyTree
-) -> "LoweredRunner[RunnerT]":
+) -> "LoweredRunner[RunnerT, Any]":
     """Lower `runner`'s step for batches like `batch_spec`; see `MethodRunner.lower`.
 
     The batch goes through the call's placement rule (`leaf_shardings`, a leaf's own
@@ -71,7 +73,7 @@ def _lower(
     runner: RunnerT,
     batch_spec: Batch,
     kwargs: dict[str, PyTree],
-) -> "LoweredRunner[RunnerT]":
+) -> "LoweredRunner[RunnerT, Any]":
     step = runner.step
     mesh = step.mesh
     with_path, treedef = jax.tree_util.tree_flatten_with_path(batch_spec)
@@ -144,7 +146,7 @@ def _check_padded_rows(plan: BatchPlan, batch_sizes: tuple[int, ...] | None) -> 
     )
 
 
-class _Staged(Generic[RunnerT]):
+class _Staged(Generic[RunnerT, OutT]):
     """A runner's step at one ahead-of-time stage (JAX's `Lowered` or `Compiled`)."""
 
     def __init__(
@@ -164,7 +166,7 @@ class _Staged(Generic[RunnerT]):
         return self._program.as_text()
 
 
-class LoweredRunner(_Staged[RunnerT]):
+class LoweredRunner(_Staged[RunnerT, OutT]):
     """A runner step lowered ahead of time by `MethodRunner.lower`.
 
     Follows JAX's `jax.stages.Lowered`: `as_text()` gives the StableHLO, `compile()`
@@ -172,14 +174,14 @@ class LoweredRunner(_Staged[RunnerT]):
     `batch_spec` given to `lower`.
     """
 
-    def compile(self) -> "CompiledRunner[RunnerT]":
+    def compile(self) -> "CompiledRunner[RunnerT, OutT]":
         """Compile the lowered program; the result is called like the runner."""
         return CompiledRunner(
             self._runner, self._program.compile(), self._static_kwargs, self._plan
         )
 
 
-class CompiledRunner(_Staged[RunnerT]):
+class CompiledRunner(_Staged[RunnerT, OutT]):
     """A compiled runner step: `compiled(batch, **kwargs) -> (runner, output)`.
 
     Runs the program compiled by `MethodRunner.lower(...).compile()` with the
@@ -205,7 +207,7 @@ class CompiledRunner(_Staged[RunnerT]):
         """The runner whose parameters and key the next call uses."""
         return self._runner
 
-    def bind(self, runner: RunnerT) -> "CompiledRunner[RunnerT]":
+    def bind(self, runner: RunnerT) -> "CompiledRunner[RunnerT, OutT]":
         """Return this compiled program bound to `runner` (e.g. a call's successor).
 
         Raises:
@@ -247,7 +249,7 @@ class CompiledRunner(_Staged[RunnerT]):
         """
         return self._program.memory_analysis()
 
-    def __call__(self, input_batch: Batch, **kwargs: PyTree) -> tuple[RunnerT, Any]:
+    def __call__(self, input_batch: Batch, **kwargs: PyTree) -> tuple[RunnerT, OutT]:
         """Run the compiled step; see `MethodRunner.__call__`.
 
         Raises:
@@ -306,4 +308,4 @@ class CompiledRunner(_Staged[RunnerT]):
         else:
             result = self._program(params, key, batch, mask)
         new_key, output = step.finish(result, batch, padding)
-        return type(runner)(params, new_key, step), output
+        return type(runner)(params, new_key, step), cast(OutT, output)

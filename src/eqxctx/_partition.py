@@ -150,15 +150,7 @@ def _is_partition_leaf(x: object) -> bool:
 
 def path_str(path: KeyPath) -> str:
     """Return a key path as "a/b/0" (attribute names, dict keys, sequence indices)."""
-    parts: list[str] = []
-    for k in path:
-        for attr in ("name", "key", "idx"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts)
+    return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
 def _tree_noun(what: str) -> str:

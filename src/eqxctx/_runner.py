@@ -473,7 +473,7 @@ class MethodRunner(TreeEquality, Generic[ModelT, OutputT]):
 
     def lower(
         self, batch_spec: Batch, **kwargs: PyTree
-    ) -> "LoweredRunner[MethodRunner[ModelT, OutputT]]":
+    ) -> "LoweredRunner[MethodRunner[ModelT, OutputT], MethodRunner.Output[OutputT]]":
         """Lower the step for batches like `batch_spec`, ahead of time.
 
         Args:

@@ -6,7 +6,7 @@ import functools
 import queue
 import threading
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias, cast
 
 import jax
@@ -420,9 +420,7 @@ class AsyncWriter(AbstractWriter):
     def _write_fetched(self, fetch: BufferFetch) -> None:
         """Write a buffer queued by `write_buffer` (on the background thread)."""
         fetched = buffer_rows(fetch)
-        hosts = buffer_hosts(self.writer, fetched)
-        self.writer.prepare_hosts(hosts)
-        for host in hosts:
+        for host in buffer_hosts(self.writer, fetched):
             self.writer.write_host(host)
         check_lost(fetched, where="AsyncWriter.write_buffer")
 
@@ -542,11 +540,6 @@ class MultiWriter(AbstractWriter):
                 called.
         """
         self._each("write_host", lambda writer: writer.write_host(host))
-
-    def prepare_hosts(self, hosts: Sequence[HostSummaries]) -> None:
-        """Every writer's `prepare_hosts`."""
-        for writer in self.writers:
-            writer.prepare_hosts(hosts)
 
     def flush(self) -> None:
         """Flush every writer; raise the first error after flushing all."""

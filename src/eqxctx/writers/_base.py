@@ -4,7 +4,7 @@ import abc
 import dataclasses
 import functools
 import operator
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping
 from types import TracebackType
 from typing import NamedTuple, SupportsIndex, TypeAlias, TypeVar
 
@@ -677,7 +677,6 @@ class AbstractWriter(abc.ABC):
         skip = done[1] if done is not None and done[0] is token else 0
         hosts = buffer_hosts(self, fetched)
         if is_writing_process():
-            self.prepare_hosts(hosts[skip:])
             for k in range(skip, len(hosts)):
                 self.write_host(hosts[k])
                 self._buffer_done = (token, k + 1)
@@ -705,14 +704,6 @@ class AbstractWriter(abc.ABC):
     @abc.abstractmethod
     def write_host(self, host: HostSummaries) -> None:
         """Write one fetched step (called on process 0 only)."""
-
-    def prepare_hosts(self, hosts: Sequence[HostSummaries]) -> None:  # noqa: B027
-        """Get ready to write `hosts` (a buffer's steps), e.g. format them together.
-
-        Optional: `write_buffer` calls it before it calls `write_host` for each of
-        `hosts`, on process 0. Must not raise (a step's error is raised by its
-        `write_host`) nor write anything.
-        """
 
     @abc.abstractmethod
     def flush(self) -> None:

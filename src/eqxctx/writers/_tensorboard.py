@@ -1,18 +1,17 @@
 """TensorBoardWriter: summaries as TensorBoard event files (tensorboardX's protos)."""
 
 import functools
+import glob
 import io
 import itertools
 import os
 import re
-import socket
 import struct
 import time
 import wave
 import zlib
-from collections.abc import Callable, Mapping
-from types import ModuleType
-from typing import IO, Any, TypeAlias
+from collections.abc import Mapping
+from typing import Any, TypeAlias
 
 import numpy as np
 
@@ -131,33 +130,23 @@ def wav_bytes(audio: np.ndarray, sample_rate: int) -> bytes:
     return buffer.getvalue()
 
 
-class _EventFile:
-    """One TFRecord event file of its own, never an existing one (opened "xb")."""
+#: Each writer's file name ends with `.{pid}.{k}`: tensorboardX names files by the
+#: second and host and opens them "wb", so two writers of one process in one second
+#: truncated each other's file.
+_WRITERS = itertools.count()
 
-    def __init__(self, logdir: str, event_pb2: ModuleType, crc: Callable[[bytes], int]):
-        os.makedirs(logdir, exist_ok=True)
-        self._event_pb2 = event_pb2
-        self._crc = crc
-        # tensorboardX names files by the second and opens them "wb": two writers
-        # in one second truncated each other. Here a counter makes the name unique.
-        stamp = f"{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}"
-        for k in itertools.count():
-            path = os.path.join(logdir, f"events.out.tfevents.{stamp}.{k}")
-            try:
-                self.file: IO[bytes] = open(path, "xb")  # noqa: SIM115
-            except FileExistsError:
-                continue
-            self.path = path
-            break
-        self.write(
-            self._event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2")
-        )
 
-    def write(self, event: Proto) -> None:
-        data = event.SerializeToString()
-        header = struct.pack("<Q", len(data))
-        self.file.write(header + struct.pack("<I", self._crc(header)))
-        self.file.write(data + struct.pack("<I", self._crc(data)))
+def _events_writer(logdir: str) -> tuple[Proto, str]:
+    """A tensorboardX `EventsWriter` on a new file of its own, and the file's path."""
+    from tensorboardX.event_file_writer import EventsWriter
+
+    os.makedirs(logdir, exist_ok=True)
+    suffix = f".{os.getpid()}.{next(_WRITERS)}"
+    writer = EventsWriter(os.path.join(logdir, "events"), suffix)
+    (path,) = glob.glob(
+        os.path.join(glob.escape(logdir), f"events.out.tfevents.*{suffix}")
+    )
+    return writer, path
 
 
 class TensorBoardWriter(AbstractWriter):
@@ -192,9 +181,10 @@ class TensorBoardWriter(AbstractWriter):
     write or in two writes of the same writer (each tag keeps the first path written
     under it).
 
-    Each writer writes one event file of its own,
-    `events.out.tfevents.{time}.{host}.{pid}.{k}`, and never opens an existing one:
-    several writers on one `logdir` (even in the same second) keep all their events.
+    Each writer writes one event file of its own with tensorboardX's `EventsWriter`,
+    `events.out.tfevents.{time}.{host}.{pid}.{k}` (`k` counts the writers made by
+    the process): several writers on one `logdir` (even in the same second) keep
+    all their events.
     In a multi-process run, create the writer and call `write` on every process
     (after `jax.distributed.initialize`): only process 0 creates and writes a file.
 
@@ -246,7 +236,6 @@ class TensorBoardWriter(AbstractWriter):
         try:
             import tensorboardX  # pyright: ignore[reportUnusedImport]  # noqa: F401
             from tensorboardX.proto import event_pb2, summary_pb2, tensor_pb2
-            from tensorboardX.record_writer import masked_crc32c
         except ImportError as e:
             raise ImportError(_MISSING) from e
         self.logdir = os.fspath(logdir)
@@ -262,11 +251,10 @@ class TensorBoardWriter(AbstractWriter):
         # whose paths are all in it: a replayed write is checked by one lookup.
         self._tag_paths: dict[str, str] = {}
         self._layouts: set[object] = set()
-        self._file: _EventFile | None = None
+        self._file: Proto | None = None  # tensorboardX's `EventsWriter`
         self._path: str | None = None
         if is_writing_process():
-            self._file = _EventFile(self.logdir, event_pb2, masked_crc32c)
-            self._path = self._file.path
+            self._file, self._path = _events_writer(self.logdir)
 
     @property
     def path(self) -> str | None:
@@ -324,7 +312,7 @@ class TensorBoardWriter(AbstractWriter):
                 self._add_values(out, part)
         else:
             self._add_values(out, host.values)
-        self._file.write(event)
+        self._file.write_event(event)
         self._pending += 1
         elapsed = time.monotonic() - self._last_flush
         if self._pending >= self._max_queue or elapsed >= self._flush_secs:
@@ -430,7 +418,7 @@ class TensorBoardWriter(AbstractWriter):
     def flush(self) -> None:
         """Write buffered events to disk."""
         if self._file is not None:
-            self._file.file.flush()
+            self._file.flush()
         self._pending = 0
         self._last_flush = time.monotonic()
 
@@ -438,5 +426,5 @@ class TensorBoardWriter(AbstractWriter):
         """Flush and close the event file; closing twice is allowed."""
         self._closed = True
         if self._file is not None:
-            self._file.file.close()
+            self._file.close()
             self._file = None
