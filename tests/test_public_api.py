@@ -1,5 +1,6 @@
 import inspect
 import pathlib
+import re
 import types
 
 import eqxctx
@@ -148,3 +149,45 @@ def test_no_import_circle() -> None:
         if name not in state:
             visit(name, [name])
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _layers() -> dict[str, int]:
+    """Each module's layer (its index) in `docs/architecture.md`'s module map."""
+    text = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    block = text.split("```")[1]
+    layers: dict[str, int] = {}
+    layer = -1
+    for line in block.splitlines():
+        if line and not line.startswith(" "):
+            layer += 1
+        for name in re.findall(r"(?:writers/)?_?[a-z_]+(?:\.py|/)", line):
+            module = name.removesuffix(".py").removesuffix("/").replace("/", ".")
+            layers[f"eqxctx.{module}"] = layer
+    return layers
+
+
+def test_modules_import_only_from_their_layer_or_above() -> None:
+    # issue 36: docs/architecture.md's module map is the layering; a module imports
+    # only from its own layer or the ones listed before it.
+    layers = _layers()
+
+    def layer_of(module: str) -> int | None:
+        while module not in layers and "." in module:
+            module = module.rsplit(".", 1)[0]
+        return layers.get(module)
+
+    unmapped, wrong = [], []
+    for path in sorted(SRC.rglob("*.py")):
+        name = ".".join(["eqxctx", *path.relative_to(SRC).with_suffix("").parts])
+        if name.endswith("__init__") and name.count(".") <= 2:
+            continue  # a package re-exports its modules
+        mine = layer_of(name)
+        if mine is None:
+            unmapped.append(name)
+            continue
+        for dep in _imports_of(path):
+            theirs = layer_of(dep)
+            if theirs is not None and theirs > mine:
+                wrong.append(f"{name} imports {dep}")
+    assert not unmapped, f"not in docs/architecture.md's module map: {unmapped}"
+    assert not wrong, "\n".join(wrong)
