@@ -15,7 +15,7 @@ from jax.sharding import AxisType
 import eqxctx
 from capture_models import GPT, gpt_perturbed, gpt_reference, mlp_reference, rms
 from eqxctx import Tap, capture, hook_points
-from helpers import optimized_hlo
+from helpers import optimized_hlo, unchecked
 
 
 KEY = jax.random.key(0)
@@ -903,3 +903,14 @@ def test_gradients_flow_through_recorded_values() -> None:
     ref_value, ref_grads = eqx.filter_value_and_grad(ref)(model)
     close(value, ref_value)
     assert eqx.tree_equal(grads, ref_grads, rtol=1e-5, atol=1e-6)
+
+
+# Found by a new-user review (issue 38): `layers=[1.7]` became layer 1, `"12"`
+# layers 1 and 2.
+@pytest.mark.parametrize("layers", [[1.7], [True], "12", [np.float32(1)]])
+def test_tap_layers_must_be_ints(layers: Any) -> None:
+    # (where the suite's runtime type checks see the value first, they raise theirs)
+    match = "sequence of ints" if layers == [True] else None
+    with unchecked(), pytest.raises(TypeError, match=match):
+        Tap("layers", intervene=eqxctx.zero_ablate(), layers=layers)
+    assert Tap("layers", intervene=eqxctx.zero_ablate(), layers=[2, 0]).layers == (2, 0)

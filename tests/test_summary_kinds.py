@@ -21,6 +21,7 @@ import eqxctx
 import eqxctx.testing
 from eqxctx import Context, SummaryAccumulator
 from eqxctx.writers import Histogram, JsonlWriter, TensorBoardWriter
+from helpers import unchecked
 from tb_events import scalars, summary_values
 
 
@@ -312,3 +313,21 @@ def test_user_kind_validated_again_when_a_write_is_replayed(tmp_path: Path) -> N
             writer.write(2, {"p": Positive(-1.0)})
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert lines == [{"step": 0, "p": 2.0}, {"step": 1, "p": 3.0}]
+
+
+# Found by a new-user review (issue 36): a `Histogram` record returned by a user's
+# kind was written as given (3 counts for 1 bucket, decreasing edges) or failed
+# deep inside a writer; it is checked where it is made, and edges become floats.
+def test_histogram_record_is_checked_where_it_is_made() -> None:
+    with unchecked():  # (the suite's type checks would refuse the array first)
+        h = Histogram(np.array([1, 0, 2]), np.array([0.0, 1.0, 2.5, 4.0]))  # pyright: ignore[reportArgumentType]
+    assert h.edges == (0.0, 1.0, 2.5, 4.0)
+    assert all(type(e) is float for e in h.edges)
+    with pytest.raises(ValueError, match="one count per bucket"):
+        Histogram(np.array([1, 0, 2]), (0.0, 1.0))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        Histogram(np.array([1]), (1.0, 0.0))
+    with pytest.raises(ValueError, match="non-negative"):
+        Histogram(np.array([1, -1]), (0.0, 1.0, 2.0))
+    with pytest.raises(TypeError, match="integers"):
+        Histogram(np.array([1.5, 1.0]), (0.0, 1.0, 2.0))

@@ -1118,3 +1118,39 @@ def test_media_returned_by_a_callback_are_checked_before_anything_is_written(
     good = eqxctx.ImageSummary(np.ones((1, 2, 2, 3), np.uint8))
     with JsonlWriter(tmp_path / "good.jsonl") as w:
         w.write(0, {"cb": eqxctx.CallbackSummary(lambda: {"img": good})})
+
+
+# Found by a new-user review (issue 36): a resumed job whose process id repeats
+# (PID 1 in a container) found two files of its suffix and failed to open.
+def test_tensorboard_writer_beside_an_earlier_run_with_the_same_pid(
+    tmp_path: Path,
+) -> None:
+    logdir = str(tmp_path)
+    first = TensorBoardWriter(logdir)
+    first.write(0, {"a": jnp.float32(1.0)})
+    first.close()
+    # The earlier run's file, renamed as if written by this process id earlier.
+    (old,) = tmp_path.glob("events.out.tfevents.*")
+    pid = os.getpid()
+    for k in range(4):
+        old_copy = tmp_path / f"events.out.tfevents.1.host.{pid}.{k}"
+        old_copy.write_bytes(old.read_bytes())
+    with TensorBoardWriter(logdir) as writer:
+        writer.write(1, {"a": jnp.float32(2.0)})
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 6
+    assert scalars(logdir)[(1, "a")] == 2.0
+
+
+# Found by a new-user review (issue 36): orjson refuses arrays that are not in
+# native byte order, and the write failed with no path.
+def test_jsonl_writes_arrays_of_either_byte_order(tmp_path: Path) -> None:
+    values = np.array([0.1, -2.5, 3e38], np.float32)
+    ints = np.array([1, -(2**40)], np.int64)
+    with JsonlWriter(tmp_path / "s.jsonl") as writer:
+        writer.write(
+            0, {"big": values.astype(">f4"), "ints": ints.astype(">i8"), "x": 1.0}
+        )
+    (line,) = (tmp_path / "s.jsonl").read_text().splitlines()
+    record = json.loads(line)
+    np.testing.assert_array_equal(np.asarray(record["big"], np.float32), values)
+    assert record["ints"] == ints.tolist()

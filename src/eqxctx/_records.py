@@ -6,6 +6,7 @@ each writer's format decides how to write a histogram, images or audio.
 
 import dataclasses
 import functools
+import itertools
 
 import jax
 import numpy as np
@@ -23,6 +24,37 @@ class Histogram:
 
     counts: np.ndarray
     edges: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        """Check the record where it is made (a user kind's `host_value` makes one).
+
+        Raises:
+            TypeError: for counts that are not integers.
+            ValueError: for fewer than 2 edges, edges not strictly increasing,
+                negative counts, or counts whose last axis is not `len(edges) - 1`.
+        """
+        edges = tuple(float(e) for e in np.asarray(self.edges).reshape(-1))
+        object.__setattr__(self, "edges", edges)
+        if len(edges) < 2 or not all(a < b for a, b in itertools.pairwise(edges)):
+            raise ValueError(
+                "`Histogram`: edges must be at least 2 strictly increasing numbers "
+                f"(the buckets' bounds), got {edges}."
+            )
+        counts = self.counts
+        if type(counts) is not np.ndarray:
+            return  # (a PyTree rebuilt by JAX, with other leaves)
+        if counts.dtype.kind not in "iu":
+            raise TypeError(
+                f"`Histogram`: counts must be integers, got {counts.dtype} (round "
+                "or cast them: a bucket holds a whole number of values)."
+            )
+        if counts.ndim < 1 or counts.shape[-1] != len(edges) - 1:
+            raise ValueError(
+                f"`Histogram`: counts of shape {counts.shape} for {len(edges)} edges; "
+                f"the last axis must have one count per bucket ({len(edges) - 1})."
+            )
+        if counts.size and counts.min() < 0:
+            raise ValueError("`Histogram`: counts must be non-negative.")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -25,6 +25,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.custom_batching import custom_vmap
 from jaxtyping import Array, ArrayLike
 
@@ -66,6 +67,12 @@ class Tap(eqx.Module):
             fills these in; names must differ from `summaries`'.
         gradient_output: record the cotangent itself as the module output
             `"gradient"` (only under `capture_value_and_grad`).
+
+    Raises:
+        TypeError: for `layers` that are not ints, or an `intervene` that is not
+            an `Intervention` or a function.
+        ValueError: for `layers` without `intervene`, or a name given both as a
+            summary and as a gradient summary.
     """
 
     # The intervention's arrays are traced under `eqx.filter_jit`; the rest is static.
@@ -126,6 +133,17 @@ class Tap(eqx.Module):
         self.output = output
         self.summaries = pairs
         self.intervene = intervene
+        if layers is not None and (
+            isinstance(layers, str)
+            or not all(
+                isinstance(i, (int, np.integer)) and not isinstance(i, bool)
+                for i in layers
+            )
+        ):
+            raise TypeError(
+                "`eqxctx.Tap`: `layers` must be a sequence of ints (flat layer "
+                f"indices of the stack), got {layers!r}."
+            )
         self.layers = None if layers is None else tuple(int(i) for i in layers)
         self.gradient_summaries = grad_pairs
         self.gradient_output = gradient_output

@@ -34,11 +34,18 @@ def json_array(arr: np.ndarray) -> JsonValue:
 
 
 def _column(column: np.ndarray) -> np.ndarray:
-    """`arr` in a dtype orjson writes: bool as uint8, `ml_dtypes` floats as float32."""
+    """`arr` as orjson takes it: bool as uint8, `ml_dtypes` floats as float32."""
     kind = column.dtype.kind
     if kind == "b":
         return column.view(np.uint8)
-    return column if kind in "iuf" else column.astype(np.float32)
+    if kind not in "iuf":
+        return column.astype(np.float32)
+    # orjson writes native byte order only (a `>f4` array from a file, say).
+    return (
+        column
+        if column.dtype.isnative
+        else column.astype(column.dtype.newbyteorder("="))
+    )
 
 
 def nonempty_span(counts: np.ndarray) -> tuple[int, int]:
@@ -101,9 +108,9 @@ def json_record(host: HostSummaries) -> dict[str, JsonValue]:
 def json_line(host: HostSummaries) -> bytes:
     """Return the line `JsonlWriter` writes for one step (with its newline).
 
-    orjson's text of `json_record(host)`: no spaces; float32 (and float16,
-    bfloat16) values with their shortest decimal, float64 ones with Python's
-    `repr` digits; NaN and infinities as `null`.
+    orjson's text of `json_record(host)`: no spaces; float32 values with their
+    shortest decimal (float16 and bfloat16 ones with float32's), float64 ones with
+    Python's `repr` digits; NaN and infinities as `null`.
     """
     return orjson.dumps(json_record(host), option=_OPTIONS)
 
@@ -115,8 +122,9 @@ class JsonlWriter(AbstractWriter):
     `OutputCollection.flatten("summaries")` (per-iteration children of a scan appear
     as `.../iter0/...`, `.../iter1/...`). A value is the leaf's `Summary.value()` (raw
     arrays as they are): a number for a shape-`()` value, nested lists of numbers
-    (shape preserved) otherwise, written by orjson: float32 values (also float16
-    and bfloat16) with their shortest decimal (`0.1`, as NumPy's `str`), float64
+    (shape preserved) otherwise, written by orjson: float32 values with their
+    shortest decimal (`0.1`, as NumPy's `str`), float16 and bfloat16 values as
+    float32's shortest decimal of the same number (exact when read back), float64
     values exactly. Booleans become 0/1. NaN and infinities are written as `null`
     (JSON has no token for them; Python's `json`, pandas, orjson and any other JSON
     reader take the file; pandas reads `null` as NaN). Every leaf is written,

@@ -8,6 +8,7 @@ import os
 import re
 import struct
 import time
+import uuid
 import wave
 import zlib
 from collections.abc import Mapping
@@ -130,9 +131,9 @@ def wav_bytes(audio: np.ndarray, sample_rate: int) -> bytes:
     return buffer.getvalue()
 
 
-#: Each writer's file name ends with `.{pid}.{k}`: tensorboardX names files by the
-#: second and host and opens them "wb", so two writers of one process in one second
-#: truncated each other's file.
+#: Each writer's file name ends with `.{pid}.{k}.{random}`: tensorboardX names files
+#: by the second and host and opens them "wb", so two writers of one process in one
+#: second truncated each other's file.
 _WRITERS = itertools.count()
 
 
@@ -141,7 +142,9 @@ def _events_writer(logdir: str) -> tuple[Proto, str]:
     from tensorboardX.event_file_writer import EventsWriter
 
     os.makedirs(logdir, exist_ok=True)
-    suffix = f".{os.getpid()}.{next(_WRITERS)}"
+    # The process id and a counter keep this process's writers apart; a random part
+    # keeps a resumed job (a container's process id repeats) off its earlier files.
+    suffix = f".{os.getpid()}.{next(_WRITERS)}.{uuid.uuid4().hex[:8]}"
     writer = EventsWriter(os.path.join(logdir, "events"), suffix)
     (path,) = glob.glob(
         os.path.join(glob.escape(logdir), f"events.out.tfevents.*{suffix}")
@@ -182,9 +185,10 @@ class TensorBoardWriter(AbstractWriter):
     under it).
 
     Each writer writes one event file of its own with tensorboardX's `EventsWriter`,
-    `events.out.tfevents.{time}.{host}.{pid}.{k}` (`k` counts the writers made by
-    the process): several writers on one `logdir` (even in the same second) keep
-    all their events.
+    `events.out.tfevents.{time}.{host}.{pid}.{k}.{random}` (`k` counts the writers
+    made by the process; 8 random hex digits keep a resumed job whose process id
+    repeats off its earlier files): several writers on one `logdir` (even in the
+    same second) keep all their events.
     In a multi-process run, create the writer and call `write` on every process
     (after `jax.distributed.initialize`): only process 0 creates and writes a file.
 
