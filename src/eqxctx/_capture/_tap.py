@@ -133,12 +133,9 @@ class Tap(eqx.Module):
         self.output = output
         self.summaries = pairs
         self.intervene = intervene
-        if layers is not None and (
-            isinstance(layers, str)
-            or not all(
-                isinstance(i, (int, np.integer)) and not isinstance(i, bool)
-                for i in layers
-            )
+        given: list[object] = [] if layers is None else [*layers]  # checked here
+        if isinstance(layers, str) or not all(
+            isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in given
         ):
             raise TypeError(
                 "`eqxctx.Tap`: `layers` must be a sequence of ints (flat layer "
