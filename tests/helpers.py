@@ -1,6 +1,7 @@
 """Shared test helpers."""
 
 import contextlib
+import hashlib
 import os
 import re
 import socket
@@ -154,3 +155,15 @@ def run_flushing_subnormals(fn: Any, *args: Any) -> Any:
     return jax.tree_util.tree_unflatten(
         jax.tree_util.tree_structure(jax.eval_shape(fn, *args)), outs
     )
+
+
+def child_seed(name: str) -> int:
+    """AXLearn's seed of a child name: md5 of the name, mod `2**31 - 1`."""
+    return int(hashlib.md5(name.encode("utf-8")).hexdigest(), 16) % (2**31 - 1)
+
+
+def key_of(key: jax.Array, names: tuple[str, ...]) -> jax.Array:
+    """`fold_in` by each name's seed, from the root down (AXLearn's derivation)."""
+    for name in names:
+        key = jax.random.fold_in(key, child_seed(name))
+    return key

@@ -1,5 +1,4 @@
 import copy
-import hashlib
 import pickle
 import threading
 from collections.abc import Callable
@@ -24,19 +23,7 @@ from eqxctx import (
     scan_in_context,
 )
 from eqxctx.testing import assert_collections_equal
-from helpers import unchecked
-
-
-def _seed(name: str) -> int:
-    """AXLearn's seed of a child name: md5 of the name, mod `2**31 - 1`."""
-    return int(hashlib.md5(name.encode("utf-8")).hexdigest(), 16) % (2**31 - 1)
-
-
-def _key_of(key: jax.Array, names: tuple[str, ...]) -> jax.Array:
-    """`fold_in` by each name's seed, from the root down (AXLearn's derivation)."""
-    for name in names:
-        key = jax.random.fold_in(key, _seed(name))
-    return key
+from helpers import child_seed, key_of, unchecked
 
 
 # AXLearn's keys, from the issue: PRNGKey(0) -> "encoder" -> "attention".
@@ -535,13 +522,13 @@ def test_threads_extending_one_base_context_see_exactly_their_own_entries() -> N
     for t in threads:
         t.join(timeout=60)
     assert not errors
-    base_key = _key_of(jax.random.PRNGKey(0), ("a",))
+    base_key = key_of(jax.random.PRNGKey(0), ("a",))
     for i in range(n):
         flat, path, key, root_path, root_key = results[i]
         want = {"shared": 0.0, **{f"t{i}_{j}": float(i) for j in range(50)}}
         assert flat == {**want, f"c{i}/k": 1.0}
         assert path == ("root", "a", f"c{i}")
-        np.testing.assert_array_equal(key, _key_of(base_key, (f"c{i}",)))
+        np.testing.assert_array_equal(key, key_of(base_key, (f"c{i}",)))
         assert root_path == ("root", "a")
         np.testing.assert_array_equal(root_key, base_key)
     assert base.collection.flatten("summaries") == {"shared": 0.0}
@@ -553,7 +540,7 @@ def test_lazy_keys_equal_eager_derivation() -> None:
     deep = root.child("a").child("b").child("c")
     want = jax.random.PRNGKey(7)
     for name in ("a", "b", "c"):
-        want = jax.random.fold_in(want, _seed(name))
+        want = jax.random.fold_in(want, child_seed(name))
     np.testing.assert_array_equal(deep.prng_key, want)
     # Flattened as a PyTree, the key is the derived one.
     leaves = jax.tree_util.tree_leaves(deep)
@@ -574,7 +561,7 @@ def test_no_traced_key_outlives_its_trace_in_a_frame_made_before_it() -> None:
     # tracer of it: `jax.checking_leaks` finds nothing, in eqxctx's own branches too.
     key = jax.random.PRNGKey(0)
     outside = Context.root(prng_key=key).child("a").child("b")
-    want = jax.random.normal(_key_of(key, ("a", "b")), ())
+    want = jax.random.normal(key_of(key, ("a", "b")), ())
 
     def read(x: jax.Array) -> jax.Array:
         return x + jax.random.normal(outside.prng_key, ())
@@ -592,7 +579,7 @@ def test_no_traced_key_outlives_its_trace_in_a_frame_made_before_it() -> None:
         got, _ = jax.lax.scan(scan_body, jnp.zeros(()), None, length=2)
         np.testing.assert_allclose(got, 2 * want, rtol=1e-6)
         out = step(jnp.ones(()), key)
-    noise = jax.random.normal(_key_of(key, ("layer", "cond")), ())
+    noise = jax.random.normal(key_of(key, ("layer", "cond")), ())
     np.testing.assert_allclose(out, 1.0 + noise, rtol=1e-6)
 
 
@@ -612,7 +599,7 @@ def test_keys_are_concrete_inside_ensure_compile_time_eval() -> None:
         return x + jax.random.normal(ctx.prng_key, ())
 
     out = f(jnp.zeros(()))
-    want = _key_of(key, ("a", "b"))
+    want = key_of(key, ("a", "b"))
     assert seen == [int(jax.random.randint(want, (), 1, 100))]
     np.testing.assert_allclose(out, 2 * jax.random.normal(want, ()), rtol=1e-6)
 
@@ -620,7 +607,7 @@ def test_keys_are_concrete_inside_ensure_compile_time_eval() -> None:
 # From test_host_cost.py: found in a tester round.
 def test_a_traced_key_is_reused_only_under_its_trace() -> None:
     key = jax.random.PRNGKey(5)
-    want = [_key_of(key, ("c0", "c1", "c2")[: i + 1]) for i in range(3)]
+    want = [key_of(key, ("c0", "c1", "c2")[: i + 1]) for i in range(3)]
     escaped: list[Context] = []
 
     def make(escape: bool) -> Callable[[jax.Array], jax.Array]:
@@ -653,7 +640,7 @@ def test_a_traced_key_is_reused_only_under_its_trace() -> None:
     np.testing.assert_array_equal(ctx.prng_key, want[2])
     np.testing.assert_array_equal(
         ctx.child("c3").prng_key,
-        jax.random.fold_in(want[2], _seed("c3")),
+        jax.random.fold_in(want[2], child_seed("c3")),
     )
 
 
@@ -686,7 +673,7 @@ def test_reading_a_context_writes_nothing() -> None:
     run(jnp.zeros(2))
     outside = Context.root(prng_key=key).child("a").child("b")
     before = _frame_fields(outside)
-    want = jax.random.fold_in(jax.random.fold_in(key, _seed("a")), _seed("b"))
+    want = jax.random.fold_in(jax.random.fold_in(key, child_seed("a")), child_seed("b"))
     np.testing.assert_array_equal(outside.prng_key, want)
     assert outside.path == ("root", "a", "b")
     assert all(a is b for a, b in zip(before, _frame_fields(outside), strict=True))
@@ -716,7 +703,7 @@ def test_eight_threads_reading_one_base_contexts_children_see_their_own() -> Non
     for i in range(8):
         want = jax.random.PRNGKey(0)
         for name in ("base", f"t{i}", "deep"):
-            want = jax.random.fold_in(want, _seed(name))
+            want = jax.random.fold_in(want, child_seed(name))
         path, key, summaries = results[i]
         assert path == ("root", "base", f"t{i}", "deep")
         np.testing.assert_array_equal(key, want)

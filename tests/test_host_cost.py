@@ -10,7 +10,6 @@ ran before it.
 
 import collections
 import gc
-import hashlib
 import inspect
 import re
 import sys
@@ -38,6 +37,7 @@ from eqxctx import (
     vmap_in_context,
 )
 from eqxctx.writers import JsonlWriter
+from helpers import child_seed, key_of
 
 
 _INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?[\w.\-]+ = ", re.MULTILINE)
@@ -507,7 +507,7 @@ def test_a_key_is_derived_where_it_is_read_and_not_kept() -> None:
     keys: list[jax.Array] = []
     for _ in range(3):
         assert _folds_in(lambda: keys.append(ctx.prng_key)) == 2
-    want = _key_of(jax.random.PRNGKey(0), ("a", "b"))
+    want = key_of(jax.random.PRNGKey(0), ("a", "b"))
     for key in keys:
         np.testing.assert_array_equal(key, want)
 
@@ -536,22 +536,11 @@ def _chain_reading_keys(depth: int) -> Callable[[jax.Array, jax.Array], Any]:
     return run
 
 
-def _seed(name: str) -> int:
-    """AXLearn's seed of a child name: md5 of the name, mod `2**31 - 1`."""
-    return int(hashlib.md5(name.encode("utf-8")).hexdigest(), 16) % (2**31 - 1)
-
-
-def _key_of(key: jax.Array, names: tuple[str, ...]) -> jax.Array:
-    for name in names:
-        key = jax.random.fold_in(key, _seed(name))
-    return key
-
-
 def _reference_keys(key: jax.Array, depth: int) -> list[jax.Array]:
     """`fold_in` by each level's seed, from the root down (AXLearn's derivation)."""
     keys: list[jax.Array] = []
     for i in range(depth):
-        key = jax.random.fold_in(key, _seed(f"c{i}"))
+        key = jax.random.fold_in(key, child_seed(f"c{i}"))
         keys.append(key)
     return keys
 
