@@ -23,11 +23,10 @@ from eqxctx._statistics import tensorflow_edges
 from ._base import (
     AbstractWriter,
     HostSummaries,
-    HostValue,
     check_positive_int,
     is_writing_process,
 )
-from ._host import HostValues, Rows
+from ._host import HostValue, HostValues, Rows
 from ._jsonl import nonempty_span
 
 
