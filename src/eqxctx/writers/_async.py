@@ -12,6 +12,7 @@ from typing import Any, TypeAlias, cast
 import jax
 import numpy as np
 
+from eqxctx._checks import check_positive_int
 from eqxctx._collection import OutputCollection
 from eqxctx._iterations import IterationSummaries
 from eqxctx._mapping import FrozenMapping
@@ -23,7 +24,6 @@ from ._base import (
     Step,
     buffer_hosts,
     check_lost,
-    check_positive_int,
     check_step,
     fetch_host,
     is_writing_process,

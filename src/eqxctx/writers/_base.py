@@ -8,7 +8,6 @@ from types import TracebackType
 from typing import SupportsIndex, TypeAlias, TypeVar
 
 import jax
-import numpy as np
 
 from ._buffer import BufferRows, SummaryBuffer, buffer_rows, start_fetch
 from ._host import HostValue
@@ -21,25 +20,6 @@ Step: TypeAlias = SupportsIndex
 
 #: The largest step: TensorBoard (and W&B) store steps as int64.
 MAX_STEP = 2**63 - 1
-
-
-def check_positive_int(value: object, *, where: str, name: str, meaning: str) -> int:
-    """Return `value` (argument `name` of `where`) as an int >= 1, or raise.
-
-    Raises:
-        TypeError: if `value` is not an integer (a `bool` is not one).
-        ValueError: if `value` is less than 1.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(
-            f"`{where}`: {name} must be an int >= 1 ({meaning}), got "
-            f"{type(value).__name__} {value!r}."
-        )
-    if value < 1:
-        raise ValueError(
-            f"`{where}`: {name} must be an int >= 1 ({meaning}), got {value}."
-        )
-    return int(value)
 
 
 def check_step(step: object, *, where: str) -> int:
