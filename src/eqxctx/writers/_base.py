@@ -55,8 +55,8 @@ class HostSummaries:
     Attributes:
         step: the step, an int in `[0, 2**63)`.
         values: `{path: value}` as `fetch_summaries` returns it (a read-only
-            mapping): NumPy arrays, and `ImageSummary` /
-            `AudioSummary` / `HistogramSummary` objects with NumPy fields.
+            mapping): NumPy arrays and host records (`Histogram`, `Image`,
+            `Audio`).
     """
 
     step: int
@@ -74,18 +74,14 @@ _W = TypeVar("_W", bound="AbstractWriter")
 class AbstractWriter(abc.ABC):
     """A summary writer: `write(step, summaries)`, `flush()`, `close()`.
 
-    Writers are context managers (`with JsonlWriter(path) as w: ...` closes `w`) and
-    work from any training loop: pass the summaries of an `OutputCollection` (from
-    `eqxctx.functional`, a `MethodRunner` output or a `SummaryAccumulator`) after
-    each step. They read each leaf's `Summary.value()` (raw arrays as they are) on
-    the host.
-
-    A write has two halves. `fetch` (on every process: it may be a collective)
-    checks the step, validates the summaries, fetches them with `eqxctx.to_host` and
-    runs the writer's own `check`; `write_host` (only on process 0) writes the files.
-    `write` runs both; `AsyncWriter` runs `write_host` on a background thread. A new
-    writer implements `write_host`, `flush` and `close` (and `check`, to refuse
-    what it cannot write before anything is written).
+    Writers are context managers (`with JsonlWriter(path) as w: ...` closes `w`):
+    pass the summaries of an `OutputCollection` after each step. A write has two
+    halves: `fetch` (on every process: it may be a collective) checks the step,
+    validates and fetches the summaries (`fetch_summaries`) and runs the writer's
+    `check`; `write_host` (on process 0) writes the files. `AsyncWriter` runs
+    `write_host` on a background thread. A new writer implements `write_host`,
+    `flush` and `close` (and `check`, to refuse what it cannot write before
+    anything is written).
     """
 
     def write(self, step: Step, summaries: Summaries) -> None:
@@ -116,12 +112,11 @@ class AbstractWriter(abc.ABC):
     def write_buffer(self, buffer: SummaryBuffer) -> SummaryBuffer:
         """Write every step held in `buffer` (files only on process 0); empty it.
 
-        Fetches the whole buffer with one transfer per width of raw bits, then
-        writes its steps in the order they were added, each as `write(step,
-        summaries)` would (the same lines, events and rows). Every step is checked
-        before any is written. Each step is written once: passing the same buffer
-        again (e.g. from a `finally` block after an interrupted call) writes only
-        the steps not written yet. Every process must call it (see `write`).
+        Fetches the buffer with one transfer per width of raw bits, checks every
+        step, then writes them in the order they were added, each as `write` would.
+        Passing the same buffer again (e.g. from a `finally` block after an
+        interrupted call) writes only the steps not written yet. Every process
+        must call it (see `write`).
 
         Args:
             buffer: a `SummaryBuffer` returned by a step (not a tracer).

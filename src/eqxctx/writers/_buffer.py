@@ -268,7 +268,7 @@ class SummaryBuffer(eqx.Module):
     def cleared(self) -> "SummaryBuffer":
         """Return the buffer emptied (`count` 0), with the same row arrays."""
         # Rebuilt from its leaves: `write_buffer` calls this on the training thread
-        # every `size` steps, and a Module's `__init__` costs ~10x an unflatten.
+        # every `size` steps, and a Module's `__init__` is slower than an unflatten.
         leaves, treedef = jax.tree_util.tree_flatten(self)
         assert leaves[-1] is self.count  # the last field
         return jax.tree_util.tree_unflatten(

@@ -1,15 +1,10 @@
 """One process: fetch a write's arrays with one device-to-host transfer per width.
 
-A write of a training step's summaries reads a few dozen small arrays. Reading them
-one by one costs ~7 µs of Python per array (start each transfer with
-`copy_to_host_async`, then `numpy.asarray`; `jax.device_get` costs ~12 µs); a
-cached `jax.jit` that ravels and concatenates the small arrays costs one dispatch
-(~10 µs) plus ~1.5 µs per array, and one transfer per output, split back into the
-per-leaf arrays as NumPy views (measured on CPU, jax 0.10: 16 arrays, 112 vs 37 µs).
-Integer and floating arrays travel as raw bits of their width (float32 and int32 in
+A write reads a few dozen small arrays. A cached `jax.jit` ravels and concatenates
+them, integer and floating arrays as raw bits of their width (float32 and int32 in
 one `uint32` array; `jax.lax.bitcast_convert_type`), so a step's summaries are
-usually one transfer: on a TPU each device-to-host copy waits ~0.6 ms. The values
-are the same bits (a concatenation and a bitcast copy them).
+usually one transfer, split back into per-leaf NumPy views with the same bits.
+`benchmarks/README.md` has the costs against `jax.device_get`.
 """
 
 from collections.abc import Callable, Hashable
