@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eqxctx._checks import is_jax_array_type
-from eqxctx._typing import ArrayTree, DType
+from eqxctx._typing import DType
 
 
 #: Arrays larger than this (elements) are fetched alone: batching them would copy
@@ -164,26 +164,18 @@ def _plan(arrays: list[jax.Array], signature: Hashable | None) -> _Plan | None:
     return None
 
 
-def device_get(tree: ArrayTree) -> ArrayTree:
-    """`jax.device_get(tree)` for one process: NumPy arrays, other leaves as they are.
-
-    Small arrays with one replicated sharding are fetched in one transfer per width
-    (from the second write of the same signature: shapes, dtypes, shardings); the
-    others (large ones, typed PRNG keys, other shardings) each start their transfer
-    (`copy_to_host_async`) and are read with `numpy.asarray`. Anything unusual is
-    left to `jax.device_get` (and its errors, e.g. for a deleted array).
-    """
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return treedef.unflatten(device_get_leaves(leaves))
-
-
 def device_get_leaves(
     leaves: list[object], signature: Hashable | None = None
 ) -> list[object]:
-    """`device_get` of a list of leaves (a new list).
+    """`jax.device_get(leaves)` for one process, as a new list.
 
+    Small arrays with one replicated sharding are fetched in one transfer per width
+    (from the second fetch of the same signature: shapes, dtypes, shardings); the
+    others (large ones, typed PRNG keys, other shardings) each start their transfer
+    (`copy_to_host_async`) and are read with `numpy.asarray`. Anything unusual is
+    left to `jax.device_get` (and its errors, e.g. for a deleted array).
     `signature`, where given, stands for the shapes, dtypes and shardings of the JAX
-    arrays among `leaves` (equal signatures: equal ones), saving their look-up.
+    arrays among `leaves`, saving their look-up.
     """
     return finish(start(leaves, signature))
 
