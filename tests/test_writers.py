@@ -17,6 +17,7 @@ from hypothesis import given, strategies as st
 from PIL import Image
 
 import eqxctx
+from eqxctx import writers
 from eqxctx.writers import JsonlWriter, TensorBoardWriter, fetch_summaries
 from tb_events import scalars, summary_values
 
@@ -32,6 +33,13 @@ def write_both(tmp_path: Path, step: int, summaries: Any) -> dict[str, Any]:
         tw.write(step, summaries)
     (line,) = read_jsonl(tmp_path / "s.jsonl")
     return line
+
+
+def test_each_writers_module_is_at_most_500_lines() -> None:
+    # issue 36: one job per module, none over ~500 lines (docstrings included).
+    folder = Path(writers.__file__).parent
+    sizes = {p.name: len(p.read_text().splitlines()) for p in folder.glob("*.py")}
+    assert {name: n for name, n in sizes.items() if n > 500} == {}
 
 
 # -- JSON lines ------------------------------------------------------------------
@@ -933,8 +941,9 @@ def test_jsonl_rows_text_equals_per_value_text(
         body, context=root, carry=jnp.zeros(()), xs=(jnp.asarray(f32), ints_arr)
     )
     summaries = {"a": coll, "z": {"last": np.float64(1 / 3)}, "b": coll}
-    from eqxctx.writers._base import HostSummaries, host_values
+    from eqxctx.writers._base import HostSummaries
     from eqxctx.writers._jsonl import json_line
+    from eqxctx.writers._read import host_values
 
     host = HostSummaries(3, host_values(summaries, where="test"))
     assert json_line(host) == _dict_line(3, summaries)
@@ -1023,9 +1032,10 @@ def test_built_in_kinds_in_rows_equal_per_iteration_values(mapped: bool) -> None
         return coll
 
     coll = jax.vmap(run)(jnp.stack([v, -v]), jnp.stack([w, w])) if mapped else run(v, w)
-    from eqxctx.writers._base import HostSummaries, host_values
+    from eqxctx.writers._base import HostSummaries
     from eqxctx.writers._host import Rows
     from eqxctx.writers._jsonl import json_line
+    from eqxctx.writers._read import host_values
 
     host = host_values({"train": coll}, where="test")
     assert [type(part) for part in host.parts] == [Rows]
@@ -1068,8 +1078,9 @@ def test_bfloat16_rows_are_written_as_float32_shortest_decimals() -> None:
     _, _, coll = eqxctx.scan_in_context(
         body, context=eqxctx.Context.root(), carry=jnp.zeros(()), xs=jnp.arange(3.0)
     )
-    from eqxctx.writers._base import HostSummaries, host_values
+    from eqxctx.writers._base import HostSummaries
     from eqxctx.writers._jsonl import json_line
+    from eqxctx.writers._read import host_values
 
     host = HostSummaries(1, host_values({"t": coll}, where="test"))
     line = json_line(host)

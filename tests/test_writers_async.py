@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import eqxctx
-import eqxctx.writers._base as writers_base
+import eqxctx.writers._read as writers_read
 from eqxctx.writers import (
     AbstractWriter,
     AsyncWriter,
@@ -207,13 +207,13 @@ def test_defer_fetch_starts_each_steps_copies_at_its_write(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     started: list[int] = []
-    real_start = writers_base.start
+    real_start = writers_read.start
 
     def recording(leaves: list[Any], *args: Any) -> Any:
         started.append(len(leaves))
         return real_start(leaves, *args)
 
-    monkeypatch.setattr(writers_base, "start", recording)
+    monkeypatch.setattr(writers_read, "start", recording)
     step_fn = jax.jit(lambda i: {"x": i * 0.5, "v": jnp.stack([i, -i]), "n": i > 2})
     path = tmp_path / "s.jsonl"
     with AsyncWriter(JsonlWriter(path), defer_fetch=True, background_fetch=False) as w:

@@ -15,6 +15,11 @@ import eqxctx.writers._fetch as fetch
 from eqxctx.writers import Histogram, fetch_summaries
 
 
+def device_get(tree: Any) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef.unflatten(fetch.device_get_leaves(leaves))
+
+
 @pytest.fixture(autouse=True)
 def fresh_plans() -> Iterator[None]:
     fetch._plans.clear()  # pyright: ignore[reportPrivateUsage]
@@ -66,11 +71,11 @@ def assert_same_bits(got: Any, want: Any) -> None:
 def test_same_bits_as_device_get_and_one_transfer_per_width() -> None:
     tree = mixed_tree()
     want = jax.device_get(tree)
-    first = fetch.device_get(tree)  # first sighting: array by array, no plan
+    first = device_get(tree)  # first sighting: array by array, no plan
     assert_same_bits(first, want)
     (plan,) = fetch._plans.values()  # pyright: ignore[reportPrivateUsage]
     assert plan is None
-    second = fetch.device_get(tree)  # second: the batched plan
+    second = device_get(tree)  # second: the batched plan
     assert_same_bits(second, want)
     (plan,) = fetch._plans.values()  # pyright: ignore[reportPrivateUsage]
     assert plan is not None
@@ -85,7 +90,7 @@ def test_same_bits_as_device_get_and_one_transfer_per_width() -> None:
     large = [i for i, x in enumerate(arrays) if x.size > fetch.MAX_BATCHED_SIZE]
     bf16 = [i for i, x in enumerate(arrays) if x.dtype == jnp.bfloat16]
     assert plan.alone == tuple(sorted(large + bf16))
-    assert_same_bits(fetch.device_get(tree), want)
+    assert_same_bits(device_get(tree), want)
 
 
 def test_float64_is_batched_except_on_a_tpu() -> None:
@@ -104,7 +109,7 @@ def test_float64_is_batched_except_on_a_tpu() -> None:
         }
         want = jax.device_get(tree)
         for _ in range(3):
-            assert_same_bits(fetch.device_get(tree), want)
+            assert_same_bits(device_get(tree), want)
         (plan,) = fetch._plans.values()  # pyright: ignore[reportPrivateUsage]
         assert plan is not None
         platform = jax.devices()[0].platform
@@ -120,15 +125,15 @@ def test_fresh_arrays_of_one_signature_reuse_the_plan() -> None:
     jitted = jax.jit(step)
     for i in range(5):
         tree = jitted(jnp.float32(i))
-        assert_same_bits(fetch.device_get(tree), jax.device_get(tree))
+        assert_same_bits(device_get(tree), jax.device_get(tree))
     assert len(fetch._plans) == 1  # pyright: ignore[reportPrivateUsage]
 
 
 def test_cache_is_bounded() -> None:
     for n in range(fetch.MAX_PLANS + 5):
         tree = [jnp.zeros((n,)), jnp.ones((1,))]
-        fetch.device_get(tree)
-        fetch.device_get(tree)
+        device_get(tree)
+        device_get(tree)
         assert len(fetch._plans) <= fetch.MAX_PLANS  # pyright: ignore[reportPrivateUsage]
 
 
@@ -142,10 +147,10 @@ def test_key_arrays_and_other_shardings_are_fetched_alone() -> None:
     tree = {"split": split, "replicated": replicated, "small": jnp.ones(2)}
     want = jax.device_get(tree)
     for _ in range(3):
-        assert_same_bits(fetch.device_get(tree), want)
+        assert_same_bits(device_get(tree), want)
     keys = {"key": jax.random.key(0), "x": jnp.ones(2), "y": jnp.zeros(3)}
     for _ in range(3):  # `jax.device_get`'s result, as before
-        got = fetch.device_get(keys)
+        got = device_get(keys)
         want_keys = jax.device_get(keys)
         np.testing.assert_array_equal(got["x"], want_keys["x"])
         np.testing.assert_array_equal(
@@ -160,7 +165,7 @@ def test_replicated_runner_outputs_batch_on_their_mesh() -> None:
     tree = [jax.device_put(jnp.arange(float(n)), sharding) for n in (1, 2, 3)]
     want = jax.device_get(tree)
     for _ in range(3):
-        assert_same_bits(fetch.device_get(tree), want)
+        assert_same_bits(device_get(tree), want)
     (plan,) = fetch._plans.values()  # pyright: ignore[reportPrivateUsage]
     assert plan is not None
     assert len(plan.batched) == 3
@@ -205,4 +210,4 @@ def test_8_bit_floats_and_sub_byte_integers_keep_their_bits() -> None:
     tree = {"f8": f8, "f8 2": f8 + 0, "i2": i2, "i2 2": i2 + 0, "f32": jnp.ones(2)}
     want = jax.device_get(tree)
     for _ in range(3):  # the first write, then the batched plan's
-        assert_same_bits(fetch.device_get(tree), want)
+        assert_same_bits(device_get(tree), want)

@@ -1,6 +1,6 @@
 """A write's read is replayed for a structure seen before; it equals the full read.
 
-`eqxctx.writers._base.host_values` reads the first write of a structure in full and
+`eqxctx.writers._read.host_values` reads the first write of a structure in full and
 records a `Recipe`; later writes of that structure replay it. The reference here is
 the full read itself (recipes switched off), on the same values.
 """
@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import eqxctx
-import eqxctx.writers._base as writers_base
-from eqxctx.writers import JsonlWriter, fetch_summaries
+import eqxctx.writers._read as writers_read
+from eqxctx.writers import HostSummaries, JsonlWriter, fetch_summaries
 from eqxctx.writers._jsonl import json_line
 
 
@@ -77,31 +77,31 @@ def _leaves_equal(a: object, b: object) -> bool:
 def full_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Record each full read (its `where`); replays are not recorded."""
     calls: list[str] = []
-    real = writers_base._read  # pyright: ignore[reportPrivateUsage]
+    real = writers_read._read  # pyright: ignore[reportPrivateUsage]
 
     def counting(*args: Any, where: str, **kwargs: Any) -> Any:
         calls.append(where)
         return real(*args, where=where, **kwargs)
 
-    monkeypatch.setattr(writers_base, "_read", counting)
-    writers_base._RECIPES.clear()  # pyright: ignore[reportPrivateUsage]
+    monkeypatch.setattr(writers_read, "_read", counting)
+    writers_read._RECIPES.clear()  # pyright: ignore[reportPrivateUsage]
     return calls
 
 
 def _without_recipes(fn: Callable[[], Any]) -> Any:
-    saved = writers_base.make_recipe
-    writers_base.make_recipe = lambda *args: None
+    saved = writers_read.make_recipe
+    writers_read.make_recipe = lambda *args: None
     try:
-        writers_base._RECIPES.clear()  # pyright: ignore[reportPrivateUsage]
+        writers_read._RECIPES.clear()  # pyright: ignore[reportPrivateUsage]
         return fn()
     finally:
-        writers_base.make_recipe = saved
-        writers_base._RECIPES.clear()  # pyright: ignore[reportPrivateUsage]
+        writers_read.make_recipe = saved
+        writers_read._RECIPES.clear()  # pyright: ignore[reportPrivateUsage]
 
 
 def _line(tree: Any) -> bytes:
-    values = writers_base.host_values(tree, where="test")
-    return json_line(writers_base.HostSummaries(7, values))
+    values = writers_read.host_values(tree, where="test")
+    return json_line(HostSummaries(7, values))
 
 
 @settings(max_examples=10, deadline=None)
@@ -110,13 +110,13 @@ def test_replayed_reads_equal_full_reads(seeds: list[int]) -> None:
     trees = [_summaries(seed) for seed in seeds]
     want = _without_recipes(lambda: [fetch_summaries(t) for t in trees])
     want_lines = _without_recipes(lambda: [_line(t) for t in trees])
-    writers_base._RECIPES.clear()  # pyright: ignore[reportPrivateUsage]
+    writers_read._RECIPES.clear()  # pyright: ignore[reportPrivateUsage]
     got_lines = [_line(t) for t in trees]  # JSON lines from the replayed layout
     assert got_lines == want_lines
-    writers_base._RECIPES.clear()  # pyright: ignore[reportPrivateUsage]
+    writers_read._RECIPES.clear()  # pyright: ignore[reportPrivateUsage]
     got = [fetch_summaries(t) for t in trees]
-    assert len(writers_base._RECIPES) == 1  # pyright: ignore[reportPrivateUsage]
-    (recipe,) = writers_base._RECIPES.values()  # pyright: ignore[reportPrivateUsage]
+    assert len(writers_read._RECIPES) == 1  # pyright: ignore[reportPrivateUsage]
+    (recipe,) = writers_read._RECIPES.values()  # pyright: ignore[reportPrivateUsage]
     assert recipe is not None  # every kind here is replayed
     for g, w in zip(got, want, strict=True):
         assert list(g) == list(w)  # the same paths in the same order

@@ -74,6 +74,25 @@ def check_positive_int_or_none(value: object, where: str, arg: str) -> None:
         )
 
 
+def check_positive_int(value: object, *, where: str, name: str, meaning: str) -> int:
+    """Return `value` (argument `name` of `where`) as an int >= 1, or raise.
+
+    Raises:
+        TypeError: if `value` is not an integer (a `bool` is not one).
+        ValueError: if `value` is less than 1.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(
+            f"`{where}`: {name} must be an int >= 1 ({meaning}), got "
+            f"{type(value).__name__} {value!r}."
+        )
+    if value < 1:
+        raise ValueError(
+            f"`{where}`: {name} must be an int >= 1 ({meaning}), got {value}."
+        )
+    return int(value)
+
+
 def check_callable(value: object, where: str, arg: str, expected: str) -> None:
     """Raise `TypeError` unless `value` is callable."""
     if not callable(value):

@@ -21,14 +21,12 @@ same summaries (fetching is a collective); only process 0 writes files.
 
 from eqxctx._records import Audio as Audio, Histogram as Histogram, Image as Image
 
-from ._async import AsyncWriter as AsyncWriter, MultiWriter as MultiWriter
-from ._base import (
-    AbstractWriter as AbstractWriter,
-    HostSummaries as HostSummaries,
-    HostValue as HostValue,
-    fetch_summaries as fetch_summaries,
-)
+from ._async import AsyncWriter as AsyncWriter
+from ._base import AbstractWriter as AbstractWriter, HostSummaries as HostSummaries
 from ._buffer import SummaryBuffer as SummaryBuffer
+from ._host import HostValue as HostValue
 from ._jsonl import JsonlWriter as JsonlWriter
+from ._multi import MultiWriter as MultiWriter
+from ._read import fetch_summaries as fetch_summaries
 from ._tensorboard import TensorBoardWriter as TensorBoardWriter
 from ._wandb import WandbWriter as WandbWriter

@@ -19,6 +19,7 @@ import numpy as np
 from jax.core import Tracer
 from jaxtyping import Array, ArrayLike, Int
 
+from eqxctx._checks import check_positive_int
 from eqxctx._collection import OutputCollection, summary_tree
 from eqxctx._mapping import FrozenMapping
 from eqxctx._transfer import to_host
@@ -190,18 +191,12 @@ class SummaryBuffer(eqx.Module):
             >>> buffer.rows[0][0].shape, int(buffer.count)
             ((4,), 1)
         """
-        where = "SummaryBuffer.create(size)"
-        if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
-            raise TypeError(
-                f"`{where}`: size must be an int >= 1 (the steps the buffer holds), "
-                f"got {type(size).__name__} {size!r}."
-            )
-        if size < 1:
-            raise ValueError(
-                f"`{where}`: size must be an int >= 1 (the steps the buffer holds), "
-                f"got {size}."
-            )
-        n = int(size)
+        n = check_positive_int(
+            size,
+            where="SummaryBuffer.create(size)",
+            name="size",
+            meaning="the steps the buffer holds",
+        )
         layouts: list[_Layout] = []
         for summaries in like:
             layout = _layout(_trees(summaries), "SummaryBuffer.create(like)")[0]
@@ -273,7 +268,7 @@ class SummaryBuffer(eqx.Module):
     def cleared(self) -> "SummaryBuffer":
         """Return the buffer emptied (`count` 0), with the same row arrays."""
         # Rebuilt from its leaves: `write_buffer` calls this on the training thread
-        # every `size` steps, and a Module's `__init__` costs ~10x an unflatten.
+        # every `size` steps, and a Module's `__init__` is slower than an unflatten.
         leaves, treedef = jax.tree_util.tree_flatten(self)
         assert leaves[-1] is self.count  # the last field
         return jax.tree_util.tree_unflatten(

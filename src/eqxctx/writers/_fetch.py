@@ -1,15 +1,10 @@
 """One process: fetch a write's arrays with one device-to-host transfer per width.
 
-A write of a training step's summaries reads a few dozen small arrays. Reading them
-one by one costs ~7 µs of Python per array (start each transfer with
-`copy_to_host_async`, then `numpy.asarray`; `jax.device_get` costs ~12 µs); a
-cached `jax.jit` that ravels and concatenates the small arrays costs one dispatch
-(~10 µs) plus ~1.5 µs per array, and one transfer per output, split back into the
-per-leaf arrays as NumPy views (measured on CPU, jax 0.10: 16 arrays, 112 vs 37 µs).
-Integer and floating arrays travel as raw bits of their width (float32 and int32 in
+A write reads a few dozen small arrays. A cached `jax.jit` ravels and concatenates
+them, integer and floating arrays as raw bits of their width (float32 and int32 in
 one `uint32` array; `jax.lax.bitcast_convert_type`), so a step's summaries are
-usually one transfer: on a TPU each device-to-host copy waits ~0.6 ms. The values
-are the same bits (a concatenation and a bitcast copy them).
+usually one transfer, split back into per-leaf NumPy views with the same bits.
+`benchmarks/README.md` has the costs against `jax.device_get`.
 """
 
 from collections.abc import Callable, Hashable
@@ -20,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eqxctx._checks import is_jax_array_type
-from eqxctx._typing import ArrayTree, DType
+from eqxctx._typing import DType
 
 
 #: Arrays larger than this (elements) are fetched alone: batching them would copy
@@ -169,26 +164,18 @@ def _plan(arrays: list[jax.Array], signature: Hashable | None) -> _Plan | None:
     return None
 
 
-def device_get(tree: ArrayTree) -> ArrayTree:
-    """`jax.device_get(tree)` for one process: NumPy arrays, other leaves as they are.
-
-    Small arrays with one replicated sharding are fetched in one transfer per width
-    (from the second write of the same signature: shapes, dtypes, shardings); the
-    others (large ones, typed PRNG keys, other shardings) each start their transfer
-    (`copy_to_host_async`) and are read with `numpy.asarray`. Anything unusual is
-    left to `jax.device_get` (and its errors, e.g. for a deleted array).
-    """
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return treedef.unflatten(device_get_leaves(leaves))
-
-
 def device_get_leaves(
     leaves: list[object], signature: Hashable | None = None
 ) -> list[object]:
-    """`device_get` of a list of leaves (a new list).
+    """`jax.device_get(leaves)` for one process, as a new list.
 
+    Small arrays with one replicated sharding are fetched in one transfer per width
+    (from the second fetch of the same signature: shapes, dtypes, shardings); the
+    others (large ones, typed PRNG keys, other shardings) each start their transfer
+    (`copy_to_host_async`) and are read with `numpy.asarray`. Anything unusual is
+    left to `jax.device_get` (and its errors, e.g. for a deleted array).
     `signature`, where given, stands for the shapes, dtypes and shardings of the JAX
-    arrays among `leaves` (equal signatures: equal ones), saving their look-up.
+    arrays among `leaves`, saving their look-up.
     """
     return finish(start(leaves, signature))
 

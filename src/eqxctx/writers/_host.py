@@ -46,36 +46,29 @@ Part: TypeAlias = dict[str, HostValue] | Rows
 class HostValues(Mapping[str, HostValue]):
     """A read-only `{path: value}` mapping; per-iteration rows stay stacked until read.
 
-    `fetch_summaries` returns its values as a dict; writers receive this mapping in
-    `HostSummaries.values`, which holds the rows of a scan's raw per-iteration
-    summaries as stacked NumPy arrays (`parts`), so that a writer can format them
-    together (`JsonlWriter`) and the dict of per-iteration values is only built when
-    a writer reads it.
+    Writers receive it in `HostSummaries.values`: a scan's raw per-iteration
+    summaries stay stacked NumPy arrays (`Rows` among the `parts`), which a writer
+    may format together; the dict of every value is built only when one is read.
     """
 
-    __slots__ = ("_dict", "_keys", "_parts", "layout")
+    __slots__ = ("_dict", "layout", "parts")
 
     # `list[Part]`: beartype samples a list's items with `random`, which hypothesis
     # forbids inside strategies; host values are made by writers, never in one.
     def __init__(self, parts: list[Part], layout: object = None):
-        self._parts = parts
+        #: The parts, in order: dicts of single values and `Rows`.
+        self.parts = parts
         self._dict: dict[str, HostValue] | None = None
-        self._keys: frozenset[str] | None = None
         #: The `Recipe` these values were replayed from, or None: the same object
         #: for every write of one structure (same parts, paths and dtypes), so
         #: writers may key their own formatting caches by it.
         self.layout = layout
 
-    @property
-    def parts(self) -> list[Part]:
-        """The parts, in order: dicts of single values and `Rows`."""
-        return self._parts
-
     def _full(self) -> dict[str, HostValue]:
         full = self._dict
         if full is None:
             full = {}
-            for part in self._parts:
+            for part in self.parts:
                 full.update(part.items())
             self._dict = full
         return full
@@ -88,22 +81,22 @@ class HostValues(Mapping[str, HostValue]):
         if self._dict is not None:
             yield from self._dict.items()
             return
-        for part in self._parts:
+        for part in self.parts:
             yield from part.items()
 
     def __iter__(self) -> Iterator[str]:
-        for part in self._parts:
+        for part in self.parts:
             yield from (part.paths if isinstance(part, Rows) else part)
 
     def __len__(self) -> int:
         return sum(
-            len(part.paths if isinstance(part, Rows) else part) for part in self._parts
+            len(part.paths if isinstance(part, Rows) else part) for part in self.parts
         )
 
     def __contains__(self, key: object) -> bool:
         if self._dict is not None:
             return key in self._dict
-        for part in self._parts:
+        for part in self.parts:
             if isinstance(part, Rows):
                 # Row paths are `{prefix}{i}/...`: a name without "/" (a writer's
                 # `"step" in values`) is never one, and is not searched for.

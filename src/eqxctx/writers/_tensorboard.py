@@ -16,18 +16,13 @@ from typing import Any, TypeAlias
 
 import numpy as np
 
+from eqxctx._checks import check_positive_int
 from eqxctx._errors import OutputConflictError
 from eqxctx._records import Audio, Histogram, Image
 from eqxctx._statistics import tensorflow_edges
 
-from ._base import (
-    AbstractWriter,
-    HostSummaries,
-    HostValue,
-    check_positive_int,
-    is_writing_process,
-)
-from ._host import HostValues, Rows
+from ._base import AbstractWriter, HostSummaries, is_writing_process
+from ._host import HostValue, HostValues, Rows
 from ._jsonl import nonempty_span
 
 

@@ -14,7 +14,8 @@ import numpy as np
 
 from eqxctx._records import Audio, Histogram, Image
 
-from ._base import AbstractWriter, HostSummaries, HostValue, is_writing_process
+from ._base import AbstractWriter, HostSummaries, is_writing_process
+from ._host import HostValue
 from ._jsonl import nonempty_span
 from ._tensorboard import images_nhwc, wav_bytes
 
