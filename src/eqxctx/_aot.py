@@ -2,7 +2,7 @@
 
 Follows JAX's ahead-of-time API (`jax.jit(f).lower(...).compile()`, "Ahead-of-time
 lowering and compilation" in the JAX docs), applied to the runner's jitted step
-(`_step.jit_step`): `MethodRunner.lower(batch_spec)` returns a `LoweredRunner`, whose
+(`Step.jitted`): `MethodRunner.lower(batch_spec)` returns a `LoweredRunner`, whose
 `compile()` returns a `CompiledRunner` called like the runner.
 """
 
@@ -13,10 +13,12 @@ import numpy as np
 from jax.sharding import NamedSharding, Sharding
 from jaxtyping import PyTree
 
+from ._donation import check_donated
 from ._frozen import Frozen
+from ._meshes import in_mesh
 from ._partition import leaf_shardings, path_str, resolve_specs
 from ._plan import BatchPlan, batch_rows
-from ._step import Step, check_donated, in_mesh
+from ._step import Step
 from ._transfer import place
 from ._typing import ArrayLeaf, Batch, PRNGKeyArray
 
