@@ -908,7 +908,8 @@ def test_runners_compare_like_modules_and_subclasses_stay_pytrees() -> None:
 def test_runner_internals_use_public_apis_only() -> None:
     """No `object.__new__`, `__dict__` writes or `__getattribute__` overrides (#11)."""
     src = Path(eqxctx.__file__).parent
-    for name in ("_runner", "_step", "_aot", "_plan", "_traced", "_transfer"):
+    names = ("_runner", "_step", "_aot", "_plan", "_traced", "_transfer")
+    for name in (*names, "_meshes", "_donation"):
         text = (src / f"{name}.py").read_text()
         for banned in ("object.__new__", "__dict__", "__getattribute__ =", "_setattr"):
             assert banned not in text, (name, banned)

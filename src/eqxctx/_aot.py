@@ -17,7 +17,7 @@ from ._donation import check_donated
 from ._frozen import Frozen
 from ._meshes import in_mesh
 from ._partition import leaf_shardings, path_str, resolve_specs
-from ._plan import BatchPlan, batch_rows
+from ._plan import BatchPlan, batch_rows, make_plan
 from ._step import Step
 from ._transfer import place
 from ._typing import ArrayLeaf, Batch, PRNGKeyArray
@@ -105,7 +105,15 @@ def _lower(
         jax.ShapeDtypeStruct(tuple(np.shape(x)), _dtype(x), sharding=s)
         for x, s in zip(leaves, named, strict=True)
     ]
-    plan = step.plan_from(leaves, treedef, specs, named, with_path)
+    plan = make_plan(
+        leaves,
+        treedef,
+        specs,
+        named,
+        with_path,
+        mesh=mesh,
+        by_shape=step.makes_mask,
+    )
     mask = None
     if settings.pad_batches or settings.mask_kwarg is not None:
         plan.lowered_rows = batch_rows(leaves, treedef, plan.ranks, settings.mask_kwarg)

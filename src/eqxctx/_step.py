@@ -18,7 +18,7 @@ import equinox as eqx
 import jax
 import numpy as np
 from jax.core import Tracer
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 from jaxtyping import PyTree
 
 from ._donation import check_donated
@@ -47,7 +47,6 @@ from ._transfer import place, to_global
 from ._typing import (
     ArrayLeaf,
     Batch,
-    KeyPath,
     PRNGKeyArray,
     TreeDef,
 )
@@ -240,17 +239,6 @@ class Step:
         shardings = leaf_shardings(
             specs, with_path, self.mesh, kind="batch", check=False
         )
-        return self.plan_from(leaves, treedef, specs, shardings, with_path)
-
-    def plan_from(
-        self,
-        leaves: list[ArrayLeaf],
-        treedef: TreeDef,
-        specs: list[PartitionSpec],
-        shardings: list[NamedSharding],
-        with_path: list[tuple[KeyPath, ArrayLeaf]],
-    ) -> BatchPlan:
-        """Return the `BatchPlan` of leaves placed with `shardings` (`make_plan`)."""
         return make_plan(
             leaves,
             treedef,
@@ -371,8 +359,12 @@ class Step:
             mask, padding = last.mask, None
         if self.donate:
             check_donated(batch, param_leaves, kwargs, where="MethodRunner")
-        if kwargs:
-            result = self.run_with_kwargs(param_leaves, prng_key, batch, mask, kwargs)
+        if kwargs:  # array parts traced, the rest static
+            dynamic, static = self.split_kwargs(kwargs)
+            dynamic = replicate_off_mesh(dynamic, self.mesh, self.mesh_devices)
+            result = self.jitted_kwargs(
+                static, param_leaves, prng_key, batch, mask, dynamic
+            )
         else:
             result = self.jitted(param_leaves, prng_key, batch, mask)
         new_key, out, extra = result
@@ -385,25 +377,6 @@ class Step:
                 EMPTY if module_outputs is None else module_outputs,
             )
         return self.finish(result, batch, padding)
-
-    def run_with_kwargs(
-        self,
-        param_leaves: tuple[jax.Array, ...],
-        prng_key: PRNGKeyArray,
-        batch: Batch,
-        mask: Mask | None,
-        kwargs: dict[str, PyTree],
-    ) -> StepResult:
-        """Run the step with the method's keyword arguments (static part static)."""
-        dynamic, static = self.split_kwargs(kwargs)
-        return self.jitted_kwargs(
-            static,
-            param_leaves,
-            prng_key,
-            batch,
-            mask,
-            replicate_off_mesh(dynamic, self.mesh, self.mesh_devices),
-        )
 
     def finish(
         self,
