@@ -407,13 +407,10 @@ class MethodRunner(TreeEquality, Generic[ModelT, OutputT]):
                 partition tree does not match the batch or the output, if a spec
                 names an unknown mesh axis or has non-None entries beyond a leaf's
                 rank, or, with padding or a mask, if the leaves' leading sizes
-                differ or the batch is larger than the largest of `batch_sizes`
-                (naming the sizes), or, with a mask, if no leaf has rank >= 1; on
-                a mesh with Explicit axes inside a traced function that closes over
-                the runner, with no context mesh, for a traced batch leaf not placed
-                on the mesh (naming it; JAX could not place the traced function's
-                outputs: set the mesh with `jax.set_mesh(runner.mesh)` or pass the
-                runner in as an argument).
+                differ, the batch is larger than the largest of `batch_sizes`, or
+                no leaf has rank >= 1; on an Explicit mesh inside a traced function
+                closing over the runner with no context mesh, for a traced batch
+                leaf not placed on the mesh (naming it and the ways out).
             TypeError: if the method does not return `(output_batch, ctx)` (a
                 method returning `(ctx, output)` is told to swap them), or a batch
                 leaf is not an array (a `jax.ShapeDtypeStruct`: use `lower`; an
@@ -447,10 +444,9 @@ class MethodRunner(TreeEquality, Generic[ModelT, OutputT]):
         Args:
             batch_spec: a PyTree of `jax.ShapeDtypeStruct` (with or without
                 shardings; without, the input partition's) or of arrays. With
-                `pad_batches=True`, its leading size is the padded size: the
-                compiled runner pads smaller batches to it, so it must divide over
-                the batch axis' shards (lower for the size a call pads your
-                largest batch to).
+                `pad_batches=True`, its leading size is the padded size the compiled
+                runner pads smaller batches to (it must divide over the batch
+                axis' shards).
             **kwargs: the method's keyword arguments (as for a call; an array
                 one may be given as a `jax.ShapeDtypeStruct`). The compiled runner
                 is called with the same names: array values may change, the other

@@ -1,5 +1,6 @@
 """One capture session: the chosen points, the shape pass, the sinks, the layout."""
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -34,19 +35,13 @@ _CALLS_MESSAGE = (
 def _marker_shape(model: object, point: HookPoint) -> tuple[int, ...]:
     """The leading shape shared by the arrays of the point (or its nearest parent)."""
     for n in range(len(point.key_path), -1, -1):
-        leaves = [
-            x
-            for x in jax.tree_util.tree_leaves(get_node(model, point.key_path[:n]))
-            if eqx.is_array(x)
-        ]
-        if leaves:
-            shapes = [tuple(np.shape(x)) for x in leaves]
-            common: list[int] = []
-            for dims in zip(*shapes, strict=False):
-                if len(set(dims)) != 1:
-                    break
-                common.append(dims[0])
-            return tuple(common)
+        node = get_node(model, point.key_path[:n])
+        leaves = jax.tree_util.tree_leaves(node)
+        shapes = [np.shape(x) for x in leaves if eqx.is_array(x)]
+        if shapes:
+            dims = zip(*shapes, strict=False)  # up to the lowest rank
+            same = itertools.takewhile(lambda d: len(set(d)) == 1, dims)
+            return tuple(d[0] for d in same)
     return ()
 
 
