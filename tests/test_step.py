@@ -908,7 +908,16 @@ def test_runners_compare_like_modules_and_subclasses_stay_pytrees() -> None:
 def test_runner_internals_use_public_apis_only() -> None:
     """No `object.__new__`, `__dict__` writes or `__getattribute__` overrides (#11)."""
     src = Path(eqxctx.__file__).parent
-    for name in ("_runner", "_step", "_aot", "_plan", "_traced", "_transfer"):
+    names = ("_runner", "_step", "_aot", "_plan", "_traced", "_transfer")
+    for name in (*names, "_meshes", "_donation"):
         text = (src / f"{name}.py").read_text()
         for banned in ("object.__new__", "__dict__", "__getattribute__ =", "_setattr"):
             assert banned not in text, (name, banned)
+
+
+def test_runner_modules_have_one_job_and_at_most_500_lines() -> None:
+    # issue 36: no module over ~500 lines (docstrings included).
+    src = Path(eqxctx.__file__).parent
+    for name in ("_runner", "_step", "_aot", "_donation", "_meshes"):
+        lines = len((src / f"{name}.py").read_text().splitlines())
+        assert lines <= 500, (name, lines)

@@ -2,7 +2,7 @@
 
 Follows JAX's ahead-of-time API (`jax.jit(f).lower(...).compile()`, "Ahead-of-time
 lowering and compilation" in the JAX docs), applied to the runner's jitted step
-(`_step.jit_step`): `MethodRunner.lower(batch_spec)` returns a `LoweredRunner`, whose
+(`Step.jitted`): `MethodRunner.lower(batch_spec)` returns a `LoweredRunner`, whose
 `compile()` returns a `CompiledRunner` called like the runner.
 """
 
@@ -13,10 +13,12 @@ import numpy as np
 from jax.sharding import NamedSharding, Sharding
 from jaxtyping import PyTree
 
+from ._donation import check_donated
 from ._frozen import Frozen
+from ._meshes import in_mesh
 from ._partition import leaf_shardings, path_str, resolve_specs
-from ._plan import BatchPlan, batch_rows
-from ._step import Step, check_donated, in_mesh
+from ._plan import BatchPlan, batch_rows, make_plan
+from ._step import Step
 from ._transfer import place
 from ._typing import ArrayLeaf, Batch, PRNGKeyArray
 
@@ -103,7 +105,15 @@ def _lower(
         jax.ShapeDtypeStruct(tuple(np.shape(x)), _dtype(x), sharding=s)
         for x, s in zip(leaves, named, strict=True)
     ]
-    plan = step.plan_from(leaves, treedef, specs, named, with_path)
+    plan = make_plan(
+        leaves,
+        treedef,
+        specs,
+        named,
+        with_path,
+        mesh=mesh,
+        by_shape=step.makes_mask,
+    )
     mask = None
     if settings.pad_batches or settings.mask_kwarg is not None:
         plan.lowered_rows = batch_rows(leaves, treedef, plan.ranks, settings.mask_kwarg)

@@ -5,15 +5,10 @@ Follows AXLearn's `MethodRunner` and `InferenceRunner.create_method_runner`
 returns `(new_key, outputs, summaries, module_outputs)`, with inputs, outputs and
 parameters under sharding constraints.
 
-Why the hot path looks the way it does: `eqx.filter_jit` partitions every argument
-into arrays and the rest on every call (2-3x the time of `jax.jit` on a small model).
-The runner keeps its semantics (array leaves traced, every other leaf static, equal
-static parts share a compilation) but partitions the model once, in `create`, into a
-tuple of parameter leaves (flattened by JAX in C++) and a hashable `Settings`, and
-calls a `jax.jit` of the step that closes over the settings' `Step`. A warm call is
-`Step.call` (the batch checked against the last one in C, JAX's dispatch, the
-`Output` dataclass) and the next runner built by its dataclass constructor, never
-blocking. See `docs/architecture.md`.
+`eqx.filter_jit`'s semantics (array leaves traced, the rest static, equal static
+parts share a compilation) without its per-call partitioning: `create` partitions
+the model once into parameter leaves and a hashable `Settings`, and a call is
+`Step.call` (`_step.py`) plus the next runner's constructor.
 """
 
 import dataclasses
@@ -64,14 +59,9 @@ NewOutputT = TypeVar("NewOutputT")
 
 
 def _available_methods(model: Model) -> list[str]:
-    names = {
-        n
-        for n in dir(type(model))
-        if not n.startswith("_") and callable(getattr(type(model), n, None))
-    }
-    if callable(model):
-        names.add("__call__")
-    return sorted(names)
+    cls = type(model)
+    names = {n for n in dir(cls) if n[0] != "_" and callable(getattr(cls, n, None))}
+    return sorted(names | ({"__call__"} if callable(model) else set()))
 
 
 def _check_method(model: Model, method: object) -> None:
@@ -91,8 +81,7 @@ def _check_method(model: Model, method: object) -> None:
         )
 
 
-# Not an `eqx.Module`: a module's field reads and rebuilds run Python code that
-# would be a few percent of every call.
+# Not an `eqx.Module`: its field reads and rebuilds cost a few % of every call.
 @jax.tree_util.register_dataclass
 @refuse_assignment
 @dataclasses.dataclass(frozen=True, slots=True, repr=False, eq=False)
@@ -103,21 +92,17 @@ class MethodRunner(TreeEquality, Generic[ModelT, OutputT]):
     holding the next PRNG key, so the same runner called twice on the same batch gives
     the same result. Build one with `MethodRunner.create`.
 
-    A frozen dataclass registered as a PyTree: `param_leaves` and `prng_key` are its
-    children, `step` its static part; `dataclasses.replace(runner, prng_key=...)`
-    gives a runner with another key. Runners compare like `eqx.Module`s
-    (`eqx.tree_equal`). A subclass is registered as a PyTree too, and may add
-    methods but not fields.
+    A frozen dataclass registered as a PyTree (`param_leaves` and `prng_key` are
+    its children, `step` its static part; `dataclasses.replace(runner,
+    prng_key=...)` changes the key); runners compare like `eqx.Module`s. A
+    subclass may add methods but not fields.
 
     The method runs under `jax.jit` with `eqx.filter_jit`'s semantics: array leaves
-    (of the model, the batch and keyword arguments) are traced, every other leaf is
-    static, and runners re-created from equal settings (equal static parts, the same
-    method and mesh) share one compiled program. A call does not block: outputs are
-    global arrays that may still be computing, so a loop can prepare the next batch
-    while the device works: in a new array, not by refilling the NumPy array just
-    passed. On the CPU, JAX reads a NumPy argument in place (no copy), possibly
-    after the call has returned, as `jax.jit` does; wait for the outputs
-    (`jax.block_until_ready`) before reusing such a buffer.
+    (of the model, the batch and keyword arguments) are traced, the rest static,
+    and runners re-created from equal settings share one compiled program. A call
+    does not block; on the CPU, JAX may read a NumPy argument in place after the
+    call returns (as `jax.jit` does): wait for the outputs
+    (`jax.block_until_ready`) before refilling its buffer.
 
     For static type checkers a runner is a `MethodRunner[ModelT, OutputT]`: `model`
     has the model's type and `Output.output_batch` the method's output type (`Any`
@@ -148,19 +133,16 @@ class MethodRunner(TreeEquality, Generic[ModelT, OutputT]):
     class Output(Generic[OutputBatchT]):
         """What one call of a `MethodRunner` returns (AXLearn's `MethodRunner.Output`).
 
-        A frozen dataclass registered as a PyTree (its four fields are children), so
-        it passes through `jax.jit`, `jax.tree.map` and `to_host`.
+        A frozen dataclass registered as a PyTree (its four fields are children).
 
         Attributes:
             output_batch: the method's output, as global arrays with the output
                 partition. With padding, leaves whose leading size is the padded
                 batch size are cut to the real rows (and replicated).
-            input_batch: the global input arrays actually used, with the input
-                partition, in new containers (already-placed arrays, also those
-                placed with an equivalent sharding, are passed through: the same
-                buffers); pass them to another runner without a host transfer. With
-                padding, cut to the real rows like `output_batch`. None with
-                `donate_batch=True` (the step consumed them).
+            input_batch: the global input arrays used, with the input partition,
+                in new containers (arrays already placed equivalently pass through);
+                pass them to another runner without a host transfer. With padding,
+                cut to the real rows. None with `donate_batch=True`.
             summaries: the root context's summaries (nested mapping; may hold
                 `IterationSummaries` and `Summary` leaves), replicated.
             module_outputs: the module outputs kept by `drop_module_outputs`
@@ -208,10 +190,8 @@ class MethodRunner(TreeEquality, Generic[ModelT, OutputT]):
                 set, under none, as `jax.jit` (set this mesh with `jax.set_mesh`
                 for a method that uses a bare `PartitionSpec`).
             prng_key: a raw `uint32[2]` or typed key (uncommitted, on one device or
-                on the mesh); stored replicated over `mesh` with the very sharding
-                the step returns its next key with (JAX's buffers are shared where
-                the key is already there), so the first call and every later one
-                of a batch signature are one compilation, on one device too.
+                on the mesh); stored replicated over `mesh` with the sharding the
+                step returns its next key with, so the first call compiles once.
             input_partition: a `DataPartition`, a `PartitionSpec`, or a prefix tree
                 of them over the batch. Rank-0 leaves are replicated, rank-1 leaves
                 take only the first spec entry (AXLearn's `reshard_fn`).
@@ -232,32 +212,24 @@ class MethodRunner(TreeEquality, Generic[ModelT, OutputT]):
                 `batch_sizes` up to the smallest listed size >= the batch; the
                 outputs come back cut to the real rows. A batch that needs no padding
                 is not changed. Each padded size compiles once. Typed PRNG key
-                leaves (per-example keys) are padded too, with keys of all-zero
-                key data. Every context of the step holds the real rows' mask,
-                `ctx.row_mask` (`bool[padded_batch]`, split like the batch axis),
-                for summaries to count only those rows (`MomentsSummary(x,
-                where=ctx.row_where(x))`); if the method adds summaries but never
-                reads it (and has no `mask_kwarg`), a `UserWarning` says so, once
-                per runner settings: the padded zero rows would count in them.
+                leaves are padded with keys of all-zero key data. Every context
+                holds the real rows' mask, `ctx.row_mask` (`bool[padded_batch]`,
+                split like the batch axis), for summaries to count only those rows
+                (`MomentsSummary(x, where=ctx.row_where(x))`); a method that adds
+                summaries but never reads it (and has no `mask_kwarg`) gets a
+                `UserWarning`, once per runner settings.
             batch_sizes: the padded sizes (e.g. `(64, 256, 1024)`), each a multiple
                 of the batch axis' shard count; needs `pad_batches=True`.
             mask_kwarg: if given, the method is also called with
-                `**{mask_kwarg: mask}`, `mask` a `bool[padded_batch]` that is True for
-                real rows (all True for a batch that needs no padding), split like
-                the batch axis; use it to weight summaries (`WeightedSummary(mean,
-                weight=mask.sum())`). It is `ctx.row_mask` too, which every context
-                of the step holds (no need to pass it down). Every batch needs a
-                leaf of rank >= 1.
+                `**{mask_kwarg: mask}`: `ctx.row_mask`, True for real rows (all True
+                for a batch that needs no padding). Every batch needs a leaf of
+                rank >= 1.
             donate_batch: donate the placed batch's buffers to the step (JAX's
                 `donate_argnums`): XLA may reuse them for outputs of the same shape
-                and dtype, and such donated input arrays are deleted after the call
-                (also a batch you placed yourself that is passed through).
-                `Output.input_batch` is then None. Where XLA cannot reuse a donated
-                buffer it keeps it (JAX may warn "Some donated buffers were not
-                usable"). A call that passes a placed batch array again, as a
-                keyword argument or as a parameter, is refused (`ValueError`): the
-                donated buffer could be overwritten while it is read; so is a
-                deleted batch array (one an earlier call donated), naming the leaf.
+                and dtype, and donated arrays (also a placed batch passed through)
+                are deleted after the call; `Output.input_batch` is then None. A
+                call passing a batch array again (as a batch leaf, keyword argument
+                or parameter), or a deleted one, raises `ValueError`.
             summary_level: the root context's summary level (static, part of the
                 compilation key): summaries and module outputs added with `level >
                 summary_level` are dropped, and XLA removes their computation; None
@@ -266,8 +238,7 @@ class MethodRunner(TreeEquality, Generic[ModelT, OutputT]):
                 compile once each.
 
         Static callables (`method`, `drop_module_outputs`) compare by identity:
-        define them once (e.g. at module level), not as a new lambda per `create`,
-        so that re-created runners share their compilations.
+        define them once, not as a new lambda per `create`, to share compilations.
 
         Returns:
             A new `MethodRunner`.
@@ -296,7 +267,6 @@ class MethodRunner(TreeEquality, Generic[ModelT, OutputT]):
                 "split on every call; pass e.g. `prng_key=jax.random.key(0)`."
             )
         check_prng_key(prng_key, where)
-        # Typed `Mesh`; checked for callers without a type checker.
         if not isinstance(mesh, Mesh):  # pyright: ignore[reportUnnecessaryIsInstance]
             raise TypeError(
                 f"`{where}(mesh=...)`: mesh must be a `jax.sharding.Mesh` (e.g. "
@@ -398,11 +368,9 @@ class MethodRunner(TreeEquality, Generic[ModelT, OutputT]):
     def trace_count(self) -> int:
         """How many times JAX has traced this runner's step (an `int`).
 
-        Counts every trace of the step of this runner's settings, shared by the
-        runners created from equal settings and their successors: a call with a new
-        batch signature (structure, shapes, dtypes, shardings, static keyword
-        arguments) traces once, `lower` traces once, a warm call does not trace.
-        Use it in tests to assert "no recompiles":
+        Shared by runners of equal settings and their successors: a new batch
+        signature (structure, shapes, dtypes, shardings, static keyword arguments)
+        traces once, `lower` once, a warm call never. Assert "no recompiles":
 
             before = runner.trace_count
             for batch in batches:
@@ -439,13 +407,10 @@ class MethodRunner(TreeEquality, Generic[ModelT, OutputT]):
                 partition tree does not match the batch or the output, if a spec
                 names an unknown mesh axis or has non-None entries beyond a leaf's
                 rank, or, with padding or a mask, if the leaves' leading sizes
-                differ or the batch is larger than the largest of `batch_sizes`
-                (naming the sizes), or, with a mask, if no leaf has rank >= 1; on
-                a mesh with Explicit axes inside a traced function that closes over
-                the runner, with no context mesh, for a traced batch leaf not placed
-                on the mesh (naming it; JAX could not place the traced function's
-                outputs: set the mesh with `jax.set_mesh(runner.mesh)` or pass the
-                runner in as an argument).
+                differ, the batch is larger than the largest of `batch_sizes`, or
+                no leaf has rank >= 1; on an Explicit mesh inside a traced function
+                closing over the runner with no context mesh, for a traced batch
+                leaf not placed on the mesh (naming it and the ways out).
             TypeError: if the method does not return `(output_batch, ctx)` (a
                 method returning `(ctx, output)` is told to swap them), or a batch
                 leaf is not an array (a `jax.ShapeDtypeStruct`: use `lower`; an
@@ -479,10 +444,9 @@ class MethodRunner(TreeEquality, Generic[ModelT, OutputT]):
         Args:
             batch_spec: a PyTree of `jax.ShapeDtypeStruct` (with or without
                 shardings; without, the input partition's) or of arrays. With
-                `pad_batches=True`, its leading size is the padded size: the
-                compiled runner pads smaller batches to it, so it must divide over
-                the batch axis' shards (lower for the size a call pads your
-                largest batch to).
+                `pad_batches=True`, its leading size is the padded size the compiled
+                runner pads smaller batches to (it must divide over the batch
+                axis' shards).
             **kwargs: the method's keyword arguments (as for a call; an array
                 one may be given as a `jax.ShapeDtypeStruct`). The compiled runner
                 is called with the same names: array values may change, the other

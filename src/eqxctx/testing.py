@@ -26,6 +26,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "'eqxctx[test]'` (or `pip install hypothesis`)."
     ) from e
 
+from ._assertions import assert_collections_equal
 from ._collection import ADDERS, KINDS, OutputCollection, name_in_use
 from ._combinators import scan_in_context, vmap_in_context
 from ._context import Context
@@ -61,8 +62,7 @@ Strategy: TypeAlias = st.SearchStrategy[Any]
 #: The raw-value marker in `summary_kinds`: raw arrays as summary leaves.
 RAW = "raw"
 
-#: A summary kind: `RAW` or a `Summary` subclass (`Any`: a kind is called with the
-#: fields of its own class).
+#: `RAW` or a `Summary` subclass (`Any`: each kind takes its own fields).
 SummaryKind: TypeAlias = Any
 
 #: What `summary_leaves` and `output_collections` draw by default: raw arrays and
@@ -84,8 +84,6 @@ _STACKABLE = (RAW, WeightedSummary, MinSummary, MaxSummary, SumSummary)
 
 # Characters every writer keeps as they are (TensorBoard turns others into '_').
 _WRITER_SAFE = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-"
-# Names a writer refuses or reserves at the top level (`JsonlWriter`'s "step").
-_RESERVED_LEAF_NAMES = frozenset({"step"})
 
 
 def child_names() -> st.SearchStrategy[str]:
@@ -109,7 +107,7 @@ def leaf_names(*, any_printable: bool = False) -> st.SearchStrategy[str]:
         )
         return st.text(alphabet, min_size=1, max_size=6)
     names = st.text(st.sampled_from(_WRITER_SAFE), min_size=1, max_size=6)
-    return names.filter(lambda n: n not in _RESERVED_LEAF_NAMES)
+    return names.filter(lambda n: n != "step")  # `JsonlWriter`'s own key
 
 
 def _shapes(max_side: int, max_rank: int) -> st.SearchStrategy[tuple[int, ...]]:
@@ -172,17 +170,14 @@ def summary_leaves(
     Every leaf passes `validate()` and is written by every writer: weights are not
     negative, images are `[batch, height, width(, 1|3|4)]` in `[0, 1]`, audio is
     `[time(, channels)]` in `[-1, 1]`, histograms have 4 buckets over `[-100, 100]`,
-    and a `CallbackSummary` sums its argument (one module-level function, so two
-    draws accumulate).
+    and a `CallbackSummary` sums its argument (one function: two draws accumulate).
 
     Args:
         summary_kinds: the kinds to draw (default: `DEFAULT_SUMMARY_KINDS`);
             `"raw"` stands for raw arrays. Any other `Summary` subclass (a user's
             kind) is drawn as `kind(value)`, with `value` drawn as a raw array.
-        shapes: shapes of raw arrays and of the elementwise kinds (`WeightedSummary`,
-            `MinSummary`, `MaxSummary`, `SumSummary`) and of the values reduced by
-            `HistogramSummary`, `MomentsSummary` and `CallbackSummary`; default:
-            scalars.
+        shapes: shapes of raw arrays, of the elementwise kinds' values and of the
+            values that the reducing kinds reduce; default: scalars.
         dtypes: dtypes of raw arrays and of `MinSummary`/`MaxSummary`/`SumSummary`
             values; floating ones for `WeightedSummary` means.
     """
@@ -235,8 +230,7 @@ def _audio(draw: Draw, values: Strategy, means: Strategy) -> Leaf:
     return AudioSummary(wave, sample_rate=8000)
 
 
-#: How to draw the kinds whose constructor takes more than one value; every other
-#: kind (`MinSummary`, ..., a user's) is drawn as `kind(value)`.
+#: Kinds not drawn as `kind(value)` (as `MinSummary`, ..., a user's kind are).
 _DRAW: dict[type, Callable[[Draw, Strategy, Strategy], Leaf]] = {
     WeightedSummary: _weighted,
     HistogramSummary: lambda draw, values, means: HistogramSummary(
@@ -269,28 +263,20 @@ class _Spec:
     iterations: bool
 
 
-#: What a scan body adds per iteration, for a stackable kind not made as `kind(x)`.
-_STACKED: dict[SummaryKind, Callable[[Array], Leaf]] = {
-    RAW: lambda x: x,
-    WeightedSummary: lambda x: WeightedSummary(
-        x.astype(jnp.float32), jnp.ones((), jnp.float32)
-    ),
-}
-
-
 def _stacked_leaf(kind: SummaryKind, x: Array) -> Leaf:
     """What a scan body adds per iteration for `kind`, from its slice `x`."""
-    make = _STACKED.get(kind)
-    return kind(x) if make is None else make(x)
+    if kind == RAW:
+        return x
+    if kind is WeightedSummary:
+        return WeightedSummary(x.astype(jnp.float32), jnp.ones((), jnp.float32))
+    return kind(x)
 
 
 @contextlib.contextmanager
 def _same_random_state() -> Generator[None]:
     """Leave Python's `random` state as it was (hypothesis checks it in strategies).
 
-    Runtime type checkers (beartype, as in eqxctx's own test suite) check one random
-    item of each list or variadic tuple with `random`; eqxctx's functions called in
-    these strategies must not look like a strategy using randomness.
+    Runtime type checkers (beartype) check one random item of a list with `random`.
     """
     state = random.getstate()
     try:
@@ -301,12 +287,7 @@ def _same_random_state() -> Generator[None]:
 
 @st.composite
 def _iteration_entry(draw: Draw, spec: _Spec) -> OutputCollection:
-    """A collection made by `scan_in_context` (or `vmap_in_context`), as it makes it.
-
-    Per-iteration summaries (an `IterationSummaries` entry), optionally merged
-    summaries, stacked module outputs and state updates, a nested scan in the
-    body, and the whole under an outer `jax.vmap`.
-    """
+    """A collection made by running `scan_in_context` or `vmap_in_context`."""
     prefix = draw(child_names())
     length = draw(st.integers(0, 3))
     stackable = [k for k in spec.summary_kinds if k in _STACKABLE]
@@ -423,12 +404,9 @@ def output_collections(
 
     Each level holds up to `max_width` entries: leaves of the three kinds, children
     (down to `max_depth`), and the collections of `scan_in_context` and
-    `vmap_in_context` calls, made by running them: per-iteration summaries kept
-    stacked (an `IterationSummaries` entry with 0 to 3 iterations) or merged,
-    module outputs and state updates stacked `[N, ...]` in child `{prefix}`, nested
-    scans in the body, and the whole under an outer `jax.vmap` (outer axes first).
-    By default every collection is accepted by every writer (`JsonlWriter`,
-    `TensorBoardWriter`), `SummaryAccumulator.update` and `jax.jit`.
+    `vmap_in_context` calls (0 to 3 iterations), made by running them, also nested
+    and under an outer `jax.vmap`. By default every collection is accepted by every
+    writer, `SummaryAccumulator.update` and `jax.jit`.
 
     Args:
         max_depth: the deepest nesting of children.
@@ -443,7 +421,7 @@ def output_collections(
         summary_kinds: the summary kinds to draw (see `summary_leaves`; default
             `DEFAULT_SUMMARY_KINDS`).
         iterations: include the results of `scan_in_context`/`vmap_in_context`
-            calls (tracing them takes ~50 ms per entry).
+            calls (each is traced).
 
     Raises:
         ValueError: for an unknown kind or summary kind.
@@ -507,13 +485,8 @@ def contexts(
     def context(draw: Draw) -> Context:
         kind = draw(st.sampled_from(list(keys)))
         seed = draw(st.integers(0, 2**31 - 1))
-        key = (
-            None
-            if kind is None
-            else jax.random.PRNGKey(seed)
-            if kind == "raw"
-            else jax.random.key(seed)
-        )
+        make_key = {"raw": jax.random.PRNGKey, "typed": jax.random.key}.get(kind)
+        key = None if make_key is None else make_key(seed)
         training_flag, root = draw(training), draw(child_names())
         names, coll = draw(st.lists(child_names(), max_size=max_path)), draw(colls)
         with _same_random_state():
@@ -523,79 +496,3 @@ def contexts(
             return ctx.replace_collection(coll)
 
     return context()
-
-
-def _as_numpy(leaf: Leaf) -> list[tuple[np.ndarray, np.dtype[Any]]]:
-    """Each array of `leaf` as given (a typed key as its key data), with JAX's dtype.
-
-    The dtype is the one `jnp.asarray` would give (a Python `1.0` and
-    `jnp.float32(1)` agree), found without converting: the values compared are the
-    ones given, so an int64 or float64 value that JAX's default dtype would change
-    (`2**32 + 1`, `1e300`) is not compared after the change.
-    """
-    out: list[tuple[np.ndarray, np.dtype[Any]]] = []
-    for x in jax.tree_util.tree_leaves(leaf):
-        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-            x = jax.random.key_data(x)
-        dtype = np.dtype(jax.dtypes.canonicalize_dtype(jnp.result_type(x)))
-        out.append((np.asarray(x), dtype))
-    return out
-
-
-def assert_collections_equal(
-    actual: OutputCollection,
-    expected: OutputCollection,
-    *,
-    rtol: float = 1e-6,
-    atol: float = 1e-6,
-    value_fn: Callable[[Leaf], ArrayTree] = lambda x: x,
-) -> None:
-    """Assert that two collections have the same flattened paths, types and values.
-
-    Compares `flatten(kind)` of every kind (so per-iteration summaries compare by
-    their `iter{i}/...` paths), the `Summary` kind of each leaf and its static fields
-    (an `AudioSummary`'s sample rate, a `HistogramSummary`'s edges, a
-    `CallbackSummary`'s function), the shape and dtype of every array leaf (the
-    dtype `jnp.asarray` would give, so `1.0` and `jnp.float32(1)` agree; typed keys
-    by their key data), and its values as given (not converted to JAX's default
-    dtypes) with `numpy.testing.assert_allclose`.
-
-    Raises:
-        AssertionError: naming the first path that differs.
-    """
-    for kind in KINDS:
-        got, want = actual.flatten(kind), expected.flatten(kind)
-        if set(got) != set(want):
-            raise AssertionError(
-                f"{kind}: paths differ: only in actual {sorted(set(got) - set(want))}, "
-                f"only in expected {sorted(set(want) - set(got))}"
-            )
-        for path in sorted(want):
-            a, b = value_fn(got[path]), value_fn(want[path])
-            is_summary = isinstance(a, Summary) or isinstance(b, Summary)
-            if is_summary and type(a) is not type(b):
-                raise AssertionError(
-                    f"{kind}/{path}: {type(a).__name__} != {type(b).__name__}"
-                )
-            if is_summary and (
-                jax.tree_util.tree_structure(a) != jax.tree_util.tree_structure(b)
-            ):
-                # Static fields: an `AudioSummary`'s sample rate, a
-                # `HistogramSummary`'s edges, a `CallbackSummary`'s function.
-                raise AssertionError(
-                    f"{kind}/{path}: the {type(a).__name__}s differ in their static "
-                    f"fields: {jax.tree_util.tree_structure(a)} != "
-                    f"{jax.tree_util.tree_structure(b)}"
-                )
-            la, lb = _as_numpy(a), _as_numpy(b)
-            if len(la) != len(lb):
-                raise AssertionError(f"{kind}/{path}: different number of arrays")
-            for (x, x_dtype), (y, y_dtype) in zip(la, lb, strict=True):
-                if x.shape != y.shape or x_dtype != y_dtype:
-                    raise AssertionError(
-                        f"{kind}/{path}: {x_dtype}{list(x.shape)} != "
-                        f"{y_dtype}{list(y.shape)}"
-                    )
-                np.testing.assert_allclose(
-                    x, y, rtol=rtol, atol=atol, err_msg=f"at {kind}/{path}"
-                )
