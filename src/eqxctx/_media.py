@@ -22,11 +22,7 @@ _S = TypeVar("_S", bound="_KeepFirst")
 
 
 class _KeepFirst(Summary):
-    """Accumulated, the first value is kept (media are not averaged).
-
-    Under `merge_summaries` that is the first iteration in execution order (the
-    last index with `reverse=True`); keep per-iteration summaries for every value.
-    """
+    """Accumulated, the first value in execution order is kept."""
 
     def accumulate(self: _S, other: Any) -> _S:
         """Return `self`: the first value is kept.
@@ -44,7 +40,10 @@ class _KeepFirst(Summary):
 
 
 class ImageSummary(_KeepFirst):
-    """A batch of images (AXLearn's `ImageSummary`); accumulated, the first is kept.
+    """A batch of images (AXLearn's `ImageSummary`).
+
+    Accumulated (merged scans and vmaps, `SummaryAccumulator`), the first value in
+    execution order is kept: media are not averaged.
 
     Attributes:
         value_: shape `[batch, height, width]` (grayscale) or
@@ -99,7 +98,9 @@ def _as_int(x: object) -> object:
 
 
 class AudioSummary(_KeepFirst):
-    """A waveform (AXLearn's `AudioSummary`); accumulated, the first is kept.
+    """A waveform (AXLearn's `AudioSummary`).
+
+    Accumulated, the first value in execution order is kept (as `ImageSummary`).
 
     Attributes:
         value_: shape `[time]` or `[time, channels]`, floating values in `[-1, 1]`

@@ -238,7 +238,8 @@ class HistogramSummary(Summary):
     """Bucket counts of values, computed on the device with fixed edges.
 
     `HistogramSummary(value)` counts all elements of `value` in TensorFlow's default
-    buckets (`tensorflow_edges`, as tensorboardX's `bins="tensorflow"`), so any two
+    buckets (as tensorboardX's `bins="tensorflow"`: 1,550 buckets with edges growing
+    by 10% from 1e-12 to 1e20 on each side of 0, open at ±inf), so any two
     histograms accumulate; for a known range pass `range=(low, high)` (and `bins=`,
     default 30, evenly spaced) or explicit `edges=`. Only the counts are kept.
 
