@@ -45,15 +45,6 @@ from ._mapping import (
 from ._typing import Children, Leaf, PathPredicate, Tree
 
 
-__all__ = [
-    "ADDERS",
-    "KINDS",
-    "Kind",
-    "OutputCollection",
-    "add_leaf",
-    "validate_child_name",
-]
-
 _MISSING: Any = object()
 
 
