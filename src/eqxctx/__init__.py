@@ -38,19 +38,19 @@ from ._loops import (
     fori_in_context as fori_in_context,
     while_in_context as while_in_context,
 )
+from ._media import (
+    AudioSummary as AudioSummary,
+    CallbackSummary as CallbackSummary,
+    ImageSummary as ImageSummary,
+)
+from ._moments import MomentsSummary as MomentsSummary
 from ._partition import DataPartition as DataPartition
 from ._propagate import (
     propagate_repeated_output_collections as propagate_repeated_output_collections,
 )
 from ._runner import MethodRunner as MethodRunner
-from ._statistics import (
-    HistogramSummary as HistogramSummary,
-    MomentsSummary as MomentsSummary,
-)
+from ._statistics import HistogramSummary as HistogramSummary
 from ._summary import (
-    AudioSummary as AudioSummary,
-    CallbackSummary as CallbackSummary,
-    ImageSummary as ImageSummary,
     MaxSummary as MaxSummary,
     MinSummary as MinSummary,
     Summary as Summary,

@@ -15,13 +15,14 @@ import numpy as np
 from jaxtyping import PyTree
 
 from ._checks import check_positive_int_or_none, is_jax_array_type
-from ._collection import OutputCollection, summary_tree_flat
+from ._collection import OutputCollection
 from ._frozen import TreeEquality
 from ._iterations import check_iterations, flatten_into, freeze, materialize_tree
 from ._mapping import FrozenMapping
 from ._repeat import accumulate_trees
 from ._runner import MethodRunner
 from ._summary import Summary, accumulate_leaf
+from ._summary_tree import summary_tree_flat
 from ._typing import Batch, Children, Leaf, OutputT, SummaryTree, TreeDef
 
 

@@ -1,14 +1,11 @@
 """OutputCollection: the summaries, state updates and module outputs of a call tree.
 
 Follows AXLearn's `OutputCollection` (`axlearn/common/module.py`), as an immutable
-PyTree: every method returns a new collection. Each level of each kind is a
-`FrozenMapping`, so adding an output, a child or a merged collection costs O(1)
-amortized, whatever the collection already holds; no check enumerates the names a
-scan's per-iteration summaries reserve.
+PyTree whose levels are persistent `FrozenMapping`s: adding an output, a child or a
+merged collection costs O(1) amortized, whatever the collection holds.
 """
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any, NoReturn
 
 import jax
@@ -31,9 +28,7 @@ from ._leaves import (
     KINDS,
     SUMMARY,
     Kind,
-    all_plain_arrays,
     check_leaf,
-    check_summary_name,
     validate_child_name,
     validate_leaf_name,
 )
@@ -47,17 +42,8 @@ from ._mapping import (
     key_in_any,
     leaf_clashes,
 )
-from ._typing import Children, Leaf, PathPredicate, SummaryTree, Tree, TreeDef
+from ._typing import Children, Leaf, PathPredicate, Tree
 
-
-__all__ = [
-    "ADDERS",
-    "KINDS",
-    "Kind",
-    "OutputCollection",
-    "add_leaf",
-    "validate_child_name",
-]
 
 _MISSING: Any = object()
 
@@ -75,20 +61,11 @@ class OutputCollection(TreeEquality):
 
     A child (from `add_child`, `Context.call` or a scan) is a nested mapping present
     in all three kinds; leaves are arrays, Python numbers or `Summary` objects. Every
-    method returns a new collection and leaves `self` and its arguments unchanged; the
-    mappings are read-only (`coll.summaries["x"] = 1` raises `TypeError`).
-
-    A PyTree whose children are the three mappings (`.summaries`, `.state_updates`,
-    `.module_outputs`), each a PyTree node like `dict` (sorted keys), so it passes
-    through `jax.jit`, `jax.lax.scan`, `jax.vmap` and `eqx.filter_*`.
-
-    Scans and vmaps keep per-iteration summaries stacked in an `IterationSummaries`
-    entry; `flatten`, `child` and `materialize` expand it into `{prefix}{i}` children.
-
-    Args:
-        summaries: nested mapping of summaries (metrics for TensorBoard).
-        state_updates: nested mapping of state updates (e.g. batch-norm statistics).
-        module_outputs: nested mapping of module outputs (intermediate activations).
+    method returns a new collection and leaves `self` and its arguments unchanged;
+    the mappings are read-only. A PyTree of the three mappings, each flattened like
+    a `dict` (sorted keys). Scans and vmaps keep per-iteration summaries stacked in
+    an `IterationSummaries` entry; `flatten`, `child` and `materialize` expand it
+    into `{prefix}{i}` children.
 
     Raises:
         TypeError: if a level is not a mapping, a key not a `str`, or a leaf not a
@@ -97,9 +74,9 @@ class OutputCollection(TreeEquality):
             entry at the same level.
 
     Attributes:
-        summaries: read-only nested mapping of summaries.
-        state_updates: read-only nested mapping of state updates.
-        module_outputs: read-only nested mapping of module outputs.
+        summaries: nested mapping of summaries (metrics for TensorBoard).
+        state_updates: nested mapping of state updates (e.g. batch-norm statistics).
+        module_outputs: nested mapping of module outputs (intermediate activations).
     """
 
     __slots__ = ("module_outputs", "state_updates", "summaries")
@@ -107,18 +84,10 @@ class OutputCollection(TreeEquality):
     state_updates: FrozenMapping
     module_outputs: FrozenMapping
 
-    def __init__(
-        self,
-        summaries: Tree,
-        state_updates: Tree,
-        module_outputs: Tree,
-    ):
-        _init(
-            self,
-            freeze(summaries, "summaries"),
-            freeze(state_updates, "state_updates"),
-            freeze(module_outputs, "module_outputs"),
-        )
+    def __init__(self, summaries: Tree, state_updates: Tree, module_outputs: Tree):
+        _set_summaries(self, freeze(summaries, "summaries"))
+        _set_state_updates(self, freeze(state_updates, "state_updates"))
+        _set_module_outputs(self, freeze(module_outputs, "module_outputs"))
 
     def __setattr__(self, name: str, value: object) -> NoReturn:
         raise dataclasses.FrozenInstanceError(f"cannot assign to field '{name}'")
@@ -131,10 +100,7 @@ class OutputCollection(TreeEquality):
         )
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (
-            OutputCollection,
-            (self.summaries, self.state_updates, self.module_outputs),
-        )
+        return OutputCollection, _trees(self)
 
     def __copy__(self) -> "OutputCollection":
         return self
@@ -143,8 +109,6 @@ class OutputCollection(TreeEquality):
     def empty(cls) -> "OutputCollection":
         """Return a collection with no entries."""
         return _EMPTY
-
-    # -- names -------------------------------------------------------------------
 
     def child_names(self) -> set[str]:
         """Return the child names at this level, including per-iteration ones."""
@@ -158,8 +122,6 @@ class OutputCollection(TreeEquality):
     def leaf_names(self) -> set[str]:
         """Return the leaf names at this level, of all three kinds."""
         return {k for t in _trees(self) for k, v in t.items_list() if not _is_child(v)}
-
-    # -- adding ------------------------------------------------------------------
 
     def add_summary(self, name: str, value: Leaf) -> "OutputCollection":
         """Return a new collection with summary `name` added; `self` is unchanged.
@@ -195,7 +157,7 @@ class OutputCollection(TreeEquality):
         """
         validate_child_name(name, where="add_child")
         check_is_collection(child, f"add_child({name!r}, child)", "child")
-        _check_levels(child, name)
+        check_collection(child, name)
         if name_in_use(self, name):
             raise OutputConflictError(
                 f"`add_child`: {name!r} is already present in this collection "
@@ -210,14 +172,13 @@ class OutputCollection(TreeEquality):
         Costs O(size of `other`'s top level), whatever `self` holds.
 
         Raises:
-            OutputConflictError: if a child name is in both, a leaf name is in the same
-                kind of both, or a child name of one equals a leaf name of the other
-                (a scan's per-iteration children count as children). The message
-                names the path.
+            OutputConflictError: if a child name is in both, a leaf name in the same
+                kind of both, or a child name of one is a leaf name of the other
+                (a scan's per-iteration children count), naming the path.
             TypeError: if `other` is not an `OutputCollection`.
         """
         check_is_collection(other, "OutputCollection.merge(other)", "other")
-        _check_levels(other, "")
+        check_collection(other)
         _check_merge(self, other)
         return _make(
             *(
@@ -226,18 +187,16 @@ class OutputCollection(TreeEquality):
             )
         )
 
-    # -- reading -----------------------------------------------------------------
-
     def child(self, name: str) -> "OutputCollection":
         """Return the collection of child `name`, including per-iteration children.
 
-        `coll.child("iter3")` returns iteration 3's view of a scan's summaries (NumPy
+        `coll.child("iter3")` is iteration 3's view of a scan's summaries (NumPy
         values for a concrete collection).
 
         Raises:
             KeyError: if there is no such child; the message lists the children.
-            ValueError: if a per-iteration child's stacked arrays no longer have
-                the scan's iterations (they were sliced or indexed), naming the path.
+            ValueError: if a scan's stacked arrays lost their iteration axis
+                (sliced or indexed), naming the path.
         """
         owner = self.summaries.reserver(name)
         if owner is not None:
@@ -260,14 +219,13 @@ class OutputCollection(TreeEquality):
     def materialize(self) -> "OutputCollection":
         """Return a collection with every `IterationSummaries` expanded into children.
 
-        The result has AXLearn's layout (`summaries["iter3"]["loss"]`). On a concrete
-        collection each stacked array is fetched once and sliced in NumPy; inside
-        `jax.jit` this slices every summary of every iteration, so prefer `flatten`
-        and `child` there.
+        The result has AXLearn's layout (`summaries["iter3"]["loss"]`). A concrete
+        collection's stacked arrays are fetched once and sliced in NumPy; under a
+        trace this slices every iteration, so prefer `flatten` and `child` there.
 
         Raises:
-            ValueError: if a scan's stacked arrays no longer have its iterations
-                on their iteration axis (sliced or indexed), naming the path.
+            ValueError: if a scan's stacked arrays lost their iteration axis
+                (sliced or indexed), naming the path.
         """
         return _make(
             materialize_tree(self.summaries), self.state_updates, self.module_outputs
@@ -277,16 +235,14 @@ class OutputCollection(TreeEquality):
         """Return `{path: leaf}` for one kind, with `sep`-joined paths.
 
         Per-iteration summaries appear as `iter{i}/name` paths with their own values
-        (NumPy values for a concrete collection: each stacked array is fetched to the
-        host once). Empty mappings do not appear. `Summary` leaves are returned as they
-        are.
+        (NumPy for a concrete collection, each stacked array fetched once). Empty
+        mappings do not appear; `Summary` leaves are returned as they are.
 
         Raises:
-            ValueError: if `kind` is not one of the three kinds, if `sep` is not a
-                non-empty `str`, or if two entries would get the same path (a name
-                contains `sep`; names never contain the default `'/'`), or if a
-                scan's stacked arrays no longer have its iterations on their
-                iteration axis (sliced or indexed), naming the path.
+            ValueError: if `kind` is not one of the three kinds, `sep` not a
+                non-empty `str`, two entries get the same path (a name contains
+                `sep`; no name contains `'/'`), or a scan's stacked arrays lost
+                their iteration axis, naming the path.
         """
         if kind not in KINDS:
             raise ValueError(f"`flatten`: kind must be one of {KINDS}, got {kind!r}.")
@@ -312,18 +268,16 @@ class OutputCollection(TreeEquality):
     def prune(self, drop: PathPredicate) -> "OutputCollection":
         """Return a collection without the entries for which `drop(path)` is True.
 
-        Follows AXLearn's `prune_tree` over `{"summaries": ..., "state_updates": ...,
-        "module_outputs": ...}`: `drop` is called bottom-up on every mapping entry with
-        "/"-joined paths such as `"summaries/iter/loss"`, and on the kind roots
-        (`"summaries"`), whose dropping empties that kind. Per-iteration summaries are
-        seen as materialized, with paths like `"summaries/iter3/loss"` (the calls are
-        those of `materialize().prune(drop)`), but stay stacked where every iteration
-        keeps the same entries (a `drop` that does not depend on the iteration index),
-        also for nested scans, so pruning inside a scan body slices nothing.
+        AXLearn's `prune_tree` over `{"summaries": ..., "state_updates": ...,
+        "module_outputs": ...}`: `drop` is called bottom-up on every entry with
+        "/"-joined paths (`"summaries/iter/loss"`) and on the kind roots
+        (`"summaries"`). Per-iteration summaries are seen as materialized
+        (`"summaries/iter3/loss"`, as `materialize().prune(drop)`), but stay stacked
+        where every iteration keeps the same entries.
 
         Raises:
-            ValueError: if a scan's stacked arrays no longer have its iterations
-                on their iteration axis (sliced or indexed), naming the path.
+            ValueError: if a scan's stacked arrays lost their iteration axis
+                (sliced or indexed), naming the path.
         """
         kinds = prune_kinds(dict(zip(KINDS, _trees(self), strict=True)), drop)
         return _make(*(kinds.get(kind, EMPTY) for kind in KINDS))
@@ -332,16 +286,13 @@ class OutputCollection(TreeEquality):
         """Return a collection with every per-iteration summaries entry accumulated.
 
         Each scan's or vmap's per-iteration summaries (`{prefix}0` … `{prefix}{N-1}`)
-        become the merged child `{prefix}` that `merge_summaries=True` would have
-        given: accumulated in the scan's execution order (index order; from the
-        last index to the first for `reverse=True`) with `Summary.accumulate` (`+`
-        for raw arrays), on the device, in one compiled program; nested scans are merged
-        from the inside out. So one scan gives both the per-layer view (`self`) and
-        the whole-stack view (the result). `self` is unchanged.
+        become the child `{prefix}` that `merge_summaries=True` would have given
+        (accumulated in execution order with `Summary.accumulate`, `+` for raw
+        arrays; nested scans from the inside out). `self` is unchanged.
 
         Raises:
-            ValueError: if a scan's stacked arrays no longer have its iterations
-                on their iteration axis (sliced or indexed), naming the path.
+            ValueError: if a scan's stacked arrays lost their iteration axis
+                (sliced or indexed), naming the path.
         """
         # `_repeat` sits above the collection (it builds collections).
         from ._repeat import merge_iteration_summaries
@@ -365,31 +316,13 @@ _set_state_updates = OutputCollection.__dict__["state_updates"].__set__
 _set_module_outputs = OutputCollection.__dict__["module_outputs"].__set__
 
 
-def _init(
-    self: OutputCollection,
-    summaries: FrozenMapping,
-    state_updates: FrozenMapping,
-    module_outputs: FrozenMapping,
-) -> None:
-    _set_summaries(self, summaries)
-    _set_state_updates(self, state_updates)
-    _set_module_outputs(self, module_outputs)
-
-
-def _make(
-    summaries: FrozenMapping,
-    state_updates: FrozenMapping,
-    module_outputs: FrozenMapping,
-) -> OutputCollection:
+def _make(s: FrozenMapping, su: FrozenMapping, mo: FrozenMapping) -> OutputCollection:
     """Build a collection from checked mappings (no walk, no checks)."""
-    out = _new(OutputCollection)
-    _set_summaries(out, summaries)
-    _set_state_updates(out, state_updates)
-    _set_module_outputs(out, module_outputs)
+    out = object.__new__(OutputCollection)
+    _set_summaries(out, s)
+    _set_state_updates(out, su)
+    _set_module_outputs(out, mo)
     return out
-
-
-_new = object.__new__
 
 
 def check_is_collection(value: object, where: str, name: str) -> None:
@@ -403,22 +336,15 @@ def check_is_collection(value: object, where: str, name: str) -> None:
         )
 
 
-def _check_levels(coll: OutputCollection, path: str) -> None:
-    """Check the leaves of a collection made by unflattening, once (else O(1))."""
+def check_collection(coll: OutputCollection, path: str = "") -> OutputCollection:
+    """Return `coll` after checking the leaves of levels made by unflattening, once."""
     for kind, tree in zip(KINDS, _trees(coll), strict=True):
         if not tree.checked:
             freeze(tree, f"{kind}/{path}" if path else kind)
-
-
-def check_collection(coll: OutputCollection) -> OutputCollection:
-    """Return `coll` after checking its leaves if they were not (see `freeze`)."""
-    _check_levels(coll, "")
     return coll
 
 
-def _trees(
-    coll: OutputCollection,
-) -> tuple[FrozenMapping, FrozenMapping, FrozenMapping]:
+def _trees(coll: OutputCollection) -> Levels:
     return coll.summaries, coll.state_updates, coll.module_outputs
 
 
@@ -432,12 +358,7 @@ _KEYS = tuple(jax.tree_util.GetAttrKey(kind) for kind in KINDS)
 
 
 def _flatten_with_keys(coll: OutputCollection) -> tuple[list[Any], None]:
-    s, su, mo = _KEYS
-    return [
-        (s, coll.summaries),
-        (su, coll.state_updates),
-        (mo, coll.module_outputs),
-    ], None
+    return list(zip(_KEYS, _trees(coll), strict=True)), None
 
 
 def _flatten(coll: OutputCollection) -> tuple[Levels, None]:
@@ -445,13 +366,7 @@ def _flatten(coll: OutputCollection) -> tuple[Levels, None]:
 
 
 def _unflatten(_: None, children: Children) -> OutputCollection:
-    # After every jitted call, for every collection returned: no helper calls.
-    out = object.__new__(OutputCollection)
-    summaries, state_updates, module_outputs = children
-    _set_summaries(out, summaries)
-    _set_state_updates(out, state_updates)
-    _set_module_outputs(out, module_outputs)
-    return out
+    return _make(*children)
 
 
 jax.tree_util.register_pytree_with_keys(
@@ -459,28 +374,16 @@ jax.tree_util.register_pytree_with_keys(
 )
 
 
-# -- checks (each O(1) in what the collection holds) ---------------------------------
-
-
 def name_in_use(coll: OutputCollection, name: str) -> bool:
     """Return whether `name` is a leaf, a child or a reserved child name here."""
-    return key_in_any(name, (coll.summaries, coll.state_updates, coll.module_outputs))
+    return key_in_any(name, _trees(coll))
 
 
 def with_child(
     coll: OutputCollection, name: str, child: OutputCollection
 ) -> OutputCollection:
     """Return `coll` with `child` under `name` (the caller checked `name`)."""
-    s, su, mo = inserted_child(
-        (coll.summaries, coll.state_updates, coll.module_outputs),
-        name,
-        (child.summaries, child.state_updates, child.module_outputs),
-    )
-    out = _new(OutputCollection)
-    _set_summaries(out, s)
-    _set_state_updates(out, su)
-    _set_module_outputs(out, mo)
-    return out
+    return _make(*inserted_child(_trees(coll), name, _trees(child)))
 
 
 def add_leaf(
@@ -506,20 +409,11 @@ def add_leaf(
     if leaf_clashes(name, target, (s, su, mo), _CHILD_TYPES):
         _raise_leaf_clash(kind, name, target)
     new = insert(target, name, value)
-    out = _new(OutputCollection)
     if kind == "summaries":
-        _set_summaries(out, new)
-        _set_state_updates(out, su)
-    elif kind == "state_updates":
-        _set_summaries(out, s)
-        _set_state_updates(out, new)
-    else:
-        _set_summaries(out, s)
-        _set_state_updates(out, su)
-        _set_module_outputs(out, new)
-        return out
-    _set_module_outputs(out, mo)
-    return out
+        return _make(new, su, mo)
+    if kind == "state_updates":
+        return _make(s, new, mo)
+    return _make(s, su, new)
 
 
 def _raise_leaf_clash(kind: Kind, name: str, target: FrozenMapping) -> NoReturn:
@@ -595,99 +489,3 @@ def _check_merge(mine: OutputCollection, other: OutputCollection) -> None:
             f"`merge`: {name!r} is a child in one collection and a leaf in the "
             f"other (path {name}). " + PREFIX_HINT
         )
-
-
-def summary_tree(summaries: object, *, where: str) -> FrozenMapping:
-    """Return the summaries to write or accumulate, as one checked mapping.
-
-    Accepts an `OutputCollection` (its summaries) or a nested mapping of summaries
-    and `OutputCollection`s (each contributes its summaries under its key, so
-    `{"train": coll, "eval": coll2}` gives `train/...` and `eval/...`).
-
-    Raises:
-        TypeError: for anything else, or a leaf that is not a summary leaf (naming
-            its path).
-        ValueError: if a name is empty, not a string or contains "/" (naming where).
-        OutputConflictError: if an entry is also a reserved per-iteration child.
-    """
-    return summary_tree_flat(summaries, where=where)[0]
-
-
-def summary_tree_flat(
-    summaries: object, *, where: str
-) -> tuple[FrozenMapping, list[Leaf], TreeDef]:
-    """`summary_tree`, with the tree's leaves and structure (flattened once)."""
-    # Whether `tree.checked` can be trusted: a collection's levels, or a mapping
-    # just frozen here. A `FrozenMapping` passed as it is is checked by its leaves
-    # (its `inserted` and `updated` add values unchecked: their callers check them)
-    # and, if it holds plain mappings (made by unflattening, as
-    # `jax.tree_util.tree_map` does), rebuilt.
-    trusted = True
-    if isinstance(summaries, OutputCollection):
-        tree = summaries.summaries
-    elif isinstance(summaries, FrozenMapping) and not any(
-        isinstance(value, OutputCollection) for _, value in summaries.items_list()
-    ):
-        tree, trusted = summaries, False
-    elif isinstance(summaries, Mapping):
-        tree = freeze(_summaries_of(summaries), "", where)
-    else:
-        raise TypeError(
-            f"`{where}`: summaries must be an `OutputCollection` or a nested mapping "
-            f"of summaries, got {type(summaries).__name__}."
-        )
-    # The names depend only on the structure: checked once per treedef (writers and
-    # accumulators see the same structure every step).
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    known, hashable = _known_structure(treedef)
-    if not (trusted and tree.checked):
-        # A known structure passed every check but the leaves'; arrays of numeric
-        # dtypes are valid leaves wherever they are. Else each leaf is checked by
-        # its path.
-        if known and all_plain_arrays(leaves):
-            tree.mark_checked()
-        elif trusted:  # a collection's summaries: its own paths
-            freeze(tree, "summaries")
-        else:
-            # Rebuilt: its plain mappings frozen, its collections' summaries taken
-            # (another structure, flattened again).
-            tree = freeze(_summaries_of(tree), "", where)
-            leaves, treedef = jax.tree_util.tree_flatten(tree)
-            known, hashable = _known_structure(treedef)
-    if not known:
-        check_summary_names(tree, "", where=where)
-        if hashable and len(_NAMES_CHECKED) < 1024:
-            _NAMES_CHECKED.add(treedef)
-    return tree, leaves, treedef
-
-
-_NAMES_CHECKED: set[TreeDef] = set()
-
-
-def _known_structure(treedef: TreeDef) -> tuple[bool, bool]:
-    """Whether `treedef` passed every check before, and whether it is hashable."""
-    try:
-        return treedef in _NAMES_CHECKED, True
-    except TypeError:  # a node with unhashable aux data: check every time
-        return False, False
-
-
-def _summaries_of(tree: Tree) -> Tree:
-    return {
-        key: value.summaries
-        if isinstance(value, OutputCollection)
-        else _summaries_of(value)
-        if isinstance(value, Mapping) and not isinstance(value, FrozenMapping)
-        else value
-        for key, value in tree.items()
-    }
-
-
-def check_summary_names(tree: SummaryTree, prefix: str, *, where: str) -> None:
-    """Check every name once (a per-iteration entry's names once, not per iteration)."""
-    for key, value in tree.items():
-        path = prefix + check_summary_name(key, prefix, where=where)
-        if isinstance(value, IterationSummaries):
-            check_summary_names(value.stacked, f"{path}{{i}}/", where=where)
-        elif isinstance(value, Mapping):
-            check_summary_names(value, f"{path}/", where=where)

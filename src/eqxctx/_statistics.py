@@ -1,39 +1,24 @@
-"""On-device statistics summaries: `HistogramSummary` and `MomentsSummary`.
+"""`HistogramSummary`: bucket counts on the device, and the statistics kinds' checks.
 
-Both reduce their values on the device when they are made, so a writer fetches O(bins)
-(or eight) numbers per summary, not the values; both accumulate exactly across scan
-iterations, vmap lanes and steps (histograms by adding counts, moments with the
-parallel-variance formula).
+The statistics kinds (this one and `MomentsSummary`) reduce their values where they
+are made, so a writer fetches their counts, not the values.
 """
 
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, ArrayLike, Float, Int, Shaped, UInt32
+from jaxtyping import Array, ArrayLike, Int, UInt32
 
-from ._counting import (
-    add_words,
-    chunked_count,
-    count_true,
-    host_count,
-    static_words,
-    words_to_float,
-    zero_words,
-)
+from ._counting import add_words, chunked_count, host_count, words_to_float, zero_words
 from ._records import Histogram
-from ._summary import (
-    Summary,
-    _extreme,  # pyright: ignore[reportPrivateUsage]
-    check_same_kind,
-    private_asarray,
-)
+from ._summary import Summary, check_same_kind, private_asarray
 from ._typing import ArrayValue, DType
 
 
@@ -59,14 +44,14 @@ def tensorflow_edges() -> tuple[float, ...]:
     return (-math.inf, *negative, 0.0, *positive, math.inf)
 
 
-def _compare_dtype(dtype: DType) -> np.dtype[Any]:
+def compare_dtype(dtype: DType) -> np.dtype[Any]:
     """The dtype in which values are compared with the edges (float32 at least)."""
     if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits > 32:
         return jnp.dtype(dtype)
     return jnp.dtype(jnp.float32)
 
 
-def _where(where: ArrayLike, x: Array, owner: str) -> Array:
+def where_mask(where: ArrayLike, x: Array, owner: str) -> Array:
     """`where` as a bool array of `x`'s shape (NumPy's `where=` broadcasting)."""
     keep = private_asarray(where)
     if keep.dtype != jnp.bool_:
@@ -84,7 +69,7 @@ def _where(where: ArrayLike, x: Array, owner: str) -> Array:
         ) from None
 
 
-def _real_array(value: ArrayLike, where: str) -> Array:
+def real_array(value: ArrayLike, where: str) -> Array:
     """`value` as a JAX array (a private copy of a NumPy one), or this kind's error.
 
     Raises:
@@ -123,7 +108,7 @@ def _make_edges(
     edges: Sequence[float | int] | np.ndarray | None,
     compare: np.dtype[Any] = _FLOAT32,
 ) -> tuple[float, ...]:
-    """The edges, checked strictly increasing also in `compare` (`_compare_dtype`)."""
+    """The edges, checked strictly increasing also in `compare` (`compare_dtype`)."""
     where = "HistogramSummary"
     if edges is not None:
         if bins is not None or range is not None:
@@ -217,13 +202,12 @@ def _counts_from_below(x: Array, edge_array: Array) -> Int[Array, " bins"]:
 
 
 def _counts_impl(values: Array, edges: tuple[float, ...]) -> Int[Array, " bins"]:
-    dtype = _compare_dtype(values.dtype)
+    dtype = compare_dtype(values.dtype)
     # float32 rounding of ±DBL_MAX-sized edges gives ±inf; no overflow warning.
     with np.errstate(over="ignore"):
         edge_array = jnp.asarray(np.asarray(edges, dtype=np.float64).astype(dtype))
     x = values.ravel().astype(dtype)
-    # A scatter-add is slow on TPUs (1M values: 9.6 ms for 30 buckets, 72 ms for
-    # 1,550, against 0.5 and 2.5 ms without one on a v5e).
+    # A scatter-add is slow on TPUs (see benchmarks/README.md).
     counts = jax.lax.platform_dependent(
         x, edge_array, tpu=_counts_from_below, default=_counts_scatter
     )
@@ -254,27 +238,20 @@ class HistogramSummary(Summary):
     """Bucket counts of values, computed on the device with fixed edges.
 
     `HistogramSummary(value)` counts all elements of `value` in TensorFlow's default
-    buckets (`tf.summary.histogram` v1 and tensorboardX's `bins="tensorflow"`:
-    1,550 buckets whose edges grow by 10% from 1e-12 to 1e20 on each side of 0,
-    open-ended at ±inf), so any two histograms accumulate. For a known range pass
-    `range=(low, high)` (and `bins=`, default 30, evenly spaced) or explicit
-    `edges=`. Only the counts are kept: a writer fetches two words per bucket,
-    whatever the size of `value`.
+    buckets (as tensorboardX's `bins="tensorflow"`: 1,550 buckets with edges growing
+    by 10% from 1e-12 to 1e20 on each side of 0, open at ±inf), so any two
+    histograms accumulate; for a known range pass `range=(low, high)` (and `bins=`,
+    default 30, evenly spaced) or explicit `edges=`. Only the counts are kept.
 
-    Bucket `i` holds the values in `[edges[i], edges[i + 1])`; the last bucket also
-    holds `edges[-1]` (`numpy.histogram`'s rule). Values outside the edges and NaN are
-    not counted (add a `MomentsSummary` to count non-finite values). Values are
-    compared with the edges in float32 (float64 for float64 values), with the edges
-    rounded to it: the counts equal `numpy.histogram(value.astype(np.float32),
-    bins=np.float32(edges))[0]`, except for subnormal values (below 1.2e-38 in
-    magnitude in float32), which XLA on the CPU flushes to zero before comparing:
-    a value of -1e-40 is counted in the bucket holding 0.
+    Bucket `i` holds `[edges[i], edges[i + 1])`, the last one also `edges[-1]`
+    (`numpy.histogram`'s rule); values outside the edges and NaN are not counted.
+    Values and edges are compared in float32 (float64 for float64 values): the
+    counts equal `numpy.histogram(value.astype(np.float32), bins=np.float32(edges))`,
+    except that XLA on the CPU flushes subnormal values to zero first.
 
-    Accumulating (merged scan or vmap summaries, `SummaryAccumulator`) adds the
-    counts, exactly: each bucket's count is kept as two uint32 words on the device
-    (`high * 2**32 + low`, no x64 needed), exact up to 2**63 - 1 as read on the
-    host. `counts` reads them there as NumPy int64, as the writers do; `value()`
-    gives them as float32 (exact up to 2**24 per bucket), for use under a trace.
+    Accumulating adds the counts, kept on the device as two uint32 words per bucket
+    (`high * 2**32 + low`, no x64); `counts` reads them on the host as exact NumPy
+    int64, as the writers do; `value()` gives float32 counts, for use under a trace.
 
     Attributes:
         counts_high: `uint32[*batch, bins]`, the high words of the bucket counts
@@ -287,10 +264,9 @@ class HistogramSummary(Summary):
             array read on the host (a property; `TypeError` under a trace).
 
     Construct as `HistogramSummary(value, *, bins=None, range=None, edges=None,
-    where=None)`: `value` is an array of any shape and a real dtype; `where`, a bool
-    array that broadcasts to `value`'s shape (NumPy's `where=`), counts only the
-    elements where it is True (the real rows of a padded batch: `where=mask[:, None]`
-    for a `[batch, features]` value).
+    where=None)`: `value` of any shape and a real dtype; `where`, a bool array
+    broadcasting to `value`'s shape (NumPy's `where=`), counts only the elements
+    where it is True (`where=mask[:, None]` for a padded `[batch, features]` value).
 
     Raises:
         ValueError: for `bins` without `range`, `edges` together with `bins` or
@@ -320,11 +296,11 @@ class HistogramSummary(Summary):
         edges: Sequence[float | int] | np.ndarray | None = None,
         where: ArrayLike | None = None,
     ):
-        values = _real_array(value, "HistogramSummary")
-        self.edges = _make_edges(bins, range, edges, _compare_dtype(values.dtype))
+        values = real_array(value, "HistogramSummary")
+        self.edges = _make_edges(bins, range, edges, compare_dtype(values.dtype))
         if where is not None:  # NaN is in no bucket
-            keep = _where(where, values, "HistogramSummary")
-            values = values.astype(_compare_dtype(values.dtype))
+            keep = where_mask(where, values, "HistogramSummary")
+            values = values.astype(compare_dtype(values.dtype))
             values = jnp.where(keep, values, jnp.nan)
         edges = self.edges
         high, low = chunked_count(values.ravel(), lambda chunk: _counts(chunk, edges))
@@ -403,244 +379,3 @@ def _words(h: HistogramSummary) -> tuple[Any, Any]:
 
 def _describe(edges: tuple[float, ...]) -> str:
     return f"{len(edges) - 1} buckets from {edges[0]} to {edges[-1]}"
-
-
-class MomentsSummary(Summary):
-    """Count, mean, variance, min, max and non-finite count of values, on the device.
-
-    The "cheap statistics" of activations, gradients or weights: `MomentsSummary(x)`
-    reduces all elements of `x` (any shape) to six statistics when it is made. Writers
-    write them as `path/count`, `path/mean`, `path/variance` (the population
-    variance, `numpy.var` with `ddof=0`), `path/min`, `path/max` and `path/nonfinite`
-    (the number of NaN and ±inf elements).
-
-    Accumulating (merged scan or vmap summaries, `SummaryAccumulator`) combines two
-    summaries exactly as if their values had been concatenated, with the
-    parallel-variance formula (no catastrophic cancellation). A NaN value makes the
-    mean, variance, min and max NaN, and ±inf makes the mean ±inf (NaN with both
-    signs) and the variance NaN, as NumPy does over all the values; `nonfinite`
-    counts them. Finite values whose sum passes the float's maximum still have a
-    finite mean (as in float64 NumPy). With no element, the mean and variance are 0
-    and min/max are the dtype's identities (`+inf`/`-inf`, or the integer limits).
-
-    The counts are exact far past 2**31 without x64: each is kept on the device as
-    two uint32 words, `high * 2**32 + low`, added with a carry, and read on the host
-    as NumPy int64 (exact up to 2**63 - 1) by `count`, `nonfinite` and the writers.
-    `value()`, for use under a trace, gives them as floats of the mean's dtype
-    (float32: exact up to 2**24, then rounded); the mean and variance use them so.
-
-    Attributes:
-        count_high: `uint32[*batch]`, the high word of the number of elements
-            (traced).
-        count_low: `uint32[*batch]`, its low word (traced).
-        mean: `float[*batch]`, their mean, in float32 (float64 for float64 values).
-        m2: `float[*batch]`, the sum of squared deviations from the mean.
-        min_: `[*batch]`, the minimum, in the values' dtype (bool as int32).
-        max_: `[*batch]`, the maximum, in the values' dtype (bool as int32).
-        nonfinite_high: `uint32[*batch]`, the high word of the number of NaN and
-            ±inf elements (traced).
-        nonfinite_low: `uint32[*batch]`, its low word (traced).
-        count: `int64[*batch]`, the exact number of elements, a NumPy array read on
-            the host (a property; `TypeError` under a trace).
-        nonfinite: `int64[*batch]`, the exact number of NaN and ±inf elements, as
-            `count`.
-
-    Construct as `MomentsSummary(value, where=None)` with `value` an array of any
-    shape and a real dtype; a leading `*batch` axis appears when summaries are
-    stacked by a scan or vmap. `where`, a bool array that broadcasts to `value`'s
-    shape (NumPy's `where=`), keeps only the elements where it is True (the real rows
-    of a padded batch: `where=mask[:, None]` for a `[batch, features]` value); the
-    others count nowhere, not even in `nonfinite`.
-
-    Raises:
-        TypeError: for complex or non-numeric values (strings, objects), or a
-            `where` that is not bool.
-        ValueError: for a `where` that does not broadcast to `value`'s shape.
-
-    References:
-        Chan, Golub and LeVeque, "Updating formulae and a pairwise algorithm for
-        computing sample variances" (1979); `numpy.mean`, `numpy.var`.
-
-    Examples:
-        >>> m = MomentsSummary(jnp.array([1.0, 2.0])) + MomentsSummary(jnp.array([6.0]))
-        >>> {k: round(float(v), 5) for k, v in m.value().items()}
-        {'count': 3.0, 'mean': 3.0, 'variance': 4.66667, 'min': 1.0, 'max': 6.0, \
-'nonfinite': 0.0}
-        >>> int(m.count)
-        3
-    """
-
-    count_high: UInt32[Array, "*batch"]
-    count_low: UInt32[Array, "*batch"]
-    mean: Float[Array, "*batch"]
-    m2: Float[Array, "*batch"]
-    min_: Shaped[Array, "*batch"]
-    max_: Shaped[Array, "*batch"]
-    nonfinite_high: UInt32[Array, "*batch"]
-    nonfinite_low: UInt32[Array, "*batch"]
-
-    def __init__(self, value: ArrayLike, where: ArrayLike | None = None):
-        x = _real_array(value, "MomentsSummary")
-        keep = None if where is None else _where(where, x, "MomentsSummary").ravel()
-        if x.dtype == jnp.bool_:
-            x = x.astype(jnp.int32)
-        dtype = _compare_dtype(x.dtype)
-        xf = x.ravel().astype(dtype)
-        if jnp.issubdtype(x.dtype, jnp.floating):
-            top, bottom = jnp.inf, -jnp.inf
-        else:
-            top, bottom = jnp.iinfo(x.dtype).max, jnp.iinfo(x.dtype).min
-        where_kept = None if keep is None else keep.reshape(x.shape)
-        self.min_ = jnp.min(x, initial=top, where=where_kept).astype(x.dtype)
-        self.max_ = jnp.max(x, initial=bottom, where=where_kept).astype(x.dtype)
-        nonfinite = ~jnp.isfinite(xf)
-        if keep is None:
-            words = static_words(xf.size)
-            n = jnp.asarray(max(xf.size, 1), dtype)
-            kept = xf
-        else:
-            words = count_true(keep)
-            n = jnp.maximum(words_to_float(words, dtype), 1)
-            kept = jnp.where(keep, xf, 0)
-            nonfinite = nonfinite & keep
-        self.count_high = words[0]
-        self.count_low = words[1]
-        nonfinite_words = count_true(nonfinite)
-        self.nonfinite_high = nonfinite_words[0]
-        self.nonfinite_low = nonfinite_words[1]
-        total = jnp.sum(kept)
-        # Finite values whose sum overflows: the sum of the values divided first
-        # (one fused reduction with the sum; used only then, so no precision lost).
-        overflow = jnp.isinf(total) & jnp.isfinite(self.min_) & jnp.isfinite(self.max_)
-        self.mean = jnp.where(overflow, jnp.sum(kept * (1 / n)), total / n)
-        deviation = jnp.square(xf - self.mean)
-        self.m2 = jnp.sum(deviation if keep is None else jnp.where(keep, deviation, 0))
-
-    @property
-    def count(self) -> np.ndarray:
-        """The exact number of elements: NumPy `int64[*batch]`, on the host.
-
-        Raises:
-            TypeError: under a trace (use `value()` there).
-        """
-        return host_count(*self._count, "MomentsSummary.count")
-
-    @property
-    def nonfinite(self) -> np.ndarray:
-        """The exact number of NaN and ±inf elements: NumPy `int64[*batch]`.
-
-        Raises:
-            TypeError: under a trace (use `value()` there).
-        """
-        return host_count(*self._nonfinite, "MomentsSummary.nonfinite")
-
-    @property
-    def _count(self) -> tuple[Any, Any]:  # NumPy words on the host
-        return self.count_high, self.count_low
-
-    @property
-    def _nonfinite(self) -> tuple[Any, Any]:  # NumPy words on the host
-        return self.nonfinite_high, self.nonfinite_low
-
-    def value(self) -> dict[str, ArrayValue]:
-        """Return `{"count", "mean", "variance", "min", "max", "nonfinite"}`.
-
-        The counts are floats of the mean's dtype here (float32: exact up to 2**24);
-        the writers read them exactly on the host (`count`, `nonfinite`).
-        """
-        dtype = self.m2.dtype
-        count = words_to_float(self._count, dtype)
-        return {
-            "count": count,
-            "mean": self.mean,
-            "variance": self.m2 / jnp.maximum(count, 1),
-            "min": self.min_,
-            "max": self.max_,
-            "nonfinite": words_to_float(self._nonfinite, dtype),
-        }
-
-    rowwise_host_value: ClassVar[bool] = True
-
-    def host_value(self) -> dict[str, np.ndarray]:
-        """Return `value()`'s mapping with the exact counts (NumPy int64), on the host.
-
-        The variance is `m2 / max(count, 1)`, with the count in `m2`'s dtype.
-        """
-        count = self.count
-        m2 = np.asarray(self.m2)
-        return {
-            "count": count,
-            "mean": np.asarray(self.mean),
-            "variance": np.asarray(m2 / np.maximum(count, 1).astype(m2.dtype)),
-            "min": np.asarray(self.min_),
-            "max": np.asarray(self.max_),
-            "nonfinite": self.nonfinite,
-        }
-
-    def accumulate(self, other: Any) -> "MomentsSummary":
-        """Return the moments of both sets of values together; both are unchanged.
-
-        Raises:
-            ValueError: if `other` is not a `MomentsSummary` or its fields have
-                other shapes.
-        """
-        check_same_kind(self, other, "MomentsSummary.accumulate")
-        assert isinstance(other, MomentsSummary)
-        with jax.numpy_dtype_promotion("standard"):
-            dtype = jnp.result_type(self.mean, other.mean)
-            count = add_words(self._count, other._count)
-            na = words_to_float(self._count, dtype)
-            nb = words_to_float(other._count, dtype)
-            total = jnp.maximum(na + nb, 1)
-            wa, wb = na / total, nb / total  # in [0, 1]: nothing below overflows
-            ma, mb = self.mean.astype(dtype), other.mean.astype(dtype)
-            delta = mb - ma
-            # `ma + delta * wb` (exact for equal means); where `delta` is not
-            # finite (an infinite mean, or finite means of opposite signs whose
-            # difference overflows) the weighted sum: ±inf, or NaN for inf - inf.
-            mean = jnp.where(jnp.isfinite(delta), ma + delta * wb, ma * wa + mb * wb)
-            # `delta * (delta * w)`, not `delta**2 * w`: with an empty side (w = 0)
-            # a large `delta` must not overflow to inf and give `inf * 0 = NaN`.
-            m2 = self.m2 + other.m2 + delta * (delta * (na * wb))
-            new = (
-                *count,
-                mean,
-                m2.astype(dtype),
-                jnp.minimum(self.min_, other.min_),
-                jnp.maximum(self.max_, other.max_),
-                *add_words(self._nonfinite, other._nonfinite),
-            )
-        return eqx.tree_at(_fields, self, new)
-
-    def identity(self) -> "MomentsSummary":
-        """Return the moments of no values: count 0, min +inf (dtype max), max -inf.
-
-        Accumulating it with any moments gives those moments.
-        """
-        with jax.numpy_dtype_promotion("standard"):
-            new = (
-                *zero_words(self.count_low),
-                jnp.zeros_like(self.mean),
-                jnp.zeros_like(self.m2),
-                jnp.full_like(self.min_, _extreme(self.min_, True)),
-                jnp.full_like(self.max_, _extreme(self.max_, False)),
-                *zero_words(self.nonfinite_low),
-            )
-        return eqx.tree_at(_fields, self, new)
-
-    def __add__(self, other: Any) -> "MomentsSummary":
-        return type(self).accumulate(self, other)
-
-
-def _fields(m: MomentsSummary) -> tuple[Any, ...]:
-    """The array fields (`eqx.tree_at`'s `where`: it passes placeholders)."""
-    return (
-        m.count_high,
-        m.count_low,
-        m.mean,
-        m.m2,
-        m.min_,
-        m.max_,
-        m.nonfinite_high,
-        m.nonfinite_low,
-    )

@@ -31,17 +31,10 @@ from ._collection import ADDERS, KINDS, OutputCollection, name_in_use
 from ._combinators import scan_in_context, vmap_in_context
 from ._context import Context
 from ._errors import OutputConflictError
-from ._statistics import HistogramSummary, MomentsSummary
-from ._summary import (
-    AudioSummary,
-    CallbackSummary,
-    ImageSummary,
-    MaxSummary,
-    MinSummary,
-    Summary,
-    SumSummary,
-    WeightedSummary,
-)
+from ._media import AudioSummary, CallbackSummary, ImageSummary
+from ._moments import MomentsSummary
+from ._statistics import HistogramSummary
+from ._summary import MaxSummary, MinSummary, Summary, SumSummary, WeightedSummary
 from ._typing import ArrayTree, ArrayValue, DType, Leaf
 
 

@@ -20,8 +20,9 @@ from jax.core import Tracer
 from jaxtyping import Array, ArrayLike, Int
 
 from eqxctx._checks import check_positive_int
-from eqxctx._collection import OutputCollection, summary_tree
+from eqxctx._collection import OutputCollection
 from eqxctx._mapping import FrozenMapping
+from eqxctx._summary_tree import summary_tree
 from eqxctx._transfer import to_host
 from eqxctx._typing import ArrayTree, DType, Leaf, TreeDef
 

@@ -12,12 +12,13 @@ import jax
 import numpy as np
 
 from eqxctx._checks import is_jax_array_type
-from eqxctx._collection import OutputCollection, summary_tree
+from eqxctx._collection import OutputCollection
 from eqxctx._iterations import flatten_into
 from eqxctx._leaves import check_summary_name
 from eqxctx._mapping import FrozenMapping
 from eqxctx._records import is_record_type
 from eqxctx._summary import Summary
+from eqxctx._summary_tree import summary_tree
 from eqxctx._transfer import to_host
 from eqxctx._typing import ArrayTree, Leaf, SummaryTree, TreeDef
 
