@@ -19,11 +19,11 @@ from ._context import (
     Context,
     check_context,
     check_path,
-    fold_in_name,
     gradient_state,
     is_shape_only,
     iteration_context,
 )
+from ._frame import fold_in_name
 from ._gradients import enter_iterations
 from ._mapping import EMPTY
 from ._propagate import (

@@ -5,17 +5,20 @@ thread-local stack: a `Context` is passed in and returned explicitly.
 """
 
 import dataclasses
-import functools
-import hashlib
 from collections.abc import Callable
-from typing import Any, NoReturn, TypeAlias
+from typing import Any, NoReturn
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool
 
-from ._checks import note_missing_key
+from ._checks import (
+    check_context_path,
+    check_is_training,
+    check_prng_key,
+    check_summary_level,
+    note_missing_key,
+)
 from ._collection import (
     OutputCollection,
     add_leaf,
@@ -26,98 +29,20 @@ from ._collection import (
     with_child,
 )
 from ._errors import CALL_TWICE_HINT, PREFIX_HINT, OutputConflictError
-from ._frozen import TreeEquality
-from ._gradients import (
-    ADDERS,
-    GradientState,
-    GradKind,
-    check_probe_input,
-    pending,
-    probe,
-    probe_fn,
+from ._frame import (
+    DERIVED,
+    UNSET,
+    Frame,
+    child_frame,
+    key_of,
+    keyed_frame,
+    path_of,
 )
-from ._leaves import validate_leaf_name
-from ._rows import RowMask, check_row_mask, row_where
+from ._frozen import TreeEquality
+from ._gradients import add_probe
+from ._leaves import drops as _drops
+from ._rows import check_row_mask, row_where
 from ._typing import ArrayTree, Children, Leaf, MaybeKey, Names, PRNGKey, R
-
-
-class _Unset:
-    def __repr__(self) -> str:
-        return "<unset>"
-
-
-_UNSET: Any = _Unset()  # `Any`: the default of parameters of other types
-
-#: A `_gradients.GradientState` (the `value_and_grad` sinks), or None. `Any`:
-#: `_gradients` imports this module, so the class cannot be named here.
-GradientSinks: TypeAlias = Any
-
-
-@functools.lru_cache(maxsize=4096)
-def child_seed(name: str) -> int:
-    """Return AXLearn's seed of a child name: md5 of the name, mod `2**31 - 1`."""
-    return int(hashlib.md5(name.encode("utf-8")).hexdigest(), 16) % (2**31 - 1)
-
-
-def fold_in_name(prng_key: PRNGKey | None, name: str) -> PRNGKey | None:
-    """Return `jax.random.fold_in(prng_key, child_seed(name))`, or None for None.
-
-    `prng_key` is a raw `uint32[2]` key or a typed key; other dtypes are rejected by
-    the runtime shape checks in the test suite (jaxtyping).
-    """
-    if prng_key is None:
-        return None
-    return jax.random.fold_in(prng_key, child_seed(name))
-
-
-def check_is_training(value: object, where: str) -> bool:
-    """Return `value` as a `bool`, or raise `TypeError` unless it is a (NumPy) bool."""
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    raise TypeError(
-        f"`{where}`: is_training must be a bool, got {type(value).__name__} "
-        f"{value!r}. Pass True or False."
-    )
-
-
-def check_prng_key(key: object, where: str) -> MaybeKey:
-    """Return `key` if it is None, a raw `uint32[2]` key or a typed key, else raise.
-
-    Raises:
-        TypeError: for anything else (a Python int, a string, a float array), saying
-            what was given and how to make a key.
-    """
-    if key is None:
-        return None
-    dtype = getattr(key, "dtype", None)
-    shape = getattr(key, "shape", None)
-    if dtype is not None and shape is not None:
-        if jnp.issubdtype(dtype, jax.dtypes.prng_key) and tuple(shape) == ():
-            return key
-        if dtype == np.uint32 and tuple(shape) == (2,):
-            return key
-    given = (
-        f"an array of dtype {dtype} and shape {tuple(shape)}"
-        if dtype is not None and shape is not None
-        else f"{type(key).__name__} {key!r}"
-    )
-    raise TypeError(
-        f"`{where}`: prng_key must be a raw key (uint32[2], `jax.random.PRNGKey(0)`), "
-        f"a typed key (`jax.random.key(0)`) or None, got {given}."
-    )
-
-
-def _check_path(path: object) -> tuple[str, ...]:
-    """Return `path` as a tuple of valid names, or raise naming `Context(path=...)`."""
-    if isinstance(path, str) or not isinstance(path, (tuple, list)) or not path:
-        raise TypeError(
-            "`Context(path=...)`: expected a non-empty tuple of names from the root, "
-            f"e.g. ('root',) or ('root', 'encoder'), got {type(path).__name__} "
-            f"{path!r}. `Context.root(...)` makes a root context."
-        )
-    for name in path:
-        validate_child_name(name, where="Context(path=...)")
-    return tuple(path)
 
 
 class Context(TreeEquality):
@@ -173,10 +98,10 @@ class Context(TreeEquality):
         {'loss': 1.0}
     """
 
-    # The collection, and a `_Frame` with everything else: adding an output makes a
+    # The collection, and a `Frame` with everything else: adding an output makes a
     # context with a new collection and the same frame.
     __slots__ = ("_frame", "collection")
-    _frame: "_Frame"
+    _frame: Frame
     collection: OutputCollection
 
     def __init__(
@@ -188,13 +113,13 @@ class Context(TreeEquality):
         summary_level: int | None = None,
         row_mask: Bool[Array, " batch"] | np.ndarray | None = None,
     ):
-        names = _check_path(path)
+        names = check_context_path(path)
         key = check_prng_key(prng_key, "Context")
         training = check_is_training(is_training, "Context")
         check_is_collection(collection, "Context", "collection")
         level = check_summary_level(summary_level, "Context")
         mask = check_row_mask(row_mask, "Context")
-        frame = _Frame(names, key, training, False, level, None, row_mask=mask)
+        frame = Frame(names, key, training, False, level, None, row_mask=mask)
         _set_frame(self, frame)
         _set_collection(self, collection)
 
@@ -230,7 +155,7 @@ class Context(TreeEquality):
         """The names from the root to this context (a child's, built on each read)."""
         frame = self._frame
         path = frame.path
-        return _render_path(frame) if path is None else path
+        return path_of(frame) if path is None else path
 
     @property
     def prng_key(self) -> MaybeKey:
@@ -242,7 +167,7 @@ class Context(TreeEquality):
         """
         frame = self._frame
         key = frame.key
-        return _derive_key(frame) if key is _DERIVED else key
+        return key_of(frame) if key is DERIVED else key
 
     @property
     def is_training(self) -> bool:
@@ -339,7 +264,7 @@ class Context(TreeEquality):
         training = check_is_training(is_training, "Context.root")
         level = check_summary_level(summary_level, "Context.root")
         mask = check_row_mask(row_mask, "Context.root")
-        frame = _Frame((name,), key, training, False, level, None, row_mask=mask)
+        frame = Frame((name,), key, training, False, level, None, row_mask=mask)
         return _make(frame, OutputCollection.empty())
 
     @property
@@ -351,8 +276,8 @@ class Context(TreeEquality):
         self,
         name: str,
         *,
-        prng_key: PRNGKey | None = _UNSET,
-        is_training: bool | np.bool_ = _UNSET,
+        prng_key: PRNGKey | None = UNSET,
+        is_training: bool | np.bool_ = UNSET,
     ) -> "Context":
         """Return a child context with an empty collection (the low-level step).
 
@@ -384,25 +309,16 @@ class Context(TreeEquality):
         validate_child_name(name, where="Context.child")
         training = (
             self.is_training
-            if is_training is _UNSET
+            if is_training is UNSET
             else check_is_training(is_training, "Context.child")
         )
-        if prng_key is _UNSET:
-            return _make(_child_frame(self._frame, name, training), _EMPTY)
-        prng_key = check_prng_key(prng_key, "Context.child")
+        if prng_key is UNSET:
+            return _make(child_frame(self._frame, name, training), _EMPTY)
+        key = check_prng_key(prng_key, "Context.child")
         frame = self._frame
-        return _make(
-            _Frame(
-                (*self.path, name),
-                prng_key,
-                training,
-                frame.shape_only,
-                frame.summary_level,
-                frame.gradients,
-                row_mask=frame.row_mask,
-            ),
-            _EMPTY,
-        )
+        path = (*self.path, name)
+        at = keyed_frame(frame, path, key, training, frame.shape_only, frame.gradients)
+        return _make(at, _EMPTY)
 
     def add_summary(self, name: str, value: Leaf, level: int = 0) -> "Context":
         """Return a new context with summary `name` added.
@@ -495,7 +411,7 @@ class Context(TreeEquality):
             OutputConflictError: under `value_and_grad`, a summary `name` already
                 exists at this path (forward and gradient summaries share names).
         """
-        return _add_probe(self, "summaries", name, x, fn, level)
+        return add_probe(self, self._frame.gradients, "summaries", name, x, fn, level)
 
     def add_gradient_output(
         self, name: str, x: ArrayTree, level: int = 0
@@ -512,7 +428,9 @@ class Context(TreeEquality):
             OutputConflictError: under `value_and_grad`, module output `name`
                 already exists at this path.
         """
-        return _add_probe(self, "module_outputs", name, x, None, level)
+        return add_probe(
+            self, self._frame.gradients, "module_outputs", name, x, None, level
+        )
 
     def replace_collection(self, collection: OutputCollection) -> "Context":
         """Return a new context whose collection is `collection`.
@@ -588,7 +506,7 @@ class Context(TreeEquality):
                 f"{'/'.join(self.path)!r}. {CALL_TWICE_HINT}"
             )
         frame = self._frame
-        at = _child_frame(frame, name, frame.is_training)
+        at = child_frame(frame, name, frame.is_training)
         # The child context is made in the call: the call's argument tuple holds the
         # empty child until `fn` returns (nothing that grows while `fn` runs).
         with jax.named_scope(name):
@@ -618,56 +536,6 @@ _VALID_NAMES: dict[str, None] = {}
 _MAX_VALID_NAMES = 1 << 16
 
 
-class _Frame:
-    """Everything of a context but its collection; never written after construction.
-
-    Shared by the contexts that adds make from it (an add builds a context of two
-    fields). A child's frame (`_child_frame`) holds its parent's frame and its name
-    instead of a path (`path` None) and a key (`key` `_DERIVED`), so making a child
-    is O(1) whatever the depth; `Context.path` and `Context.prng_key` derive them on
-    each read.
-    """
-
-    __slots__ = (
-        "gradients",
-        "is_training",
-        "key",
-        "name",
-        "path",
-        "row_mask",
-        "shape_only",
-        "summary_level",
-        "up",
-    )
-
-    def __init__(
-        self,
-        path: Names | None,
-        key: MaybeKey,  # also batched: a context unflattened by `jax.vmap`
-        is_training: bool,
-        shape_only: bool,
-        summary_level: int | None,
-        gradients: GradientSinks,
-        up: "_Frame | None" = None,
-        name: str | None = None,
-        *,
-        row_mask: RowMask | None = None,
-    ) -> None:
-        self.path = path
-        self.key = key
-        self.is_training = is_training
-        # True inside eqxctx's own shape-only passes (`jax.eval_shape` of a scan
-        # body): nested scans then skip their own shape pass (see `scan_in_context`).
-        self.shape_only = shape_only
-        self.summary_level = summary_level
-        # `_gradients.GradientState` under `eqxctx.value_and_grad`, else None.
-        self.gradients = gradients
-        self.up = up
-        self.name = name
-        # The padded step's row mask (`Context.row_mask`), inherited as is.
-        self.row_mask = row_mask
-
-
 def _note_context(error: Exception, ctx: Context) -> None:
     """Note on an add's `error` the context it was added to (its paths are local)."""
     error.add_note(f"In context {'/'.join(ctx.path)!r}.")
@@ -680,55 +548,12 @@ _set_frame = Context.__dict__["_frame"].__set__
 _set_collection = Context.__dict__["collection"].__set__
 
 
-def _make(frame: _Frame, collection: OutputCollection) -> Context:
+def _make(frame: Frame, collection: OutputCollection) -> Context:
     """Build a context from checked parts (no walk, no checks)."""
     out = _new(Context)
     _set_frame(out, frame)
     _set_collection(out, collection)
     return out
-
-
-#: The `key` of a child's frame whose key is `fold_in(parent's key, seed(name))`.
-_DERIVED: Any = _Unset()
-
-
-def _child_frame(parent: _Frame, name: str, is_training: bool) -> _Frame:
-    """The frame of `parent`'s child `name` (O(1): its path and key are read later)."""
-    return _Frame(
-        None,
-        None if parent.key is None else _DERIVED,
-        is_training,
-        parent.shape_only,
-        parent.summary_level,
-        parent.gradients,
-        parent,
-        name,
-        row_mask=parent.row_mask,
-    )
-
-
-def _derive_key(frame: _Frame) -> MaybeKey:
-    """Fold the names in from the nearest ancestor whose key is known (no memo)."""
-    names: list[str] = []
-    while (key := frame.key) is _DERIVED:
-        assert frame.up is not None  # (a child's frame has both)
-        assert frame.name is not None
-        names.append(frame.name)
-        frame = frame.up
-    for name in reversed(names):
-        key = fold_in_name(key, name)
-    return key
-
-
-def _render_path(frame: _Frame) -> tuple[str, ...]:
-    """The path of a child's frame: its ancestors' names up to one with a path."""
-    names: list[str] = []
-    while frame.path is None:
-        assert frame.up is not None  # (a child's frame has both)
-        assert frame.name is not None
-        names.append(frame.name)
-        frame = frame.up
-    return (*frame.path, *reversed(names))
 
 
 def iteration_context(
@@ -737,65 +562,25 @@ def iteration_context(
     prng_key: PRNGKey | None,
     *,
     shape_only: bool,
-    gradients: GradientSinks = _UNSET,
+    gradients: Any = UNSET,
 ) -> Context:
     """The context of one iteration of a scan or vmap: `parent`'s child `name`.
 
     `gradients` (the iteration's gradient sinks) defaults to the parent's.
     """
     frame = parent._frame  # pyright: ignore[reportPrivateUsage]
-    return _make(
-        _Frame(
-            (*parent.path, name),
-            prng_key,
-            frame.is_training,
-            shape_only or frame.shape_only,
-            frame.summary_level,
-            frame.gradients if gradients is _UNSET else gradients,
-            row_mask=frame.row_mask,
-        ),
-        _EMPTY,
+    at = keyed_frame(
+        frame,
+        (*parent.path, name),
+        prng_key,
+        frame.is_training,
+        shape_only or frame.shape_only,
+        frame.gradients if gradients is UNSET else gradients,
     )
+    return _make(at, _EMPTY)
 
 
-def _add_probe(
-    ctx: Context,
-    kind: GradKind,
-    name: str,
-    x: ArrayTree,  # checked here, with a message naming the path
-    fn: object,  # checked here, with a message naming the path
-    level: object,  # checked by `_drops`, with a message
-) -> tuple[ArrayTree, Context]:
-    """`ctx.add_gradient_summary` / `add_gradient_output` (see their docstrings)."""
-    where = ADDERS[kind]
-    validate_leaf_name(name, where=where)
-    path = "/".join((*ctx.path, name))
-    check_probe_input(x, where, path)
-    # A probe above the summary level is dropped: no sink, no custom_vjp, nothing
-    # in the backward pass (the default, level 0 with no level set, costs a compare).
-    if (type(level) is not int or level or ctx.summary_level is not None) and _drops(
-        ctx, name, level, where
-    ):
-        return x, ctx
-    fn = probe_fn(kind, fn, where, path)
-    state: GradientState | None = gradient_state(ctx)
-    if state is None:
-        return x, ctx  # not under `value_and_grad`: an exact identity
-    key = (ctx.path, kind, name)
-    placeholder = pending(state, key, fn, x, where)
-    try:
-        if kind == "summaries":
-            ctx = ctx.add_summary(name, placeholder)
-        else:
-            ctx = ctx.add_module_output(name, placeholder)
-    except OutputConflictError as e:
-        raise OutputConflictError(
-            f"`{where}`: {path!r}: {e} Forward and gradient {kind} share names."
-        ) from None
-    return probe(x, state.sinks.get(key), fn), ctx
-
-
-def gradient_state(ctx: Context) -> GradientSinks:
+def gradient_state(ctx: Context) -> Any:
     """The context's `_gradients.GradientState`, or None (no `value_and_grad`)."""
     return ctx._frame.gradients  # pyright: ignore[reportPrivateUsage]
 
@@ -805,11 +590,11 @@ def gradient_root(
     is_training: bool,
     *,
     shape_only: bool,
-    gradients: GradientSinks,
+    gradients: Any,
     summary_level: int | None = None,
 ) -> Context:
     """A root context (named "root") carrying a `_gradients.GradientState`."""
-    frame = _Frame(
+    frame = Frame(
         ("root",), prng_key, is_training, shape_only, summary_level, gradients
     )
     return _make(frame, _EMPTY)
@@ -870,7 +655,7 @@ def _unflatten(aux: _Aux, children: Children) -> Context:
     grads = mask = None
     if len(children) == 4:
         grads, mask = children[2], children[3]
-    frame = _Frame(path, children[0], is_training, False, level, grads, row_mask=mask)
+    frame = Frame(path, children[0], is_training, False, level, grads, row_mask=mask)
     return _make(frame, children[1])
 
 
@@ -888,32 +673,6 @@ def check_context(value: object, where: str) -> None:
             f"context, e.g. `Context.root()` or the `ctx` your method was handed), got "
             f"{given}."
         )
-
-
-def check_summary_level(level: object, where: str) -> int | None:
-    """Return `level` (None or an int), or raise `TypeError` naming `where`."""
-    if level is None:
-        return None
-    if isinstance(level, (int, np.integer)) and not isinstance(level, bool):
-        return int(level)
-    raise TypeError(
-        f"`{where}(summary_level=...)`: expected None (keep every summary) or an "
-        f"int, got {type(level).__name__} {level!r}."
-    )
-
-
-def _drops(ctx: Context, name: object, level: object, where: str) -> bool:
-    """Whether an entry of `level` is dropped in `ctx` (checks the level and name)."""
-    if isinstance(level, bool) or not isinstance(level, (int, np.integer)):
-        raise TypeError(
-            f"`{where}(level=...)`: expected an int (a static level, 0 by default), "
-            f"got {type(level).__name__} {level!r}."
-        )
-    cap = ctx.summary_level
-    if cap is None or level <= cap:
-        return False
-    validate_leaf_name(name, where=where)
-    return True
 
 
 def check_path(returned: Context, given: Context, what: str) -> None:

@@ -16,10 +16,10 @@ from ._context import (
     check_context,
     check_path,
     check_returns_context,
-    fold_in_name,
     is_shape_only,
     iteration_context,
 )
+from ._frame import fold_in_name
 from ._reconcile import fill_collection, union_collections
 from ._typing import ArrayTree, R
 

@@ -19,11 +19,11 @@ from ._combinators import scan_in_context
 from ._context import (
     Context,
     check_context,
-    fold_in_name,
     is_shape_only,
     iteration_context,
 )
 from ._control import check_result
+from ._frame import fold_in_name
 from ._gradients import PendingGradient, is_pending
 from ._reconcile import identity_of
 from ._repeat import accumulate_trees, accumulator_shape, cast_like
