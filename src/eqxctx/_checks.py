@@ -6,7 +6,7 @@ Checks of names and leaves live where those enter (`_leaves.py`).
 """
 
 import functools
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -83,6 +83,31 @@ def check_context_path(path: object) -> tuple[str, ...]:
     for name in path:
         validate_child_name(name, where="Context(path=...)")
     return tuple(path)
+
+
+@runtime_checkable
+class Located(Protocol):
+    """What `check_path` reads of a `Context` (`_context` imports this module)."""
+
+    @property
+    def path(self) -> tuple[str, ...]:
+        """The names from the root to the context."""
+        ...
+
+
+def check_path(returned: Located, given: Located, what: str) -> None:
+    """Raise `ValueError` unless `returned` has the path of the context `given`.
+
+    A function handed a context must return that context (with outputs added), not
+    its parent's or a child's: the outputs would land at the wrong path.
+    """
+    if returned.path is not given.path and returned.path != given.path:
+        raise ValueError(
+            f"{what} returned the context at {'/'.join(returned.path)!r}, but was "
+            f"handed the context at {'/'.join(given.path)!r}. Return the context you "
+            "were given (after adding outputs to it); merge a child's outputs with "
+            "`ctx.call` or `ctx.merge`."
+        )
 
 
 def check_drop(value: object, where: str, arg: str = "drop_output") -> None:

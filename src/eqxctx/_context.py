@@ -15,8 +15,8 @@ from jaxtyping import Array, ArrayLike, Bool
 from ._checks import (
     check_context_path,
     check_is_training,
+    check_path,
     check_prng_key,
-    check_summary_level,
     note_missing_key,
 )
 from ._collection import (
@@ -37,59 +37,41 @@ from ._frame import (
     key_of,
     keyed_frame,
     path_of,
+    root_frame,
 )
 from ._frozen import TreeEquality
 from ._gradients import add_probe
 from ._leaves import drops as _drops
-from ._rows import check_row_mask, row_where
+from ._rows import row_where
 from ._typing import ArrayTree, Children, Leaf, MaybeKey, Names, PRNGKey, R
 
 
 class Context(TreeEquality):
     """An invocation context: a path, a PRNG key, a training flag and outputs.
 
-    Model methods take the context as their last positional argument and return it
-    last: `method(self, x, ctx) -> (y, ctx)`. Every method here returns a new
-    `Context`; `self` is unchanged. A PyTree (its key and collection are children,
-    its path and training flag static), so contexts pass through JAX
-    transformations.
-
-    A child's key is folded in when it is read (`ctx.prng_key`, or flattening the
-    context as a PyTree), from the nearest ancestor whose key is known (the root, an
-    iteration of a scan, or a context unflattened by a transformation), so children
-    whose key is never read cost nothing at trace time. Nothing is remembered: a
-    read D levels below that ancestor costs D `fold_in`s.
-
-    Args:
-        path: the names from the root to this context.
-        prng_key: the key (raw or typed), or None.
-        is_training: training mode.
-        collection: the context's outputs.
-        summary_level: the summary level (see `Context.root`), or None.
-        row_mask: the batch's real rows (see `Context.root`), or None.
-
-    Raises:
-        TypeError: if `path` is not a non-empty tuple (or list) of names, `prng_key`
-            is neither None, a raw `uint32[2]` key nor a typed key, `is_training` is
-            not a bool, `collection` is not an `OutputCollection`,
-            `summary_level` is neither None nor an int, or `row_mask` is neither
-            None nor a `bool[batch]` array.
-        ValueError: for an invalid name in `path` (names match `^[a-z][a-z0-9_]*$`).
+    Model methods take the context last and return it last: `method(self, x, ctx)
+    -> (y, ctx)`. Every method returns a new `Context`; `self` is unchanged. A
+    PyTree (the key, collection, gradient sinks and row mask are children; the path,
+    training flag and summary level static), so contexts pass through JAX
+    transformations. `Context.root` makes one.
 
     Attributes:
-        path: the names from the root to this context, static (e.g.
-            `("root", "encoder")`).
-        prng_key: a raw `uint32[2]` key (`jax.random.PRNGKey`) or a typed key
-            (`jax.random.key`), or None (traced).
-        is_training: whether the model runs in training mode, static.
-        collection: the `OutputCollection` of this context.
+        path: the names from the root, static (e.g. `("root", "encoder")`).
+        prng_key: a raw `uint32[2]` key (`jax.random.PRNGKey`), a typed key
+            (`jax.random.key`) or None (traced).
+        is_training: training mode, static.
+        collection: the context's `OutputCollection`.
         summary_level: summaries and module outputs added with a `level` above it
-            are dropped (static; None keeps everything). Set at the root
-            (`Context.root`, `functional`, `MethodRunner.create`) and inherited by
-            every child and every iteration of a scan, vmap, branch or loop.
-        row_mask: under a padded `MethodRunner` step, `bool[batch]` (True for the
-            batch's real rows, traced); None elsewhere. Inherited like
-            `summary_level`; see `Context.row_mask`.
+            are dropped (static; None keeps all). Set at the root, inherited by
+            every child and iteration.
+        row_mask: `bool[batch]`, the padded step's real rows (traced), or None;
+            see `Context.row_mask`.
+
+    Raises:
+        TypeError: if `path` is not a non-empty tuple of names, `collection` is
+            not an `OutputCollection`, or another argument is bad (see
+            `Context.root`).
+        ValueError: for an invalid name in `path`.
 
     Examples:
         >>> ctx = Context.root(prng_key=jax.random.PRNGKey(0))
@@ -114,12 +96,8 @@ class Context(TreeEquality):
         row_mask: Bool[Array, " batch"] | np.ndarray | None = None,
     ):
         names = check_context_path(path)
-        key = check_prng_key(prng_key, "Context")
-        training = check_is_training(is_training, "Context")
+        frame = root_frame(names, prng_key, is_training, summary_level, row_mask, "")
         check_is_collection(collection, "Context", "collection")
-        level = check_summary_level(summary_level, "Context")
-        mask = check_row_mask(row_mask, "Context")
-        frame = Frame(names, key, training, False, level, None, row_mask=mask)
         _set_frame(self, frame)
         _set_collection(self, collection)
 
@@ -138,17 +116,9 @@ class Context(TreeEquality):
 
     def __reduce__(self) -> tuple[object, ...]:
         mask = self._frame.row_mask
-        return (
-            Context,
-            (
-                self.path,
-                self.prng_key,
-                self.is_training,
-                self.collection,
-                self.summary_level,
-                None if mask is None else mask.array,
-            ),
-        )
+        mask = None if mask is None else mask.array
+        args = (self.path, self.prng_key, self.is_training, self.collection)
+        return Context, (*args, self.summary_level, mask)
 
     @property
     def path(self) -> tuple[str, ...]:
@@ -159,11 +129,11 @@ class Context(TreeEquality):
 
     @property
     def prng_key(self) -> MaybeKey:
-        """The context's key: a child's is `jax.random.fold_in(parent_key, seed(name))`.
+        """The key: a child's is `jax.random.fold_in(parent_key, seed(name))`.
 
-        Folded in on each read, from the nearest ancestor whose key is known (the
-        root, an iteration, a context unflattened by a transformation); None in a
-        keyless context.
+        Folded in on each read (D `fold_in`s for D levels) from the nearest
+        ancestor whose key is known: the root, an iteration, a context unflattened
+        by a transformation. None in a keyless context.
         """
         frame = self._frame
         key = frame.key
@@ -181,21 +151,14 @@ class Context(TreeEquality):
 
     @property
     def row_mask(self) -> Bool[Array, " batch"] | np.ndarray | None:
-        """The real rows of the padded batch: `bool[batch]`, or None (traced).
+        """The padded step's real rows: `bool[batch]` (traced), or None.
 
         Under a `MethodRunner` step with `pad_batches=True` (or a `mask_kwarg`),
-        True for the batch's real rows and False for the zero rows it was padded
-        with (all True for a batch that needed no padding); None in any other
-        context. Set at the root (`Context.root(row_mask=...)`) and inherited by
-        every child and every iteration of a scan, vmap, branch or loop, and kept
-        through JAX transformations of a function taking the context; inside a
-        `vmap_in_context` it is still the whole batch's mask. Summaries over the
-        rows should count only the real ones: `MomentsSummary(x,
-        where=ctx.row_where(x))`, `HistogramSummary(x, where=ctx.row_where(x))`,
-        a `WeightedSummary` weighted by `jnp.sum(ctx.row_mask)`.
-
-        Reading it tells the runner that the method handles padding: a padded step
-        whose summaries never read it warns once (see `MethodRunner.create`).
+        True for real rows and False for padding; None elsewhere. Inherited by
+        every child and iteration (inside `vmap_in_context`, still the whole
+        batch's). Count only real rows: `MomentsSummary(x,
+        where=ctx.row_where(x))`. Reading it tells the runner that the method
+        handles padding; a padded step that never reads it warns once.
         """
         mask = self._frame.row_mask
         if mask is None:
@@ -206,21 +169,18 @@ class Context(TreeEquality):
     def row_where(self, x: ArrayLike) -> Bool[Array, "batch ..."] | np.ndarray | None:
         """Return `where=` for a summary of `x`'s rows: the row mask, or None.
 
-        The mask (`Context.row_mask`) reshaped to `[batch, 1, ..., 1]` with `x`'s
-        rank, so that it broadcasts over `x`'s other axes as NumPy's `where=` does;
-        None outside a padded step (so `MomentsSummary(x, where=ctx.row_where(x))`
-        is right in both).
+        `Context.row_mask` reshaped to `bool[batch, 1, ..., 1]` with `x`'s rank, so
+        that it broadcasts as NumPy's `where=` does; None outside a padded step.
 
         Args:
-            x: an array whose leading axis is the batch's (any dtype; only its
-                shape is read).
+            x: an array whose leading axis is the batch (only its shape is read).
 
         Returns:
-            `bool[batch, 1, ..., 1]` of `x`'s rank, or None.
+            `bool[batch, 1, ..., 1]`, or None.
 
         Raises:
-            ValueError: under a padded step, for a scalar `x` or one whose leading
-                size is not the batch's (naming the context path).
+            ValueError: under a padded step, if `x` is a scalar or its leading size
+                is not the batch's (naming the context path).
         """
         mask = self.row_mask
         if mask is None:
@@ -240,31 +200,23 @@ class Context(TreeEquality):
         """Return a root context with an empty collection.
 
         Args:
-            prng_key: the root key (raw or typed), or None for a key-less context.
+            prng_key: a raw `uint32[2]` or typed key, or None (no randomness).
             is_training: training mode, static.
-            name: the root's name, the first entry of every path, matching
-                `^[a-z][a-z0-9_]*$`.
+            name: the first entry of every path, matching `^[a-z][a-z0-9_]*$`.
             summary_level: keep only summaries and module outputs added with
-                `level <= summary_level` (static, inherited by every child and
-                iteration context); None keeps everything.
-            row_mask: `bool[batch]`, True for the real rows of a padded batch
-                (traced), inherited by every child and iteration context and read
-                as `ctx.row_mask`; None (the default) outside a padded step. A
-                `MethodRunner` with `pad_batches=True` sets it.
+                `level <= summary_level` (a static int); None keeps all.
+            row_mask: `bool[batch]`, True for a padded batch's real rows (traced);
+                None outside a padded step (`MethodRunner` sets it).
 
         Raises:
             ValueError: for an invalid name.
-            TypeError: if `is_training` is not a bool, `summary_level` is neither
-                None nor an int, `prng_key` is neither None, a raw `uint32[2]` key
-                nor a typed key (the message says what it got), or `row_mask` is
+            TypeError: naming the argument, if `prng_key` is not None, a
+                `uint32[2]` key or a typed key, `is_training` is not a bool,
+                `summary_level` is neither None nor an int, or `row_mask` is
                 neither None nor a rank-1 bool array.
         """
         validate_child_name(name, where="Context.root(name=...)")
-        key = check_prng_key(prng_key, "Context.root")
-        training = check_is_training(is_training, "Context.root")
-        level = check_summary_level(summary_level, "Context.root")
-        mask = check_row_mask(row_mask, "Context.root")
-        frame = Frame((name,), key, training, False, level, None, row_mask=mask)
+        frame = root_frame((name,), prng_key, is_training, summary_level, row_mask)
         return _make(frame, OutputCollection.empty())
 
     @property
@@ -281,20 +233,11 @@ class Context(TreeEquality):
     ) -> "Context":
         """Return a child context with an empty collection (the low-level step).
 
-        `child` records nothing in `self` and reserves no name: two `child("a")`
-        calls, or `child("a")` and a later `call("a", ...)`, give contexts with the
-        same key. Model code should use `ctx.call(name, fn)`, which makes the child,
-        runs `fn` in it and attaches its outputs under `name`. If you make a child
-        by hand, get its outputs back with `ctx.merge(OutputCollection.empty()
-        .add_child(name, child.collection))`; `call`, `add_child` and `merge` all
-        refuse a second child of one name (`OutputConflictError`), also when the
-        first one is empty.
-
-        The child's key is `jax.random.fold_in(self.prng_key, seed(name))` with
-        AXLearn's seed (`int(md5(name).hexdigest(), 16) % (2**31 - 1)`), so keys match
-        AXLearn's bit for bit. Typed keys give the same key data as raw keys. The child
-        refers to `self`'s frame for its path and key, folded in when read (not to
-        its outputs), keeping it alive.
+        Records nothing in `self`: two `child("a")` give the same key. Model code
+        uses `ctx.call(name, fn)`, which also attaches the child's outputs; by hand,
+        `ctx.merge(OutputCollection.empty().add_child(name, child.collection))`.
+        The key is `jax.random.fold_in(self.prng_key, seed)` with AXLearn's seed,
+        `int(md5(name).hexdigest(), 16) % (2**31 - 1)` (bit for bit).
 
         Args:
             name: the child's name, matching `^[a-z][a-z0-9_]*$`.
@@ -303,8 +246,7 @@ class Context(TreeEquality):
 
         Raises:
             ValueError: for an invalid name.
-            TypeError: if `is_training` is given and is not a bool, or `prng_key` is
-                given and is neither None, a raw `uint32[2]` key nor a typed key.
+            TypeError: for a bad `prng_key` or `is_training` (as `Context.root`).
         """
         validate_child_name(name, where="Context.child")
         training = (
@@ -323,16 +265,19 @@ class Context(TreeEquality):
     def add_summary(self, name: str, value: Leaf, level: int = 0) -> "Context":
         """Return a new context with summary `name` added.
 
-        See `OutputCollection.add_summary` for the accepted values and errors.
-
         Args:
             name: a non-empty string without '/'.
             value: an array, a Python number or a `Summary`.
-            level: the summary's level (an int, static): it is kept only if `level
-                <= ctx.summary_level` (every level is kept when `summary_level` is
-                None, the default). A dropped summary is not returned, so XLA
-                removes its computation; only its name is checked (not its value
-                or conflicts), and the context is returned unchanged.
+            level: a static int: the summary is kept only if `level <=
+                ctx.summary_level` (or that is None). A dropped summary leaves the
+                context unchanged (only its name is checked) and XLA removes its
+                computation.
+
+        Raises:
+            OutputConflictError: if `name` is taken (see
+                `OutputCollection.add_summary`); each error notes the context path.
+            TypeError: for an invalid value, or a `level` that is not an int.
+            ValueError: for an invalid name or value.
         """
         # The default (an int level 0, no summary level) costs two compares per add;
         # any other level is checked by `_drops`.
@@ -349,8 +294,8 @@ class Context(TreeEquality):
     def add_state_update(self, name: str, value: Leaf) -> "Context":
         """Return a new context with state update `name` added.
 
-        State updates have no level: they are the model's new state (e.g. batch
-        norm statistics), not an observation of it, so no `summary_level` drops one.
+        As `add_summary`, without a level: a state update is the model's new state
+        (e.g. batch norm statistics), so no `summary_level` drops one.
         """
         try:
             return _with(self, add_leaf(self.collection, "state_updates", name, value))
@@ -359,11 +304,7 @@ class Context(TreeEquality):
             raise
 
     def add_module_output(self, name: str, value: Leaf, level: int = 0) -> "Context":
-        """Return a new context with module output `name` added.
-
-        `level` works as in `add_summary`: the output is kept only if `level <=
-        ctx.summary_level` (or `summary_level` is None).
-        """
+        """Return a new context with module output `name` added (as `add_summary`)."""
         if (
             type(level) is not int or level or self._frame.summary_level is not None
         ) and _drops(self, name, level, "Context.add_module_output"):
@@ -384,22 +325,18 @@ class Context(TreeEquality):
         """Return `x` unchanged and a context recording `fn(cotangent of x)`.
 
         A forward identity. Under `eqxctx.value_and_grad`, the backward pass's
-        `fn(d loss / d x)` becomes summary `name` of this context, where
-        `add_summary(name, ...)` would put it (per-iteration `iter{i}/name` under a
-        scan, accumulated with `merge_summaries=True`). Anywhere else (`functional`,
-        `jax.grad`, no differentiation) it records nothing and costs nothing: `x`
-        itself is returned with `self`. See the "Gradient summaries" docs page.
+        `fn(d loss / d x)` becomes summary `name`, where `add_summary` would put it
+        (`iter{i}/name` under a scan, accumulated with `merge_summaries=True`).
+        Anywhere else it records nothing and costs nothing. See the "Gradient
+        summaries" docs page.
 
         Args:
             name: the summary's name (non-empty, no `/`).
             x: a floating-point array, any shape (traced).
-            fn: static, `fn(cotangent) -> array or Summary`, where the cotangent has
-                `x`'s shape and dtype. None: the root mean square of the cotangent,
-                a float32 scalar.
-            level: the summary's level (an int, static), as in `add_summary`: the
-                probe is kept only if `level <= ctx.summary_level` (every level is
-                kept when `summary_level` is None, the default); a dropped probe
-                records nothing and adds nothing to the backward pass.
+            fn: static, `fn(cotangent) -> array or Summary`, the cotangent having
+                `x`'s shape and dtype. None: its root mean square, float32 `[]`.
+            level: as in `add_summary`; a dropped probe records nothing and adds
+                nothing to the backward pass.
 
         Returns:
             `(x, ctx)`: `x` itself and the new context.
@@ -407,9 +344,8 @@ class Context(TreeEquality):
         Raises:
             TypeError: `x` is not a floating-point array, `level` is not an int,
                 or (under `value_and_grad`) `fn` returns neither an array nor a
-                `Summary`; the message names the path.
-            OutputConflictError: under `value_and_grad`, a summary `name` already
-                exists at this path (forward and gradient summaries share names).
+                `Summary`; naming the path.
+            OutputConflictError: under `value_and_grad`, if summary `name` exists.
         """
         return add_probe(self, self._frame.gradients, "summaries", name, x, fn, level)
 
@@ -418,15 +354,9 @@ class Context(TreeEquality):
     ) -> tuple[Array, "Context"]:
         """Return `x` unchanged and a context recording the cotangent of `x`.
 
-        As `add_gradient_summary`, with the full cotangent (`x`'s shape and dtype)
-        recorded as module output `name` (stacked `[N, ...]` under a scan), like
-        Flax's `perturb`; `level` as in `add_module_output`.
-
-        Raises:
-            TypeError: `x` is not a floating-point array (naming the path), or
-                `level` is not an int.
-            OutputConflictError: under `value_and_grad`, module output `name`
-                already exists at this path.
+        As `add_gradient_summary`, with the full cotangent (`x`'s shape and dtype,
+        stacked `[N, ...]` under a scan) as module output `name`, like Flax's
+        `perturb`. Raises as `add_gradient_summary`.
         """
         return add_probe(
             self, self._frame.gradients, "module_outputs", name, x, None, level
@@ -447,13 +377,11 @@ class Context(TreeEquality):
     def merge(self, collection: OutputCollection) -> "Context":
         """Return a new context whose collection is merged with `collection`.
 
-        Costs O(size of `collection`'s top level), whatever the context holds.
+        O(size of `collection`'s top level), whatever the context holds.
 
         Raises:
-            OutputConflictError: on any name conflict (see `OutputCollection.merge`);
-                the message names the context path and suggests another
-                `child_name_prefix` for scan results (`child_name` for branches
-                and loops).
+            OutputConflictError: on a name conflict (`OutputCollection.merge`),
+                naming the context path.
             TypeError: if `collection` is not an `OutputCollection`.
         """
         check_is_collection(collection, "Context.merge(collection)", "collection")
@@ -477,9 +405,8 @@ class Context(TreeEquality):
     ) -> tuple[R, "Context"]:
         """Run `fn(*args, child_ctx, **kwargs)` in child context `name`.
 
-        `fn` returns `(out, child_ctx)`; its collection is attached under `name`.
-        Runs in `jax.named_scope(name)`, so profiles show the model tree. Costs
-        O(1) besides `fn` itself and the scope, whatever the context already holds.
+        `fn` returns `(out, child_ctx)`; the child's outputs are attached under
+        `name`. Runs in `jax.named_scope(name)`; O(1) besides `fn`.
 
         Args:
             name: the child's name, matching `^[a-z][a-z0-9_]*$`.
@@ -491,8 +418,8 @@ class Context(TreeEquality):
             `(out, ctx)`: `fn`'s output and a new context holding the child's outputs.
 
         Raises:
-            ValueError: for an invalid name.
-            OutputConflictError: if `name` was already called (or is already used).
+            ValueError: for an invalid name, or if `fn` returns another context.
+            OutputConflictError: if `name` is already used here.
             TypeError: if `fn` does not return `(out, Context)`.
         """
         coll = self.collection
@@ -564,10 +491,7 @@ def iteration_context(
     shape_only: bool,
     gradients: Any = UNSET,
 ) -> Context:
-    """The context of one iteration of a scan or vmap: `parent`'s child `name`.
-
-    `gradients` (the iteration's gradient sinks) defaults to the parent's.
-    """
+    """The context of iteration `name` of a scan or vmap (`gradients`: the parent's)."""
     frame = parent._frame  # pyright: ignore[reportPrivateUsage]
     at = keyed_frame(
         frame,
@@ -618,24 +542,14 @@ def _with(ctx: Context, collection: OutputCollection) -> Context:
     return out
 
 
-_KEYS = (
-    jax.tree_util.GetAttrKey("prng_key"),
-    jax.tree_util.GetAttrKey("collection"),
-    jax.tree_util.GetAttrKey("gradients"),
-    jax.tree_util.GetAttrKey("row_mask"),
-)
-
-
+_FIELDS = ("prng_key", "collection", "gradients", "row_mask")
+_KEYS = tuple(map(jax.tree_util.GetAttrKey, _FIELDS))
 _Aux = tuple[Names, bool, int | None]  # path, is_training, summary_level: static
 
 
 def _flatten_with_keys(ctx: Context) -> tuple[list[Any], _Aux]:
-    children = _flatten(ctx)[0]
-    return list(zip(_KEYS, children, strict=False)), (
-        ctx.path,
-        ctx.is_training,
-        ctx.summary_level,
-    )
+    children, aux = _flatten(ctx)
+    return list(zip(_KEYS, children, strict=False)), aux
 
 
 def _flatten(ctx: Context) -> tuple[tuple[object, ...], _Aux]:
@@ -672,21 +586,6 @@ def check_context(value: object, where: str) -> None:
             f"`{where}(context=...)`: context must be a `Context` (the calling "
             f"context, e.g. `Context.root()` or the `ctx` your method was handed), got "
             f"{given}."
-        )
-
-
-def check_path(returned: Context, given: Context, what: str) -> None:
-    """Raise `ValueError` unless `returned` has the path of the context `given`.
-
-    A function handed a context must return that context (with outputs added), not
-    its parent's or a child's: the outputs would land at the wrong path.
-    """
-    if returned.path is not given.path and returned.path != given.path:
-        raise ValueError(
-            f"{what} returned the context at {'/'.join(returned.path)!r}, but was "
-            f"handed the context at {'/'.join(given.path)!r}. Return the context you "
-            "were given (after adding outputs to it); merge a child's outputs with "
-            "`ctx.call` or `ctx.merge`."
         )
 
 

@@ -9,12 +9,11 @@ from collections.abc import Callable, Sequence
 import jax
 from jaxtyping import ArrayLike, PyTree
 
-from ._checks import note_missing_key
+from ._checks import check_path, note_missing_key
 from ._collection import OutputCollection, validate_child_name
 from ._context import (
     Context,
     check_context,
-    check_path,
     check_returns_context,
     is_shape_only,
     iteration_context,

@@ -10,7 +10,8 @@ from typing import Any
 
 import jax
 
-from ._rows import RowMask
+from ._checks import check_is_training, check_prng_key, check_summary_level
+from ._rows import RowMask, check_row_mask
 from ._typing import MaybeKey, Names, PRNGKey
 
 
@@ -118,6 +119,23 @@ def keyed_frame(
         gradients,
         row_mask=parent.row_mask,
     )
+
+
+def root_frame(
+    path: Names,
+    prng_key: object,
+    is_training: object,
+    summary_level: object,
+    row_mask: object,
+    method: str = ".root",
+) -> Frame:
+    """A root's frame from checked arguments (errors name `Context{method}`)."""
+    where = f"Context{method}"
+    key = check_prng_key(prng_key, where)
+    training = check_is_training(is_training, where)
+    level = check_summary_level(summary_level, where)
+    mask = check_row_mask(row_mask, where)
+    return Frame(path, key, training, False, level, None, row_mask=mask)
 
 
 def key_of(frame: Frame) -> MaybeKey:

@@ -8,12 +8,13 @@ from jaxtyping import PyTree
 
 from ._checks import (
     check_is_training,
+    check_path,
     check_prng_key,
     check_summary_level,
     note_missing_key,
 )
 from ._collection import KINDS, OutputCollection
-from ._context import Context, check_path, check_returns_context
+from ._context import Context, check_returns_context
 from ._typing import PRNGKey
 
 

@@ -15,12 +15,13 @@ from jaxtyping import Array, PyTree
 
 from ._checks import (
     check_is_training,
+    check_path,
     check_prng_key,
     check_summary_level,
     note_missing_key,
 )
 from ._collection import OutputCollection
-from ._context import Context, check_path, check_returns_context, gradient_root
+from ._context import Context, check_returns_context, gradient_root
 from ._gradients import (
     GradientState,
     Level,
