@@ -381,7 +381,7 @@ class Context(TreeEquality):
 
         Raises:
             OutputConflictError: on a name conflict (`OutputCollection.merge`),
-                naming the context path.
+                naming the context path and suggesting another `child_name_prefix`.
             TypeError: if `collection` is not an `OutputCollection`.
         """
         check_is_collection(collection, "Context.merge(collection)", "collection")
