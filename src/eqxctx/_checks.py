@@ -6,13 +6,13 @@ Checks of names and leaves live where those enter (`_leaves.py`).
 """
 
 import functools
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._leaves import validate_child_name
+from ._leaves import ContextLike, validate_child_name
 from ._typing import MaybeKey
 
 
@@ -85,17 +85,7 @@ def check_context_path(path: object) -> tuple[str, ...]:
     return tuple(path)
 
 
-@runtime_checkable
-class Located(Protocol):
-    """What `check_path` reads of a `Context` (`_context` imports this module)."""
-
-    @property
-    def path(self) -> tuple[str, ...]:
-        """The names from the root to the context."""
-        ...
-
-
-def check_path(returned: Located, given: Located, what: str) -> None:
+def check_path(returned: ContextLike, given: ContextLike, what: str) -> None:
     """Raise `ValueError` unless `returned` has the path of the context `given`.
 
     A function handed a context must return that context (with outputs added), not

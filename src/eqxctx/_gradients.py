@@ -35,7 +35,7 @@ import numpy as np
 from jaxtyping import Array, PyTree
 
 from ._errors import OutputConflictError
-from ._leaves import Leveled, drops, validate_leaf_name
+from ._leaves import ContextLike, drops, validate_leaf_name
 from ._sinks import sink_layout, to_sink
 from ._summary import Summary, accumulate_leaf, is_array_leaf
 from ._typing import ArrayTree, Names, TreeDef
@@ -277,13 +277,8 @@ def _probe(x: Array, sink: PyTree[Array], fn: Callable[[Array], ArrayTree]) -> A
 
 
 @runtime_checkable
-class ProbeContext(Leveled, Protocol):
-    """What a probe uses of a `Context` (`_context` imports this module)."""
-
-    @property
-    def path(self) -> Names:
-        """The names from the root to the context."""
-        ...
+class ProbeContext(ContextLike, Protocol):
+    """What a probe uses of a `Context` (which imports this module)."""
 
     def add_summary(self, name: str, value: Any, level: int = 0) -> Any:
         """Return a new context with summary `name` added."""

@@ -46,8 +46,13 @@ def validate_leaf_name(name: object, *, where: str) -> str:
 
 
 @runtime_checkable
-class Leveled(Protocol):
-    """What `drops` reads of a `Context` (`_context` imports this module)."""
+class ContextLike(Protocol):
+    """What checks and probes read of a `Context` (which imports them)."""
+
+    @property
+    def path(self) -> tuple[str, ...]:
+        """The names from the root to the context."""
+        ...
 
     @property
     def summary_level(self) -> int | None:
@@ -55,7 +60,7 @@ class Leveled(Protocol):
         ...
 
 
-def drops(ctx: Leveled, name: object, level: object, where: str) -> bool:
+def drops(ctx: ContextLike, name: object, level: object, where: str) -> bool:
     """Whether an entry of `level` is dropped in `ctx` (checks the level and name).
 
     Raises:
