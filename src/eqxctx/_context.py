@@ -33,7 +33,7 @@ from ._frame import (
     DERIVED,
     UNSET,
     Frame,
-    child_frame,
+    child_frame as _child_frame,
     key_of,
     keyed_frame,
     path_of,
@@ -255,7 +255,7 @@ class Context(TreeEquality):
             else check_is_training(is_training, "Context.child")
         )
         if prng_key is UNSET:
-            return _make(child_frame(self._frame, name, training), _EMPTY)
+            return _make(_child_frame(self._frame, name, training), _EMPTY)
         key = check_prng_key(prng_key, "Context.child")
         frame = self._frame
         path = (*self.path, name)
@@ -433,7 +433,7 @@ class Context(TreeEquality):
                 f"{'/'.join(self.path)!r}. {CALL_TWICE_HINT}"
             )
         frame = self._frame
-        at = child_frame(frame, name, frame.is_training)
+        at = _child_frame(frame, name, frame.is_training)
         # The child context is made in the call: the call's argument tuple holds the
         # empty child until `fn` returns (nothing that grows while `fn` runs).
         with jax.named_scope(name):
