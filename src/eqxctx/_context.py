@@ -483,56 +483,12 @@ def _make(frame: Frame, collection: OutputCollection) -> Context:
     return out
 
 
-def iteration_context(
-    parent: Context,
-    name: str,
-    prng_key: PRNGKey | None,
-    *,
-    shape_only: bool,
-    gradients: Any = UNSET,
-) -> Context:
-    """The context of iteration `name` of a scan or vmap (`gradients`: the parent's)."""
-    frame = parent._frame  # pyright: ignore[reportPrivateUsage]
-    at = keyed_frame(
-        frame,
-        (*parent.path, name),
-        prng_key,
-        frame.is_training,
-        shape_only or frame.shape_only,
-        frame.gradients if gradients is UNSET else gradients,
-    )
-    return _make(at, _EMPTY)
+make_context = _make  # for `_bodies.py`
 
 
-def gradient_state(ctx: Context) -> Any:
-    """The context's `_gradients.GradientState`, or None (no `value_and_grad`)."""
-    return ctx._frame.gradients  # pyright: ignore[reportPrivateUsage]
-
-
-def gradient_root(
-    prng_key: MaybeKey,
-    is_training: bool,
-    *,
-    shape_only: bool,
-    gradients: Any,
-    summary_level: int | None = None,
-) -> Context:
-    """A root context (named "root") carrying a `_gradients.GradientState`."""
-    frame = Frame(
-        ("root",), prng_key, is_training, shape_only, summary_level, gradients
-    )
-    return _make(frame, _EMPTY)
-
-
-def row_mask_read(ctx: Context) -> bool:
-    """Whether model code read `ctx`'s row mask (in any context of its root)."""
-    mask = ctx._frame.row_mask  # pyright: ignore[reportPrivateUsage]
-    return mask is not None and mask.reads.read
-
-
-def is_shape_only(ctx: Context) -> bool:
-    """Whether `ctx` is used inside one of eqxctx's shape-only passes."""
-    return ctx._frame.shape_only  # pyright: ignore[reportPrivateUsage]
+def frame_of(ctx: Context) -> Frame:
+    """`ctx`'s frame (for `_bodies.py`)."""
+    return ctx._frame  # pyright: ignore[reportPrivateUsage]
 
 
 def _with(ctx: Context, collection: OutputCollection) -> Context:
@@ -576,17 +532,6 @@ def _unflatten(aux: _Aux, children: Children) -> Context:
 jax.tree_util.register_pytree_with_keys(
     Context, _flatten_with_keys, _unflatten, _flatten
 )
-
-
-def check_context(value: object, where: str) -> None:
-    """Raise `TypeError` naming `where` unless `value` is a `Context`."""
-    if not isinstance(value, Context):
-        given = f"{type(value).__name__} {value!r}"[:100]
-        raise TypeError(
-            f"`{where}(context=...)`: context must be a `Context` (the calling "
-            f"context, e.g. `Context.root()` or the `ctx` your method was handed), got "
-            f"{given}."
-        )
 
 
 def check_returns_context(result: object, what: str) -> tuple[ArrayTree, Context]:

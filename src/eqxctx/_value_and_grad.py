@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, PyTree
 
+from ._bodies import gradient_root
 from ._checks import (
     check_is_training,
     check_path,
@@ -21,7 +22,7 @@ from ._checks import (
     note_missing_key,
 )
 from ._collection import OutputCollection
-from ._context import Context, check_returns_context, gradient_root
+from ._context import Context, check_returns_context
 from ._gradients import (
     GradientState,
     Level,
