@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from eqxctx import Context, functional
-from eqxctx._context import child_seed
+from eqxctx._frame import child_seed
 
 
 VARIANTS = ("ours", "hand", "scoped")

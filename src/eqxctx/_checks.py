@@ -1,16 +1,19 @@
-"""Argument checks shared by the combinators, branches, loops and the runner.
+"""Argument checks shared by contexts, combinators, branches, loops and the runner.
 
 Each raises `TypeError`/`ValueError` at the call, naming the call and the argument,
 saying what was expected and what came instead (see the house style's Errors rule).
-Checks of names, leaves, keys and training flags live where those enter
-(`_leaves.py`, `_context.py`).
+Checks of names and leaves live where those enter (`_leaves.py`).
 """
 
 import functools
 from typing import Any, TypeVar
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+from ._leaves import ContextLike, validate_child_name
+from ._typing import MaybeKey
 
 
 T = TypeVar("T")
@@ -18,6 +21,83 @@ T = TypeVar("T")
 
 def _given(value: object) -> str:
     return f"{type(value).__name__} {value!r}"[:100]
+
+
+def check_is_training(value: object, where: str) -> bool:
+    """Return `value` as a `bool`, or raise `TypeError` unless it is a (NumPy) bool."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(
+        f"`{where}`: is_training must be a bool, got {type(value).__name__} "
+        f"{value!r}. Pass True or False."
+    )
+
+
+def check_prng_key(key: object, where: str) -> MaybeKey:
+    """Return `key` if it is None, a raw `uint32[2]` key or a typed key, else raise.
+
+    Raises:
+        TypeError: for anything else (a Python int, a string, a float array), saying
+            what was given and how to make a key.
+    """
+    if key is None:
+        return None
+    dtype = getattr(key, "dtype", None)
+    shape = getattr(key, "shape", None)
+    if dtype is not None and shape is not None:
+        if jnp.issubdtype(dtype, jax.dtypes.prng_key) and tuple(shape) == ():
+            return key
+        if dtype == np.uint32 and tuple(shape) == (2,):
+            return key
+    given = (
+        f"an array of dtype {dtype} and shape {tuple(shape)}"
+        if dtype is not None and shape is not None
+        else f"{type(key).__name__} {key!r}"
+    )
+    raise TypeError(
+        f"`{where}`: prng_key must be a raw key (uint32[2], `jax.random.PRNGKey(0)`), "
+        f"a typed key (`jax.random.key(0)`) or None, got {given}."
+    )
+
+
+def check_summary_level(level: object, where: str) -> int | None:
+    """Return `level` (None or an int), or raise `TypeError` naming `where`."""
+    if level is None:
+        return None
+    if isinstance(level, (int, np.integer)) and not isinstance(level, bool):
+        return int(level)
+    raise TypeError(
+        f"`{where}(summary_level=...)`: expected None (keep every summary) or an "
+        f"int, got {type(level).__name__} {level!r}."
+    )
+
+
+def check_context_path(path: object) -> tuple[str, ...]:
+    """Return `path` as a tuple of valid names, or raise naming `Context(path=...)`."""
+    if isinstance(path, str) or not isinstance(path, (tuple, list)) or not path:
+        raise TypeError(
+            "`Context(path=...)`: expected a non-empty tuple of names from the root, "
+            f"e.g. ('root',) or ('root', 'encoder'), got {type(path).__name__} "
+            f"{path!r}. `Context.root(...)` makes a root context."
+        )
+    for name in path:
+        validate_child_name(name, where="Context(path=...)")
+    return tuple(path)
+
+
+def check_path(returned: ContextLike, given: ContextLike, what: str) -> None:
+    """Raise `ValueError` unless `returned` has the path of the context `given`.
+
+    A function handed a context must return that context (with outputs added), not
+    its parent's or a child's: the outputs would land at the wrong path.
+    """
+    if returned.path is not given.path and returned.path != given.path:
+        raise ValueError(
+            f"{what} returned the context at {'/'.join(returned.path)!r}, but was "
+            f"handed the context at {'/'.join(given.path)!r}. Return the context you "
+            "were given (after adding outputs to it); merge a child's outputs with "
+            "`ctx.call` or `ctx.merge`."
+        )
 
 
 def check_drop(value: object, where: str, arg: str = "drop_output") -> None:

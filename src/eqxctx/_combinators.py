@@ -13,17 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, PyTree
 
-from ._checks import check_drop, check_in_axes, note_missing_key
+from ._bodies import check_context, gradient_state, is_shape_only, iteration_context
+from ._checks import check_drop, check_in_axes, check_path, note_missing_key
 from ._collection import OutputCollection, validate_child_name
-from ._context import (
-    Context,
-    check_context,
-    check_path,
-    fold_in_name,
-    gradient_state,
-    is_shape_only,
-    iteration_context,
-)
+from ._context import Context
+from ._frame import fold_in_name
 from ._gradients import enter_iterations
 from ._mapping import EMPTY
 from ._propagate import (

@@ -9,17 +9,11 @@ from collections.abc import Callable, Sequence
 import jax
 from jaxtyping import ArrayLike, PyTree
 
-from ._checks import note_missing_key
+from ._bodies import check_context, is_shape_only, iteration_context
+from ._checks import check_path, note_missing_key
 from ._collection import OutputCollection, validate_child_name
-from ._context import (
-    Context,
-    check_context,
-    check_path,
-    check_returns_context,
-    fold_in_name,
-    is_shape_only,
-    iteration_context,
-)
+from ._context import Context, check_returns_context
+from ._frame import fold_in_name
 from ._reconcile import fill_collection, union_collections
 from ._typing import ArrayTree, R
 

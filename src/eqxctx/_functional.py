@@ -6,16 +6,15 @@ from typing import TypeVar
 import numpy as np
 from jaxtyping import PyTree
 
-from ._checks import note_missing_key
-from ._collection import KINDS, OutputCollection
-from ._context import (
-    Context,
+from ._checks import (
     check_is_training,
     check_path,
     check_prng_key,
-    check_returns_context,
     check_summary_level,
+    note_missing_key,
 )
+from ._collection import KINDS, OutputCollection
+from ._context import Context, check_returns_context
 from ._typing import PRNGKey
 
 

@@ -18,7 +18,15 @@ nothing.
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Literal, NoReturn, TypeAlias
+from typing import (
+    Any,
+    Literal,
+    NoReturn,
+    Protocol,
+    TypeAlias,
+    TypeVar,
+    runtime_checkable,
+)
 
 import equinox as eqx
 import jax
@@ -26,6 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, PyTree
 
+from ._errors import OutputConflictError
+from ._leaves import ContextLike, drops, validate_leaf_name
 from ._sinks import sink_layout, to_sink
 from ._summary import Summary, accumulate_leaf, is_array_leaf
 from ._typing import ArrayTree, Names, TreeDef
@@ -264,6 +274,59 @@ def _probe(x: Array, sink: PyTree[Array], fn: Callable[[Array], ArrayTree]) -> A
 
     identity.defvjp(fwd, bwd)
     return identity(x, sink)
+
+
+@runtime_checkable
+class ProbeContext(ContextLike, Protocol):
+    """What a probe uses of a `Context` (which imports this module)."""
+
+    def add_summary(self, name: str, value: Any, level: int = 0) -> Any:
+        """Return a new context with summary `name` added."""
+        ...
+
+    def add_module_output(self, name: str, value: Any, level: int = 0) -> Any:
+        """Return a new context with module output `name` added."""
+        ...
+
+
+C = TypeVar("C", bound=ProbeContext)
+
+
+def add_probe(
+    ctx: C,
+    state: GradientState | None,
+    kind: GradKind,
+    name: str,
+    x: ArrayTree,  # checked here, with a message naming the path
+    fn: object,  # checked here, with a message naming the path
+    level: object,  # checked by `drops`, with a message
+) -> tuple[ArrayTree, C]:
+    """`ctx.add_gradient_summary` / `add_gradient_output`, given `ctx`'s `state`."""
+    where = ADDERS[kind]
+    validate_leaf_name(name, where=where)
+    path = "/".join((*ctx.path, name))
+    check_probe_input(x, where, path)
+    # A probe above the summary level is dropped: no sink, no custom_vjp, nothing
+    # in the backward pass (the default, level 0 with no level set, costs a compare).
+    if (type(level) is not int or level or ctx.summary_level is not None) and drops(
+        ctx, name, level, where
+    ):
+        return x, ctx
+    fn = probe_fn(kind, fn, where, path)
+    if state is None:
+        return x, ctx  # not under `value_and_grad`: an exact identity
+    key = (ctx.path, kind, name)
+    placeholder = pending(state, key, fn, x, where)
+    try:
+        if kind == "summaries":
+            ctx = ctx.add_summary(name, placeholder)
+        else:
+            ctx = ctx.add_module_output(name, placeholder)
+    except OutputConflictError as e:
+        raise OutputConflictError(
+            f"`{where}`: {path!r}: {e} Forward and gradient {kind} share names."
+        ) from None
+    return probe(x, state.sinks.get(key), fn), ctx
 
 
 class Iterations:

@@ -1,8 +1,8 @@
-"""Names and leaves of output collections: what may enter, checked where it enters."""
+"""Names, levels and leaves of output collections: what may enter, checked there."""
 
 import contextlib
 import re
-from typing import Final, Literal, TypeAlias
+from typing import Final, Literal, Protocol, TypeAlias, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +43,40 @@ def validate_leaf_name(name: object, *, where: str) -> str:
             "`add_child` to nest outputs."
         )
     return name
+
+
+@runtime_checkable
+class ContextLike(Protocol):
+    """What checks and probes read of a `Context` (which imports them)."""
+
+    @property
+    def path(self) -> tuple[str, ...]:
+        """The names from the root to the context."""
+        ...
+
+    @property
+    def summary_level(self) -> int | None:
+        """Entries above this level are dropped; None keeps every level."""
+        ...
+
+
+def drops(ctx: ContextLike, name: object, level: object, where: str) -> bool:
+    """Whether an entry of `level` is dropped in `ctx` (checks the level and name).
+
+    Raises:
+        TypeError: if `level` is not an int, naming `where`.
+        ValueError: for an invalid `name` of a dropped entry.
+    """
+    if isinstance(level, bool) or not isinstance(level, (int, np.integer)):
+        raise TypeError(
+            f"`{where}(level=...)`: expected an int (a static level, 0 by default), "
+            f"got {type(level).__name__} {level!r}."
+        )
+    cap = ctx.summary_level
+    if cap is None or level <= cap:
+        return False
+    validate_leaf_name(name, where=where)
+    return True
 
 
 def check_summary_name(key: object, prefix: str, *, where: str) -> str:

@@ -13,17 +13,13 @@ import jax.numpy as jnp
 from jax.core import Tracer
 from jaxtyping import Array, ArrayLike
 
+from ._bodies import check_context, is_shape_only, iteration_context
 from ._checks import check_drop, note_missing_key
 from ._collection import OutputCollection, validate_child_name
 from ._combinators import scan_in_context
-from ._context import (
-    Context,
-    check_context,
-    fold_in_name,
-    is_shape_only,
-    iteration_context,
-)
+from ._context import Context
 from ._control import check_result
+from ._frame import fold_in_name
 from ._gradients import PendingGradient, is_pending
 from ._reconcile import identity_of
 from ._repeat import accumulate_trees, accumulator_shape, cast_like

@@ -1,27 +1,18 @@
 """FrozenMapping: the persistent, read-only mapping of every collection level.
 
-Every version is a value that is never written after it is made: its entries live in
-a hash array mapped trie (`immutables.Map`, a maintained C implementation), so adding
-an entry makes a new version in O(log n) that shares all but a path of the trie with
-the old one, and the old version stays exactly as it was. The insertion order, which
-reads and `repr` show, is a persistent chain of keys: a tuple of the keys a version
-was built with, then `(key, rest)` cells of the keys added since, newest first.
+A version is never written after it is made: its entries live in a hash array
+mapped trie (`immutables.Map`), so an add makes a new version in O(log n) that
+shares all but one path with the old one. The insertion order, which reads and
+`repr` show, is a persistent chain: the keys a version was built with, then `(key,
+rest)` cells of the keys added since, newest first.
 
-Why a trie and not a dict copied per add: a model with a thousand children adds to
-one level a thousand times, and a copy per add makes tracing quadratic. Why not an
-append-only log shared by versions (the earlier design): a shared mutable log needs
-locks, "is this the newest version" checks and tracer bookkeeping per JAX trace, and
-every one of those was a source of races and leaks; a trie needs none.
+A version made by unflattening keeps its sorted keys and children as JAX hands them
+over, and builds its trie only when a read needs it.
 
-A version made by unflattening (JAX does that at every transformation boundary)
-keeps its sorted keys and its children as JAX hands them over, and builds its trie
-only when a read needs one: a collection that passes through a transformation and is
-never read costs two tuples per level.
-
-An entry may also reserve a range of numbered names: an entry `key` with span `N`
-stands for `key0` … `key{N-1}` as well (a scan's per-iteration children). A version
-keeps its spans in a second trie; `reserver(name)` splits the trailing digits of
-`name` and looks the prefix up there.
+An entry may reserve numbered names: an entry `key` with span `N` stands for `key0`
+… `key{N-1}` too (a scan's per-iteration children). A version keeps its spans in a
+second trie; `reserver(name)` splits the trailing digits of `name` and looks the
+prefix up there.
 """
 
 # pyright: reportPrivateUsage=false

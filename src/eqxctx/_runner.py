@@ -23,8 +23,13 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import PyTree
 
 from ._aot import LoweredRunner, lower_runner
-from ._checks import check_callable
-from ._context import Context, check_is_training, check_prng_key, check_summary_level
+from ._checks import (
+    check_callable,
+    check_is_training,
+    check_prng_key,
+    check_summary_level,
+)
+from ._context import Context
 from ._frozen import Frozen, TreeEquality, refuse_assignment
 from ._partition import (
     DataPartition,

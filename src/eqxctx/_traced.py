@@ -16,8 +16,9 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array
 
+from ._bodies import row_mask_read
 from ._collection import OutputCollection
-from ._context import Context, check_returns_context, row_mask_read
+from ._context import Context, check_returns_context
 from ._frozen import Frozen
 from ._transfer import (
     constrain,

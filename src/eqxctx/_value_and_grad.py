@@ -13,17 +13,16 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, PyTree
 
-from ._checks import note_missing_key
-from ._collection import OutputCollection
-from ._context import (
-    Context,
+from ._bodies import gradient_root
+from ._checks import (
     check_is_training,
     check_path,
     check_prng_key,
-    check_returns_context,
     check_summary_level,
-    gradient_root,
+    note_missing_key,
 )
+from ._collection import OutputCollection
+from ._context import Context, check_returns_context
 from ._gradients import (
     GradientState,
     Level,
