@@ -5,7 +5,6 @@ Shared by `scan_in_context` and the while loops. The rules are `jax.lax.scan`'s 
 carry, not the loop state around it.
 """
 
-import dataclasses
 from typing import NamedTuple
 
 import equinox as eqx
@@ -20,23 +19,27 @@ from ._typing import Leaf, SummaryTree
 class LoopState(eqx.Module):
     """What a loop threads through `jax.lax.scan` / `jax.lax.while_loop`.
 
-    Diffrax's `State` (`diffrax/_integrate.py`): named fields, not a positional tuple.
-    Fields that a loop does not need are None (empty subtrees: nothing is carried).
+    Diffrax's `State` (`diffrax/_integrate.py`): named, typed fields, not a
+    positional tuple. Fields that a loop does not need are None (empty subtrees:
+    nothing is carried). A loop builds one per trace of its body.
 
     Attributes:
         carry: the user's carry, any PyTree.
         summaries: the summaries accumulated so far (merged loops), else None.
         first: bool scalar, True until one iteration has been accumulated.
-        index: uint32 scalar, the iteration whose key is `fold_in(child_key, index)`.
+        iteration: uint32 scalar, the index i of the next iteration (its key is
+            `fold_in(child_key, i)`).
     """
 
     carry: PyTree
     summaries: SummaryTree | None = None
     first: Array | None = None
-    index: Array | None = None
+    iteration: Array | None = None
 
-    def accumulate(self, new: SummaryTree, like: SummaryTree) -> "LoopState":
-        """Return the state with `new` accumulated (kept whole on the first iteration).
+    def accumulate(
+        self, new: SummaryTree, like: SummaryTree
+    ) -> tuple[SummaryTree, Array]:
+        """Return `(summaries, first)` with `new` accumulated (whole on the first).
 
         `like` gives the accumulator's structure and dtypes (`accumulator_shape`).
         """
@@ -46,7 +49,7 @@ class LoopState(eqx.Module):
         new = cast_like(new, like)
         summed = cast_like(accumulate_trees(acc, new), like)
         acc = jax.tree_util.tree_map(lambda a, b: jnp.where(first, a, b), new, summed)
-        return dataclasses.replace(self, summaries=acc, first=jnp.array(False))
+        return acc, jnp.array(False)
 
 
 class Names(NamedTuple):

@@ -4,7 +4,6 @@ Follows AXLearn's `scan_in_context` (`axlearn/common/module.py`) with the differ
 listed in `docs/differences.md`.
 """
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, SupportsIndex
 
@@ -235,7 +234,8 @@ def scan_in_context(
     given_carry = carry  # as given: `check_carry` names its weak types
     names = Names("`scan_in_context`", "carry{}", "the body", "jax.lax.scan")
     like: SummaryTree | None = None
-    state = LoopState(carry)
+    acc: SummaryTree | None = None
+    first: Array | None = None
     if merge:
         # The accumulator is carried, so its structure is needed before the scan:
         # one abstract evaluation of the body (no FLOPs, nothing in the program),
@@ -264,31 +264,28 @@ def scan_in_context(
             shapes = shapes_of(carry)
         like = accumulator_shape(shapes[2].summaries)
         acc = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), like)
-        state = LoopState(carry, acc, jnp.array(True))
-    if count:
-        index = jnp.array(max(n - 1, 0) if reverse else 0, jnp.uint32)
-        state = dataclasses.replace(state, index=index)
+        first = jnp.array(True)
+    index = jnp.array(max(n - 1, 0) if reverse else 0, jnp.uint32) if count else None
     step = jnp.array(1, jnp.uint32)
 
     def body(state: LoopState, inputs: _Inputs) -> tuple[LoopState, PyTree]:
-        index = state.index
+        index = state.iteration
         c, y, coll = one_iteration(state.carry, inputs, index)
         check_carry(state.carry, c, given_carry, names)
-        state = dataclasses.replace(state, carry=c)
+        acc, first = state.summaries, state.first
         if like is not None:
-            state = state.accumulate(coll.summaries, like)
+            acc, first = state.accumulate(coll.summaries, like)
             coll = OutputCollection({}, coll.state_updates, coll.module_outputs)
         if index is not None:
             index = index - step if reverse else index + step
-            state = dataclasses.replace(state, index=index)
-        return state, (y, coll)
+        return LoopState(c, acc, first, index), (y, coll)
 
     if remat is not None:
         body = jax.checkpoint(body, **remat)
     with jax.named_scope(prefix):
         final, (ys, stacked) = jax.lax.scan(
             body,
-            state,
+            LoopState(carry, acc, first, index),
             stacked_inputs,
             length=n,
             reverse=reverse,

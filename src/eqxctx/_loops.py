@@ -5,7 +5,6 @@ carry (identities before the first iteration); `fori_in_context` with static bou
 `scan_in_context`.
 """
 
-import dataclasses
 import operator
 from collections.abc import Callable, Mapping
 
@@ -219,11 +218,10 @@ def _while(
     acc0 = cast_like(_identity_tree(like), like)
 
     def body(state: LoopState) -> LoopState:
-        i = state.index
+        i = state.iteration
         assert i is not None
         val, coll = one(state.carry, i, False)
-        state = state.accumulate(coll.summaries, like)
-        return dataclasses.replace(state, carry=val, index=i + 1)
+        return LoopState(val, *state.accumulate(coll.summaries, like), i + 1)
 
     with jax.named_scope(name):
         final = jax.lax.while_loop(
