@@ -16,8 +16,9 @@ from jaxtyping import PyTree
 
 from ._checks import check_positive_int_or_none, is_jax_array_type
 from ._collection import OutputCollection
+from ._expand import flatten_into, materialize_tree
 from ._frozen import TreeEquality
-from ._iterations import check_iterations, flatten_into, freeze, materialize_tree
+from ._iterations import check_iterations, freeze
 from ._mapping import FrozenMapping
 from ._repeat import accumulate_trees
 from ._runner import MethodRunner

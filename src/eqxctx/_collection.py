@@ -12,16 +12,9 @@ import jax
 import numpy as np
 
 from ._errors import PREFIX_HINT, OutputConflictError
+from ._expand import flatten_into, has_leaf, materialize_tree, prune_kinds
 from ._frozen import TreeEquality
-from ._iterations import (
-    IterationSummaries,
-    flatten_into,
-    freeze,
-    has_leaf,
-    iteration_view,
-    materialize_tree,
-    prune_kinds,
-)
+from ._iterations import IterationSummaries, freeze, iteration_view
 from ._leaves import (
     ADDERS,
     ARRAY,

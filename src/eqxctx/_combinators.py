@@ -4,144 +4,43 @@ Follows AXLearn's `scan_in_context` (`axlearn/common/module.py`) with the differ
 listed in `docs/differences.md`.
 """
 
-import operator
 from collections.abc import Callable, Mapping
 from typing import Any, SupportsIndex
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jaxtyping import Array, ArrayLike, PyTree
+from jaxtyping import Array, PyTree
 
 from ._bodies import check_context, gradient_state, is_shape_only, iteration_context
+from ._carry import LoopState, Names, check_carry, promote_weak
 from ._checks import check_drop, check_in_axes, check_path, note_missing_key
 from ._collection import OutputCollection, validate_child_name
 from ._context import Context
 from ._frame import fold_in_name
 from ._gradients import enter_iterations
+from ._lengths import check_per_iteration, scan_length, vmap_length
 from ._mapping import EMPTY
 from ._propagate import (
     assemble,
     propagate_repeated_output_collections as propagate,
 )
-from ._repeat import accumulate_trees, accumulator_shape, cast_like, fold_stacked
-from ._summary import is_array_leaf
-from ._typing import Carry, InAxes, Leaf, PRNGKeys, SummaryTree, Tree, X, Y
+from ._repeat import accumulator_shape, fold_stacked
+from ._typing import Carry, InAxes, PRNGKeys, SummaryTree, X, Y
 
 
-_PER_ITERATION_KEYS = ("prng_key",)
+class _Inputs(eqx.Module):
+    """What `jax.lax.scan` slices for each iteration (all stacked `[N, ...]`).
 
+    Attributes:
+        x: the user's `xs`.
+        key: `per_iteration["prng_key"]`, or None.
+        sinks: the gradient sinks of the probes inside (under `value_and_grad`).
+    """
 
-def _fold_in(key: PRNGKeys, index: ArrayLike) -> PRNGKeys:
-    """Return iteration `index`'s key, `jax.random.fold_in(key, index)`."""
-    return jax.random.fold_in(key, index)
-
-
-def _leaves_with_names(tree: PyTree, root: str) -> list[tuple[str, Leaf]]:
-    leaves = jax.tree_util.tree_leaves_with_path(tree)
-    return [(f"{root}{jax.tree_util.keystr(path)}", leaf) for path, leaf in leaves]
-
-
-def _check_array_leaf(name: str, leaf: Leaf, where: str) -> None:
-    """Raise for a leaf that is not an array (e.g. a function field of a module)."""
-    if not is_array_leaf(leaf):
-        args = "`xs` and `per_iteration` may" if "scan" in where else "`xs` may"
-        raise TypeError(
-            f"{where}: {name} is a {type(leaf).__name__}, not an array; {args} "
-            "hold arrays only (as in `jax.lax.scan` and "
-            "`jax.vmap`). For a stacked Equinox module (e.g. built with "
-            "`eqx.filter_vmap`), pass its arrays, `params, static = "
-            "eqx.partition(xs, eqx.is_array)`, and rebuild each one in the body "
-            "with `eqx.combine(params_i, static)`."
-        )
-
-
-def _scan_length(xs: PyTree, per_iteration: Tree, length: object) -> int:
-    """Return N, checking every leading axis before anything is traced."""
-    where = "`scan_in_context`"
-    if length is not None:
-        try:
-            if isinstance(length, bool):
-                raise TypeError
-            length = operator.index(length)  # pyright: ignore[reportArgumentType]
-        except TypeError:
-            raise ValueError(
-                f"{where}: length must be a non-negative int, got {length!r}."
-            ) from None
-        if length < 0:
-            raise ValueError(
-                f"{where}: length must be a non-negative int, got {length!r}."
-            )
-    leaves = _leaves_with_names(xs, "xs") + _leaves_with_names(
-        dict(per_iteration), "per_iteration"
-    )
-    sizes: list[tuple[str, tuple[int, ...]]] = []
-    for name, leaf in leaves:
-        _check_array_leaf(name, leaf, where)
-        shape = tuple(jnp.shape(leaf))
-        if not shape:
-            raise ValueError(
-                f"{where}: {name} has shape (); every leaf of `xs` and "
-                "`per_iteration` needs a leading axis N (the iterations)."
-            )
-        sizes.append((name, shape))
-    distinct = {shape[0] for _, shape in sizes}
-    if length is not None:
-        distinct.add(length)
-    if len(distinct) > 1:
-        listing = ", ".join(f"{name} {shape}" for name, shape in sizes)
-        extra = f" and length={length}" if length is not None else ""
-        raise ValueError(
-            f"{where}: the leading axes of `xs` and `per_iteration` must all equal N, "
-            f"but they disagree: {listing}{extra}. Give every leaf the same leading "
-            "axis (one entry per iteration)."
-        )
-    if not distinct:
-        raise ValueError(
-            f"{where}: cannot tell the number of iterations: `xs` has no array leaf "
-            "and `length` is None. Pass `length=N` (with `xs=None`) or non-empty `xs`."
-        )
-    return distinct.pop()
-
-
-def _check_per_iteration(per_iteration: object) -> dict[str, PRNGKeys]:
-    if per_iteration is None:
-        return {}
-    if not isinstance(per_iteration, Mapping):
-        raise ValueError(
-            "`scan_in_context(per_iteration=...)`: expected a mapping such as "
-            f"{{'prng_key': keys}}, got {type(per_iteration).__name__}."
-        )
-    unknown = sorted(set(per_iteration) - set(_PER_ITERATION_KEYS))
-    if unknown:
-        raise ValueError(
-            f"`scan_in_context(per_iteration=...)`: unknown keys {unknown}; only "
-            f"{list(_PER_ITERATION_KEYS)} can be overridden per iteration."
-        )
-    keys = per_iteration.get("prng_key")
-    if keys is not None:
-        dtype = getattr(keys, "dtype", None)
-        shape = getattr(keys, "shape", None)
-        if (
-            dtype is None
-            or shape is None
-            or not (
-                (jnp.issubdtype(dtype, jax.dtypes.prng_key) and len(shape) == 1)
-                or (dtype == np.uint32 and len(shape) == 2 and shape[1] == 2)
-            )
-        ):
-            given = (
-                f"an array of dtype {dtype} and shape {tuple(shape)}"
-                if dtype is not None and shape is not None
-                else type(keys).__name__
-            )
-            raise TypeError(
-                "`scan_in_context(per_iteration=...)`: 'prng_key' must hold one key "
-                "per iteration: raw keys uint32[N, 2] (`jax.random.split(key, N)` of "
-                "a `jax.random.PRNGKey`) or typed keys key[N] (of a "
-                f"`jax.random.key`), got {given}."
-            )
-    return dict(per_iteration)
+    x: PyTree
+    key: PyTree
+    sinks: PyTree
 
 
 def _check_remat(remat_kwargs: Mapping[str, object] | None) -> dict[str, Any] | None:
@@ -216,7 +115,7 @@ def scan_in_context(
       memory does not grow with N. N == 0 gives no summaries, N == 1 no accumulation.
 
     Keys: with `child_key = fold_in(context.prng_key, seed(child_name_prefix))`
-    (AXLearn's child seed), iteration i gets `_fold_in(child_key, i)`, or
+    (AXLearn's child seed), iteration i gets `fold_in(child_key, i)`, or
     `child_key` itself when `split_prng_key=False`, or `per_iteration["prng_key"][i]`.
     A key-less context gives key-less iterations.
 
@@ -282,8 +181,8 @@ def scan_in_context(
     prefix = validate_child_name(
         child_name_prefix, where="scan_in_context(child_name_prefix=...)"
     )
-    overrides = _check_per_iteration(per_iteration)
-    n = _scan_length(xs, overrides, length)
+    overrides = check_per_iteration(per_iteration)
+    n = scan_length(xs, overrides, length)
     remat = _check_remat(remat_kwargs)
     child_key: PRNGKeys | None = fold_in_name(context.prng_key, prefix)
     given_keys: PRNGKeys | None = overrides.get("prng_key")
@@ -300,25 +199,22 @@ def scan_in_context(
         merged=merge_summaries,
         reverse=reverse,
     )
-    sinks = grads.sinks if grads is not None else None
+    stacked_inputs = _Inputs(xs, given_keys, None if grads is None else grads.sinks)
 
     def one_iteration(
-        c: PyTree, x: PyTree, k: PyTree, s: PyTree, shape_only: bool = False
+        c: PyTree, inputs: _Inputs, index: Array | None, shape_only: bool = False
     ) -> tuple[PyTree, PyTree, OutputCollection]:
-        if given_keys is not None:
-            key = k
-        elif count and child_key is not None:
-            key = _fold_in(child_key, k)
-        else:
-            key = child_key
+        key = child_key if inputs.key is None else inputs.key
+        if index is not None and child_key is not None:
+            key = jax.random.fold_in(child_key, index)
         ctx_i = iteration_context(
             context,
             prefix,
             key,
             shape_only=shape_only,
-            gradients=grads.state(s) if grads is not None else None,
+            gradients=None if grads is None else grads.state(inputs.sinks),
         )
-        c, y, ctx_i = _run_body(fn, (c, x, ctx_i), "`scan_in_context`", 3)
+        c, y, ctx_i = _run_body(fn, (c, inputs.x, ctx_i), "`scan_in_context`", 3)
         coll = ctx_i.collection
         if drop_output is not None:
             coll = coll.prune(drop_output)
@@ -329,28 +225,27 @@ def scan_in_context(
     # nested merged scans trace each body at most twice in total per level.
     shape_only = is_shape_only(context)
     merge = merge_summaries and n >= 2 and not shape_only
-    init_carry = carry  # as given: `_check_carry` names its weak types
+    given_carry = carry  # as given: `check_carry` names its weak types
+    names = Names("`scan_in_context`", "carry{}", "the body", "jax.lax.scan")
+    like: SummaryTree | None = None
     acc: SummaryTree | None = None
     first: Array | None = None
-    like: SummaryTree | None = None
     if merge:
         # The accumulator is carried, so its structure is needed before the scan:
         # one abstract evaluation of the body (no FLOPs, nothing in the program),
         # during which nested scans take the shape-only path.
-        x0, k0, s0 = jax.tree_util.tree_map(
+        inputs0 = jax.tree_util.tree_map(
             lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)),
-            (xs, given_keys, sinks),
+            stacked_inputs,
         )
-        if count:
-            k0 = jax.ShapeDtypeStruct((), jnp.uint32)
+        index0 = jax.ShapeDtypeStruct((), jnp.uint32) if count else None
 
         def shapes_of(c: PyTree) -> tuple[PyTree, PyTree, OutputCollection]:
             return jax.eval_shape(
-                lambda c, x, k, s: one_iteration(c, x, k, s, shape_only=True),
+                lambda c, inputs, i: one_iteration(c, inputs, i, shape_only=True),
                 c,
-                x0,
-                k0,
-                s0,
+                inputs0,
+                index0,
             )
 
         shapes = shapes_of(carry)
@@ -358,7 +253,7 @@ def scan_in_context(
         # `jax.lax.scan` would (then `jax.lax.scan` traces the body once), and the
         # body evaluated again: the accumulator takes the dtypes of the iterations
         # that run.
-        carry, changed = _promote_weak(carry, shapes[0])
+        carry, changed = promote_weak(carry, shapes[0])
         if changed:
             shapes = shapes_of(carry)
         like = accumulator_shape(shapes[2].summaries)
@@ -367,40 +262,34 @@ def scan_in_context(
     index = jnp.array(max(n - 1, 0) if reverse else 0, jnp.uint32) if count else None
     step = jnp.array(1, jnp.uint32)
 
-    def body(
-        state: PyTree, inputs: tuple[PyTree, PyTree, PyTree]
-    ) -> tuple[PyTree, PyTree]:
-        c_in, acc, first, index = state
-        x, k, s = inputs
-        c, y, coll = one_iteration(c_in, x, index if count else k, s)
-        _check_carry(c_in, c, init_carry)
-        if merge and like is not None:
-            new = cast_like(coll.summaries, like)
-            summed = cast_like(accumulate_trees(acc, new), like)
-            acc = jax.tree_util.tree_map(
-                lambda a, b: jnp.where(first, a, b), new, summed
-            )
-            first = jnp.array(False)
+    def body(state: LoopState, inputs: _Inputs) -> tuple[LoopState, PyTree]:
+        index = state.iteration
+        c, y, coll = one_iteration(state.carry, inputs, index)
+        check_carry(state.carry, c, given_carry, names)
+        acc, first = state.summaries, state.first
+        if like is not None:
+            acc, first = state.accumulate(coll.summaries, like)
             coll = OutputCollection({}, coll.state_updates, coll.module_outputs)
-        if count:
+        if index is not None:
             index = index - step if reverse else index + step
-        return (c, acc, first, index), (y, coll)
+        return LoopState(c, acc, first, index), (y, coll)
 
     if remat is not None:
         body = jax.checkpoint(body, **remat)
     with jax.named_scope(prefix):
-        (carry_out, merged, _, _), (ys, stacked) = jax.lax.scan(
+        final, (ys, stacked) = jax.lax.scan(
             body,
-            (carry, acc, first, index),
-            (xs, given_keys, sinks),
+            LoopState(carry, acc, first, index),
+            stacked_inputs,
             length=n,
             reverse=reverse,
             unroll=unroll,
         )
+    merged = final.summaries
     if merge_summaries and not merge:  # nothing to accumulate, or a shape-only pass
         merged = fold_stacked(stacked.summaries, n, reverse=reverse) if n else EMPTY
     return (
-        carry_out,
+        final.carry,
         ys,
         assemble(
             stacked,
@@ -410,153 +299,6 @@ def scan_in_context(
             reverse=reverse,
         ),
     )
-
-
-def _is_weak(x: object) -> bool:
-    """Return whether `x` is weakly typed (a Python scalar, or an array from one)."""
-    try:
-        return bool(getattr(jax.typeof(x), "weak_type", False))
-    except TypeError:  # not an array; `jax.lax.scan` rejects it itself
-        return False
-
-
-def _type_str(x: Any) -> str:
-    return f"{jnp.result_type(x)}{list(jnp.shape(x))}"
-
-
-def _promote_weak(carry: PyTree, out: PyTree) -> tuple[PyTree, bool]:
-    """Apply `jax.lax.scan`'s rule for a weakly typed initial carry.
-
-    A weakly typed leaf whose dtype differs from the body's result `out` (abstract) is
-    converted to `jnp.result_type(leaf, out)`, as `jax.lax.scan` does before tracing
-    its body a second time. Returns the carry and whether any leaf changed; a carry
-    of another structure or shape is returned as it is (`_check_carry` reports it).
-    """
-    leaves, treedef = jax.tree_util.tree_flatten(carry)
-    outs = jax.tree_util.tree_leaves(out)
-    if jax.tree_util.tree_structure(out) != treedef:
-        return carry, False
-    changed = False
-    promoted: list[Leaf] = []
-    for x, o in zip(leaves, outs, strict=True):
-        if (
-            _is_weak(x)
-            and jnp.shape(x) == o.shape
-            and jnp.result_type(x) != jnp.result_type(o)
-        ):
-            x = jax.lax.convert_element_type(x, jnp.result_type(x, o))
-            changed = True
-        promoted.append(x)
-    return treedef.unflatten(promoted), changed
-
-
-def _check_carry(before: PyTree, after: PyTree, init: PyTree) -> None:
-    """Raise for a body whose carry changes structure, shape or dtype (at trace time).
-
-    `jax.lax.scan` raises too, but names eqxctx's internal loop state (`state[0]`).
-    Its rule for weak types is kept: on the first trace a weakly typed leaf of the
-    initial carry `init` may come back in another dtype (with the same shape);
-    `jax.lax.scan` then converts it to `jnp.result_type(init, returned)` and traces
-    the body again, where the dtypes must match.
-    """
-    where = "`scan_in_context`"
-    got, want = (
-        jax.tree_util.tree_structure(after),
-        jax.tree_util.tree_structure(before),
-    )
-    if got != want:
-        raise TypeError(
-            f"{where}: the body returned a carry with structure {got}, but the carry "
-            f"went in as {want}; `fn` must return a carry of the same structure, "
-            "shapes and dtypes (as in `jax.lax.scan`)."
-        )
-    leaves = jax.tree_util.tree_leaves_with_path(before)
-    inits = jax.tree_util.tree_leaves(init)
-    weak = [_is_weak(x) for x in inits]
-    # The second trace: a weakly typed initial leaf came in converted.
-    promoted = [w and not _is_weak(a) for w, (_, a) in zip(weak, leaves, strict=True)]
-    first_trace = not any(promoted)
-    outs = jax.tree_util.tree_leaves(after)
-    for j, ((path, a), b) in enumerate(zip(leaves, outs, strict=True)):
-        same_shape = jnp.shape(a) == jnp.shape(b)
-        if same_shape and jnp.result_type(a) == jnp.result_type(b):
-            continue
-        if first_trace and weak[j] and same_shape:
-            continue  # `jax.lax.scan` converts it and traces the body again
-        name = f"carry{jax.tree_util.keystr(path)}"
-        if not weak[j]:
-            raise TypeError(
-                f"{where}: {name} went in as {_type_str(a)} but the body returned "
-                f"{_type_str(b)}; `fn` must return a carry of the same shapes and "
-                "dtypes (as in `jax.lax.scan`). Cast it, e.g. "
-                "`new.astype(old.dtype)`, or start from a carry of the right dtype."
-            )
-        went_in = (
-            f"went in as a weakly typed {_type_str(inits[j])} (e.g. a Python scalar)"
-        )
-        if promoted[j]:
-            went_in += (
-                f", which `jax.lax.scan` converted to {_type_str(a)} (the result type "
-                "of it and the dtype the body first returned) before tracing the body "
-                "again,"
-            )
-        raise TypeError(
-            f"{where}: {name} {went_in} but the body returned {_type_str(b)}; `fn` "
-            "must return a carry of the same shapes"
-            + (" and dtypes" if same_shape else "")
-            + " (as in `jax.lax.scan`, where a weakly typed carry may change its "
-            "dtype once, never its shape). Start from a carry of the dtype and shape "
-            "the body returns, e.g. `jnp.zeros(shape, dtype)`."
-        )
-
-
-def _vmap_length(xs: PyTree, in_axes: InAxes) -> int:
-    where = "`vmap_in_context`"
-    # Each leaf of `xs` with the axis of the `in_axes` leaf above it. `None` in
-    # `in_axes` is a leaf (unmapped); `None` in `xs` is an empty subtree, as in
-    # `jax.vmap`.
-    mapped: list[tuple[str, Leaf, int | None]] = []
-
-    def collect(path: tuple[Any, ...], ax: int | None, sub: PyTree) -> None:
-        for sub_path, leaf in jax.tree_util.tree_leaves_with_path(sub):
-            mapped.append((f"xs{jax.tree_util.keystr((*path, *sub_path))}", leaf, ax))
-
-    try:
-        jax.tree_util.tree_map_with_path(
-            collect, in_axes, xs, is_leaf=lambda a: a is None
-        )
-    except ValueError as e:
-        raise ValueError(
-            f"{where}: `in_axes` must be a prefix of the structure of `xs` (as in "
-            f"`jax.vmap`): {e}"
-        ) from None
-    sizes: list[tuple[str, int, tuple[int, ...], int]] = []
-    for name, leaf, ax in mapped:
-        if ax is None:
-            continue
-        _check_array_leaf(name, leaf, where)
-        shape = tuple(jnp.shape(leaf))
-        if not -len(shape) <= ax < len(shape):
-            raise ValueError(
-                f"{where}: in_axes {ax} is out of range for {name} with shape {shape}."
-            )
-        sizes.append((name, shape[ax], shape, ax))
-    distinct = {size for _, size, _, _ in sizes}
-    if len(distinct) > 1:
-        listing = ", ".join(
-            f"{name} {shape} mapped over axis {ax} (size {size})"
-            for name, size, shape, ax in sizes
-        )
-        raise ValueError(
-            f"{where}: the mapped axes of `xs` must all have the same size, but they "
-            f"disagree: {listing}."
-        )
-    if not distinct:
-        raise ValueError(
-            f"{where}: no leaf of `xs` is mapped (all `in_axes` are None or `xs` has "
-            "no array leaf); there must be at least one mapped axis."
-        )
-    return distinct.pop()
 
 
 def vmap_in_context(
@@ -619,7 +361,7 @@ def vmap_in_context(
     prefix = validate_child_name(
         child_name_prefix, where="vmap_in_context(child_name_prefix=...)"
     )
-    n = _vmap_length(xs, in_axes)
+    n = vmap_length(xs, in_axes)
     child_key: PRNGKeys | None = fold_in_name(context.prng_key, prefix)
     split = child_key is not None and split_prng_key
     grads = enter_iterations(
@@ -630,10 +372,13 @@ def vmap_in_context(
         merged=merge_summaries,
         reverse=False,
     )
-    sinks = grads.sinks if grads is not None else None
 
     def body(x: PyTree, i: Array, s: PyTree) -> tuple[PyTree, OutputCollection]:
-        key = _fold_in(child_key, i) if split and child_key is not None else child_key
+        key = (
+            jax.random.fold_in(child_key, i)
+            if split and child_key is not None
+            else child_key
+        )
         ctx_i = iteration_context(
             context,
             prefix,
@@ -651,7 +396,7 @@ def vmap_in_context(
     with jax.named_scope(prefix):
         ys, stacked = jax.vmap(
             body, in_axes=(in_axes, 0, 0), axis_size=n, axis_name=axis_name
-        )(xs, index, sinks)
+        )(xs, index, grads.sinks if grads is not None else None)
     return ys, propagate(
         stacked, child_name_prefix=prefix, merge_summaries=merge_summaries, length=n
     )

@@ -14,6 +14,7 @@ from jax.core import Tracer
 from jaxtyping import Array, ArrayLike
 
 from ._bodies import check_context, is_shape_only, iteration_context
+from ._carry import LoopState, Names, check_carry, promote_weak
 from ._checks import check_drop, note_missing_key
 from ._collection import OutputCollection, validate_child_name
 from ._combinators import scan_in_context
@@ -22,9 +23,9 @@ from ._control import check_result
 from ._frame import fold_in_name
 from ._gradients import PendingGradient, is_pending
 from ._reconcile import identity_of
-from ._repeat import accumulate_trees, accumulator_shape, cast_like
+from ._repeat import accumulator_shape, cast_like
 from ._summary import Summary
-from ._typing import Carry, DType, Leaf, PRNGKeys, SummaryTree
+from ._typing import Carry, Leaf, PRNGKeys, SummaryTree
 
 
 def _no_stacked_outputs(coll: OutputCollection, path: str, where: str) -> None:
@@ -56,62 +57,6 @@ def _no_probes(coll: OutputCollection, where: str, why: str) -> None:
                 "loop, or loop with `fori_in_context` over Python-int bounds (a "
                 "scan; e.g. a static maximum, masking the extra iterations) or "
                 "`scan_in_context`."
-            )
-
-
-def _promote_weak(init: Carry, out: Carry) -> tuple[Carry, bool]:
-    """Promote weakly typed leaves of `init` towards `out`'s dtypes (as JAX does).
-
-    `jax.lax.while_loop` (`_promote_weak_typed_input`): a weakly typed initial leaf
-    (a Python scalar) whose type differs from the body's output is converted to
-    `result_type(init, out)`, and the body is traced again.
-    """
-    leaves, treedef = jax.tree_util.tree_flatten(init)
-    outs = jax.tree_util.tree_leaves(out)
-    if treedef != jax.tree_util.tree_structure(out):
-        return init, False  # reported by `_check_carry`
-    changed = False
-    new: list[object] = []
-    for a, b in zip(leaves, outs, strict=True):
-        if jax.typeof(a).weak_type and _type(a) != _type(b):
-            try:
-                a = jax.lax.convert_element_type(a, jnp.result_type(a, b))
-                changed = True
-            except jax.dtypes.TypePromotionError:  # strict promotion: reported later
-                pass
-        new.append(a)
-    return treedef.unflatten(new), changed
-
-
-def _type(x: object) -> tuple[tuple[int, ...], DType]:
-    return tuple(jnp.shape(x)), jnp.result_type(x)  # pyright: ignore[reportArgumentType]
-
-
-def _check_carry(init: Carry, out: Carry, where: str) -> None:
-    """Raise for a body whose carry changes structure, shape or dtype (trace time).
-
-    The rule of `jax.lax.while_loop` (weak types ignored, after `_promote_weak`),
-    which would raise too, naming eqxctx's internal loop state.
-    """
-    got, want = jax.tree_util.tree_structure(out), jax.tree_util.tree_structure(init)
-    if got != want:
-        raise TypeError(
-            f"{where}: body_fn returned a carry with structure {got}, but `init_val` "
-            f"has structure {want}; body_fn must return a carry of the same "
-            "structure, shapes and dtypes (as in `jax.lax.while_loop`)."
-        )
-    leaves = jax.tree_util.tree_leaves_with_path(init)
-    for (path, a), b in zip(leaves, jax.tree_util.tree_leaves(out), strict=True):
-        (a_shape, a_dtype), (b_shape, b_dtype) = _type(a), _type(b)
-        if (a_shape, a_dtype) != (b_shape, b_dtype):
-            name = f"init_val{jax.tree_util.keystr(path)}"
-            raise TypeError(
-                f"{where}: `{name}` went in as {a_dtype}{list(a_shape)} but body_fn "
-                f"returned {b_dtype}{list(b_shape)} for it; body_fn must return a "
-                "carry of the same structure, shapes and dtypes (as in "
-                "`jax.lax.while_loop`). Cast it, e.g. `new.astype(old.dtype)`, or "
-                "start from a carry of the right dtype (a Python scalar takes the "
-                "body's dtype)."
             )
 
 
@@ -252,11 +197,15 @@ def _while(
             return one(init, i0, True)
         return jax.eval_shape(lambda v, i: one(v, i, True), init, i0)
 
+    given = init_val
     out, coll = abstract(init_val)
-    init_val, promoted = _promote_weak(init_val, out)
+    init_val, promoted = promote_weak(init_val, out)
     if promoted:  # as `jax.lax.while_loop`: trace again from the promoted carry
         out, coll = abstract(init_val)
-    _check_carry(view(init_val), view(out), f"{where} at {path!r}")
+    names = Names(
+        f"{where} at {path!r}", "`init_val{}`", "body_fn", "jax.lax.while_loop"
+    )
+    check_carry(view(init_val), view(out), view(given), names)
     _no_probes(coll, where, why)
     _no_stacked_outputs(coll, path, where)
     like = accumulator_shape(coll.summaries)
@@ -264,24 +213,20 @@ def _while(
         return out, _result(name, cast_like(coll.summaries, like))
     acc0 = cast_like(_identity_tree(like), like)
 
-    def cond(state: tuple[Carry, SummaryTree, Array, Array]) -> ArrayLike:
-        return cond_fn(state[0])
-
-    def body(
-        state: tuple[Carry, SummaryTree, Array, Array],
-    ) -> tuple[Carry, SummaryTree, Array, Array]:
-        val, acc, first, i = state
-        new_val, coll = one(val, i, False)
-        new = cast_like(coll.summaries, like)
-        summed = cast_like(accumulate_trees(acc, new), like)
-        acc = jax.tree_util.tree_map(lambda a, b: jnp.where(first, a, b), new, summed)
-        return new_val, acc, jnp.array(False), i + 1
+    def body(state: LoopState) -> LoopState:
+        i = state.iteration
+        assert i is not None
+        val, coll = one(state.carry, i, False)
+        return LoopState(val, *state.accumulate(coll.summaries, like), i + 1)
 
     with jax.named_scope(name):
-        val, acc, _, _ = jax.lax.while_loop(
-            cond, body, (init_val, acc0, jnp.array(True), i0)
+        final = jax.lax.while_loop(
+            lambda state: cond_fn(state.carry),
+            body,
+            LoopState(init_val, acc0, jnp.array(True), i0),
         )
-    return val, _result(name, acc)
+    assert final.summaries is not None
+    return final.carry, _result(name, final.summaries)
 
 
 def _result(name: str, summaries: SummaryTree) -> OutputCollection:

@@ -13,12 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike
 
-from ._iterations import (
-    IterationSummaries,
-    check_entry,
-    iteration_axes,
-    materialize_tree,
-)
+from ._expand import materialize_tree
+from ._iterations import IterationSummaries, check_entry, iteration_axes
 from ._mapping import EMPTY
 from ._summary import Summary, accumulate_leaf
 from ._typing import Leaf, SummaryTree

@@ -5,8 +5,7 @@ Follows AXLearn's `MethodRunner` and `InferenceRunner.create_method_runner`
 returns `(new_key, outputs, summaries, module_outputs)`, with inputs, outputs and
 parameters under sharding constraints.
 
-`eqx.filter_jit`'s semantics (array leaves traced, the rest static, equal static
-parts share a compilation) without its per-call partitioning: `create` partitions
+`eqx.filter_jit`'s semantics without its per-call partitioning: `create` partitions
 the model once into parameter leaves and a hashable `Settings`, and a call is
 `Step.call` (`_step.py`) plus the next runner's constructor.
 """

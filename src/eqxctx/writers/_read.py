@@ -13,7 +13,7 @@ import numpy as np
 
 from eqxctx._checks import is_jax_array_type
 from eqxctx._collection import OutputCollection
-from eqxctx._iterations import flatten_into
+from eqxctx._expand import flatten_into
 from eqxctx._leaves import check_summary_name
 from eqxctx._mapping import FrozenMapping
 from eqxctx._records import is_record_type

@@ -51,7 +51,7 @@ def tag_of(path: str) -> str:
 
 
 # The tags of a layout's row paths, by the identity of the paths tuple (one cached
-# object per layout, see `_iterations._row_paths`); each entry holds its tuple, so
+# object per layout, see `_expand._row_paths`); each entry holds its tuple, so
 # the id stays its own.
 _TAGS: dict[int, tuple[tuple[str, ...], list[str]]] = {}
 
