@@ -3,6 +3,7 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
 
@@ -29,7 +30,7 @@ class Block(eqx.Module):
 
 
 class GPT(eqx.Module):
-    """Token embedding, `depth` blocks (stacked by `eqx.filter_vmap`, run by a scan)."""
+    """Token embedding, `depth` blocks (stacked `[depth, ...]`, run by a scan)."""
 
     embed: eqx.nn.Embedding
     blocks: Block
@@ -40,8 +41,15 @@ class GPT(eqx.Module):
     ):
         k1, k2, k3 = jax.random.split(key, 3)
         self.embed = eqx.nn.Embedding(vocab, dim, key=k1)
-        keys = jax.random.split(k2, depth)
-        self.blocks = eqx.filter_vmap(lambda k: Block(dim, heads, key=k))(keys)
+        # Stacked `[depth, ...]` as `eqx.filter_vmap(Block)` would (other values):
+        # built one by one, each depth costs no new compilation of the initialisers
+        # (under vmap, every new depth compiled them again, seconds each).
+        layers = [Block(dim, heads, key=k) for k in jax.random.split(k2, depth)]
+        arrays = [eqx.filter(layer, eqx.is_array) for layer in layers]
+        stacked = jax.tree.map(lambda *a: jnp.asarray(np.stack(a)), *arrays)
+        self.blocks = eqx.combine(
+            stacked, eqx.filter(layers[0], eqx.is_array, inverse=True)
+        )
         self.head = eqx.nn.Linear(dim, vocab, key=k3)
 
     def __call__(self, tokens: Array) -> Float[Array, "seq vocab"]:

@@ -56,8 +56,9 @@ def _inputs(n: int, w: int) -> tuple[Any, Any]:
 @given(spec=body_specs(), data=st.data())
 def test_scan_matches_python_loop(spec: Any, data: st.DataObject) -> None:
     outputs, with_sub, paths = spec
-    n = data.draw(st.integers(0, 12), label="n")
-    w = data.draw(st.integers(1, 3), label="w")
+    # A few lengths, not 13: each (n, w) compiles the scan and its reference again.
+    n = data.draw(st.sampled_from([0, 1, 2, 5]), label="n")
+    w = data.draw(st.integers(1, 2), label="w")
     dropped = data.draw(st.sets(st.sampled_from(paths), max_size=3), label="dropped")
     merge = data.draw(st.booleans(), label="merge")
     reverse = data.draw(st.booleans(), label="reverse")

@@ -1,3 +1,4 @@
+import functools
 import json
 import os
 import re
@@ -347,15 +348,21 @@ def test_model_scan_equals_a_python_loop_over_layers() -> None:
 def test_model_dropout_uses_the_context_keys_only_in_training() -> None:
     model, batch = _small_model(), _batch()
 
-    def hidden(key: int, training: bool) -> np.ndarray:
+    # Compiled once per mode (called eagerly, each call compiled its scan again).
+    @functools.partial(jax.jit, static_argnums=1)
+    def run(key: jax.Array, training: bool) -> Any:
         _, coll = eqxctx.functional(
             model.evaluate,
-            prng_key=jax.random.PRNGKey(key),
+            prng_key=key,
             is_training=training,
             args=(batch,),
             drop_output_collections=(),
         )
-        return np.asarray(coll.flatten("module_outputs")["layers/iter/hidden"])
+        return coll.module_outputs
+
+    def hidden(key: int, training: bool) -> np.ndarray:
+        outputs = run(jax.random.PRNGKey(key), training)
+        return np.asarray(outputs["layers"]["iter"]["hidden"])
 
     np.testing.assert_array_equal(hidden(1, False), hidden(2, False))
     np.testing.assert_array_equal(hidden(1, True), hidden(1, True))

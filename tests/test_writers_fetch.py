@@ -129,12 +129,16 @@ def test_fresh_arrays_of_one_signature_reuse_the_plan() -> None:
     assert len(fetch._plans) == 1  # pyright: ignore[reportPrivateUsage]
 
 
-def test_cache_is_bounded() -> None:
+def test_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A small bound: each new signature compiles a plan (the default, 64, took 12 s).
+    monkeypatch.setattr(fetch, "MAX_PLANS", 4)
+    sizes = []
     for n in range(fetch.MAX_PLANS + 5):
-        tree = [jnp.zeros((n,)), jnp.ones((1,))]
-        device_get(tree)
-        device_get(tree)
-        assert len(fetch._plans) <= fetch.MAX_PLANS  # pyright: ignore[reportPrivateUsage]
+        tree = [jax.device_put(np.zeros((n,), np.float32)), jnp.ones((1,))]
+        assert_same_bits(device_get(tree), jax.device_get(tree))
+        assert_same_bits(device_get(tree), jax.device_get(tree))
+        sizes.append(len(fetch._plans))  # pyright: ignore[reportPrivateUsage]
+    assert sizes == [1, 2, 3, 4, 1, 2, 3, 4, 1]
 
 
 def test_key_arrays_and_other_shardings_are_fetched_alone() -> None:
