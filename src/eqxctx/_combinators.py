@@ -18,11 +18,13 @@ from ._collection import OutputCollection, validate_child_name
 from ._context import (
     Context,
     check_context,
+    check_lost,
     check_path,
     fold_in_name,
     gradient_state,
     is_shape_only,
     iteration_context,
+    note_result,
 )
 from ._gradients import enter_iterations
 from ._mapping import EMPTY
@@ -184,6 +186,7 @@ def _run_body(
             "outputs to it."
         )
     check_path(result[-1], given, f"{what}: fn")
+    check_lost(result[-1], given, f"{what}: fn")
     return result
 
 
@@ -405,17 +408,11 @@ def scan_in_context(
         )
     if merge_summaries and not merge:  # nothing to accumulate, or a shape-only pass
         merged = fold_stacked(stacked.summaries, n, reverse=reverse) if n else EMPTY
-    return (
-        carry_out,
-        ys,
-        assemble(
-            stacked,
-            prefix=prefix,
-            length=n,
-            merged_summaries=merged,
-            reverse=reverse,
-        ),
+    coll = assemble(
+        stacked, prefix=prefix, length=n, merged_summaries=merged, reverse=reverse
     )
+    note_result(context, coll)
+    return carry_out, ys, coll
 
 
 def _is_weak(x: object) -> bool:
@@ -658,6 +655,8 @@ def vmap_in_context(
         ys, stacked = jax.vmap(
             body, in_axes=(in_axes, 0, 0), axis_size=n, axis_name=axis_name
         )(xs, index, sinks)
-    return ys, propagate(
+    coll = propagate(
         stacked, child_name_prefix=prefix, merge_summaries=merge_summaries, length=n
     )
+    note_result(context, coll)
+    return ys, coll

@@ -37,6 +37,7 @@ from ._gradients import (
     probe_fn,
 )
 from ._leaves import validate_leaf_name
+from ._ledger import Ledger, lost_error
 from ._rows import RowMask, check_row_mask, row_where
 from ._typing import ArrayTree, Children, Leaf, MaybeKey, Names, PRNGKey, R
 
@@ -425,7 +426,12 @@ class Context(TreeEquality):
         ) and _drops(self, name, level, "Context.add_summary"):
             return self
         try:
-            return _with(self, add_leaf(self.collection, "summaries", name, value))
+            return _with(
+                self,
+                add_leaf(self.collection, "summaries", name, value),
+                "summaries",
+                name,
+            )
         except (OutputConflictError, TypeError, ValueError) as e:
             _note_context(e, self)
             raise
@@ -437,7 +443,12 @@ class Context(TreeEquality):
         norm statistics), not an observation of it, so no `summary_level` drops one.
         """
         try:
-            return _with(self, add_leaf(self.collection, "state_updates", name, value))
+            return _with(
+                self,
+                add_leaf(self.collection, "state_updates", name, value),
+                "state_updates",
+                name,
+            )
         except (OutputConflictError, TypeError, ValueError) as e:
             _note_context(e, self)
             raise
@@ -453,7 +464,12 @@ class Context(TreeEquality):
         ) and _drops(self, name, level, "Context.add_module_output"):
             return self
         try:
-            return _with(self, add_leaf(self.collection, "module_outputs", name, value))
+            return _with(
+                self,
+                add_leaf(self.collection, "module_outputs", name, value),
+                "module_outputs",
+                name,
+            )
         except (OutputConflictError, TypeError, ValueError) as e:
             _note_context(e, self)
             raise
@@ -524,7 +540,22 @@ class Context(TreeEquality):
         """
         where = "Context.replace_collection(collection)"
         check_is_collection(collection, where, "collection")
-        return _with(self, check_collection(collection))
+        return _with(self, check_collection(collection), "replace", None)
+
+    def discard(self) -> None:
+        """Say that the outputs this context holds are dropped on purpose.
+
+        Inside a body that eqxctx checks (`functional`, `value_and_grad`, a
+        `MethodRunner` step, `Context.call`, every scan, vmap, branch and loop
+        body), an output added to a context that is not returned raises
+        `LostOutputError` when the body returns. Calling `ctx.discard()` on the
+        context that holds such outputs (e.g. `ctx.merge(coll).discard()` for a
+        combinator's collection) drops them without an error. Nothing else
+        changes: `self` is unchanged, and the outputs are in no collection.
+        """
+        ledger = self._frame.ledger
+        if ledger is not None:
+            ledger.record("discard", self.collection, self.collection)
 
     def merge(self, collection: OutputCollection) -> "Context":
         """Return a new context whose collection is merged with `collection`.
@@ -547,7 +578,7 @@ class Context(TreeEquality):
             if PREFIX_HINT not in msg:
                 msg = f"{msg} {PREFIX_HINT}"
             raise OutputConflictError(f"In context {where!r}: {msg}") from None
-        return _with(self, merged)
+        return _with(self, merged, "merge", collection)
 
     def call(
         self,
@@ -588,7 +619,7 @@ class Context(TreeEquality):
                 f"{'/'.join(self.path)!r}. {CALL_TWICE_HINT}"
             )
         frame = self._frame
-        at = _child_frame(frame, name, frame.is_training)
+        at = _child_frame(frame, name, frame.is_training, Ledger())
         # The child context is made in the call: the call's argument tuple holds the
         # empty child until `fn` returns (nothing that grows while `fn` runs).
         with jax.named_scope(name):
@@ -608,7 +639,11 @@ class Context(TreeEquality):
             check_path(
                 child_out, _make(at, _EMPTY), f"`Context.call({name!r}, fn)`: fn"
             )
-        return out, _with(self, with_child(coll, name, child_out.collection))
+        if at.ledger:  # the child added something
+            _check_lost(at, child_out, "`Context.call({!r}, fn)`: fn", name)
+        return out, _with(
+            self, with_child(coll, name, child_out.collection), "call", name
+        )
 
 
 _EMPTY = OutputCollection.empty()
@@ -632,6 +667,7 @@ class _Frame:
         "gradients",
         "is_training",
         "key",
+        "ledger",
         "name",
         "path",
         "row_mask",
@@ -652,6 +688,7 @@ class _Frame:
         name: str | None = None,
         *,
         row_mask: RowMask | None = None,
+        ledger: Ledger | None = None,
     ) -> None:
         self.path = path
         self.key = key
@@ -666,6 +703,8 @@ class _Frame:
         self.name = name
         # The padded step's row mask (`Context.row_mask`), inherited as is.
         self.row_mask = row_mask
+        # The adds to check when the body handed this frame's context returns.
+        self.ledger = ledger
 
 
 def _note_context(error: Exception, ctx: Context) -> None:
@@ -692,7 +731,9 @@ def _make(frame: _Frame, collection: OutputCollection) -> Context:
 _DERIVED: Any = _Unset()
 
 
-def _child_frame(parent: _Frame, name: str, is_training: bool) -> _Frame:
+def _child_frame(
+    parent: _Frame, name: str, is_training: bool, ledger: Ledger | None = None
+) -> _Frame:
     """The frame of `parent`'s child `name` (O(1): its path and key are read later)."""
     return _Frame(
         None,
@@ -704,6 +745,7 @@ def _child_frame(parent: _Frame, name: str, is_training: bool) -> _Frame:
         parent,
         name,
         row_mask=parent.row_mask,
+        ledger=ledger,
     )
 
 
@@ -753,6 +795,7 @@ def iteration_context(
             frame.summary_level,
             frame.gradients if gradients is _UNSET else gradients,
             row_mask=frame.row_mask,
+            ledger=Ledger(),
         ),
         _EMPTY,
     )
@@ -810,7 +853,13 @@ def gradient_root(
 ) -> Context:
     """A root context (named "root") carrying a `_gradients.GradientState`."""
     frame = _Frame(
-        ("root",), prng_key, is_training, shape_only, summary_level, gradients
+        ("root",),
+        prng_key,
+        is_training,
+        shape_only,
+        summary_level,
+        gradients,
+        ledger=Ledger(),
     )
     return _make(frame, _EMPTY)
 
@@ -826,11 +875,58 @@ def is_shape_only(ctx: Context) -> bool:
     return ctx._frame.shape_only  # pyright: ignore[reportPrivateUsage]
 
 
-def _with(ctx: Context, collection: OutputCollection) -> Context:
+def _with(
+    ctx: Context, collection: OutputCollection, what: str = "", arg: object = None
+) -> Context:
+    """`ctx` with `collection`; records in its ledger what the add (`what`) added."""
+    frame = ctx._frame  # pyright: ignore[reportPrivateUsage]
     out = _new(Context)
-    _set_frame(out, ctx._frame)  # pyright: ignore[reportPrivateUsage]
+    _set_frame(out, frame)
     _set_collection(out, collection)
+    if what and (ledger := frame.ledger) is not None:
+        ledger.record(what, arg, collection)
     return out
+
+
+def owned(ctx: Context) -> Context:
+    """`ctx` with a fresh ledger, for the call that owns it (see `_ledger`)."""
+    f = ctx._frame  # pyright: ignore[reportPrivateUsage]
+    frame = _Frame(
+        f.path,
+        f.key,
+        f.is_training,
+        f.shape_only,
+        f.summary_level,
+        f.gradients,
+        f.up,
+        f.name,
+        row_mask=f.row_mask,
+        ledger=Ledger(),
+    )
+    return _make(frame, ctx.collection)
+
+
+def check_lost(returned: Context, given: Context, what: str) -> None:
+    """Raise `LostOutputError` if `given`'s body lost an output (see `_ledger`).
+
+    `returned` is the context the body returned.
+    """
+    _check_lost(given._frame, returned, what)  # pyright: ignore[reportPrivateUsage]
+
+
+def _check_lost(given: _Frame, returned: Context, what: str, arg: str = "") -> None:
+    ledger = given.ledger
+    if ledger:
+        exact = returned._frame.ledger is ledger  # pyright: ignore[reportPrivateUsage]
+        if lost := ledger.lost(returned.collection, exact):
+            raise lost_error(lost, what.format(arg), "/".join(returned.path))
+
+
+def note_result(context: Context, collection: OutputCollection) -> None:
+    """Record a combinator's `collection`: it must be merged into `context`'s line."""
+    ledger = context._frame.ledger  # pyright: ignore[reportPrivateUsage]
+    if ledger is not None:
+        ledger.record("result", collection, collection)
 
 
 _KEYS = (

@@ -14,11 +14,13 @@ from ._collection import OutputCollection, validate_child_name
 from ._context import (
     Context,
     check_context,
+    check_lost,
     check_path,
     check_returns_context,
     fold_in_name,
     is_shape_only,
     iteration_context,
+    note_result,
 )
 from ._reconcile import fill_collection, union_collections
 from ._typing import ArrayTree, R
@@ -28,6 +30,7 @@ def check_result(result: object, ctx: Context, what: str) -> tuple[ArrayTree, Co
     """Return `(out, ctx')`, checking it is a pair whose context has `ctx`'s path."""
     out, got = check_returns_context(result, what)
     check_path(got, ctx, what)
+    check_lost(got, ctx, what)
     return out, got
 
 
@@ -94,7 +97,9 @@ def _run_branches(
             )
             e.add_note(f"{where} at {path!r}: {described}.")
             raise
-    return out, OutputCollection.empty().add_child(child_name, coll)
+    result = OutputCollection.empty().add_child(child_name, coll)
+    note_result(context, result)
+    return out, result
 
 
 def _name(fn: Callable[..., object]) -> str:

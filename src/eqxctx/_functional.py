@@ -11,10 +11,12 @@ from ._collection import KINDS, OutputCollection
 from ._context import (
     Context,
     check_is_training,
+    check_lost,
     check_path,
     check_prng_key,
     check_returns_context,
     check_summary_level,
+    owned,
 )
 from ._typing import PRNGKey
 
@@ -90,7 +92,9 @@ def functional(
     prng_key = check_prng_key(prng_key, "functional")
     is_training = check_is_training(is_training, "functional")
     level = check_summary_level(summary_level, "functional")
-    ctx = Context.root(prng_key=prng_key, is_training=is_training, summary_level=level)
+    ctx = owned(
+        Context.root(prng_key=prng_key, is_training=is_training, summary_level=level)
+    )
     try:
         result = fn(*args, ctx, **(kwargs or {}))
     except TypeError as e:
@@ -98,6 +102,7 @@ def functional(
         raise
     outputs, out_ctx = check_returns_context(result, "`functional(fn)`: fn")
     check_path(out_ctx, ctx, "`functional(fn)`: fn")
+    check_lost(out_ctx, ctx, "`functional(fn)`: fn")
     coll = out_ctx.collection
     fields = {kind: {} if kind in drop else getattr(coll, kind) for kind in KINDS}
     return outputs, OutputCollection(**fields)

@@ -22,6 +22,7 @@ from ._context import (
     fold_in_name,
     is_shape_only,
     iteration_context,
+    note_result,
 )
 from ._control import check_result
 from ._gradients import PendingGradient, is_pending
@@ -206,7 +207,7 @@ def while_in_context(
     check_context(context, "while_in_context")
     check_drop(drop_output, "while_in_context")
     name = validate_child_name(child_name, where="while_in_context(child_name=...)")
-    return _while(
+    val, coll = _while(
         cond_fn,
         body_fn,
         init_val,
@@ -217,6 +218,8 @@ def while_in_context(
         view=lambda val: val,
         why="JAX cannot differentiate a `jax.lax.while_loop` in reverse mode",
     )
+    note_result(context, coll)
+    return val, coll
 
 
 def _while(
@@ -436,4 +439,5 @@ def fori_in_context(
             "cannot differentiate in reverse mode"
         ),
     )
+    note_result(context, coll)
     return val, coll

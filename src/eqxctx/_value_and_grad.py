@@ -18,6 +18,7 @@ from ._collection import OutputCollection
 from ._context import (
     Context,
     check_is_training,
+    check_lost,
     check_path,
     check_prng_key,
     check_returns_context,
@@ -299,6 +300,7 @@ def value_and_grad(
                 raise
             out, out_ctx = check_returns_context(result, where)
             check_path(out_ctx, ctx, where)
+            check_lost(out_ctx, ctx, where)
             _check_loss(out, where)
             return out, out_ctx.collection
 
