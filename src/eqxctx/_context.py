@@ -426,12 +426,8 @@ class Context(TreeEquality):
         ) and _drops(self, name, level, "Context.add_summary"):
             return self
         try:
-            return _with(
-                self,
-                add_leaf(self.collection, "summaries", name, value),
-                "summaries",
-                name,
-            )
+            new = add_leaf(self.collection, "summaries", name, value)
+            return _with(self, new, "summaries", name)
         except (OutputConflictError, TypeError, ValueError) as e:
             _note_context(e, self)
             raise
@@ -443,12 +439,8 @@ class Context(TreeEquality):
         norm statistics), not an observation of it, so no `summary_level` drops one.
         """
         try:
-            return _with(
-                self,
-                add_leaf(self.collection, "state_updates", name, value),
-                "state_updates",
-                name,
-            )
+            new = add_leaf(self.collection, "state_updates", name, value)
+            return _with(self, new, "state_updates", name)
         except (OutputConflictError, TypeError, ValueError) as e:
             _note_context(e, self)
             raise
@@ -464,12 +456,8 @@ class Context(TreeEquality):
         ) and _drops(self, name, level, "Context.add_module_output"):
             return self
         try:
-            return _with(
-                self,
-                add_leaf(self.collection, "module_outputs", name, value),
-                "module_outputs",
-                name,
-            )
+            new = add_leaf(self.collection, "module_outputs", name, value)
+            return _with(self, new, "module_outputs", name)
         except (OutputConflictError, TypeError, ValueError) as e:
             _note_context(e, self)
             raise
@@ -920,6 +908,7 @@ def _check_lost(given: _Frame, returned: Context, what: str, arg: str = "") -> N
         exact = returned._frame.ledger is ledger  # pyright: ignore[reportPrivateUsage]
         if lost := ledger.lost(returned.collection, exact):
             raise lost_error(lost, what.format(arg), "/".join(returned.path))
+        ledger.clear()  # checked: keep no collection alive
 
 
 def note_result(context: Context, collection: OutputCollection) -> None:
