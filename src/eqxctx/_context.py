@@ -595,6 +595,8 @@ class Context(TreeEquality):
             ValueError: for an invalid name.
             OutputConflictError: if `name` was already called (or is already used).
             TypeError: if `fn` does not return `(out, Context)`.
+            LostOutputError: if an output added in `fn` is missing from the context
+                it returns (see `Context.discard`).
         """
         coll = self.collection
         if type(name) is not str or name not in _VALID_NAMES:
@@ -908,7 +910,7 @@ def _check_lost(given: _Frame, returned: Context, what: str, arg: str = "") -> N
         exact = returned._frame.ledger is ledger  # pyright: ignore[reportPrivateUsage]
         if lost := ledger.lost(returned.collection, exact):
             raise lost_error(lost, what.format(arg), "/".join(returned.path))
-        ledger.clear()  # checked: keep no collection alive
+        ledger.clear()  # checked
 
 
 def note_result(context: Context, collection: OutputCollection) -> None:

@@ -63,6 +63,8 @@ def functional(
             argument), `fn` does not return `(outputs, Context)`, `is_training` is not
             a bool, `summary_level` is neither None nor an int, or `prng_key` is
             neither None, a raw `uint32[2]` key nor a typed key.
+        LostOutputError: if an output added in `fn` is missing from the context it
+            returns (naming its path and the add's line; see `Context.discard`).
 
     Examples:
         >>> def f(x, ctx):

@@ -21,15 +21,14 @@ from ._iterations import has_leaf
 from ._mapping import FrozenMapping
 
 
-#: One record: (what, name or collection, the collection right after it, code, line).
-#: `what` is a kind ("summaries", ...), "call" (a child), "merge" (`ctx.merge`),
-#: "result" (a combinator's collection), "replace" (`replace_collection`) or
-#: "discard" (`Context.discard`).
-Entry = tuple[str, object, OutputCollection, CodeType | None, int]
+#: One record: (what, its top-level entries as (level, name, id of the object),
+#: whether it holds any leaf, code, line). `what` is a kind ("summaries", ...),
+#: "call" (a child), "merge" (`ctx.merge`), "result" (a combinator's collection),
+#: "replace" (`replace_collection`) or "discard" (`Context.discard`). Only ids
+#: are kept: an add inside a nested JAX trace must not keep its tracers alive.
+Entry = tuple[str, tuple[tuple[str, str, int], ...], bool, CodeType | None, int]
 
 _KINDS = ("summaries", "state_updates", "module_outputs")
-# The level where a named entry is looked up (a child is in all three).
-_LEVEL = {k: k for k in _KINDS} | {"call": "summaries"}
 _HERE = Path(__file__).parent
 # Frames skipped to find the user's line: eqxctx's private modules, and the
 # wrappers of runtime type checkers (jaxtyping, beartype: "<@beartype(...)>").
@@ -45,13 +44,35 @@ def _skipped(file: str) -> bool:
     return file in _INTERNAL or file[:1] == "<" or any(c in file for c in _CHECKERS)
 
 
+def _top(coll: OutputCollection) -> tuple[tuple[str, str, int], ...]:
+    return tuple(
+        (k, n, id(v)) for k in _KINDS for n, v in getattr(coll, k).items_list()
+    )
+
+
 class Ledger(list[Entry]):
     """The records of one body's adds, in order (see the module docstring)."""
 
     __slots__ = ()
 
     def record(self, what: str, arg: object, new: OutputCollection) -> None:
-        """Record an add of `arg` (`what`) that made `new`, with the user's line."""
+        """Record an add of `arg` (`what`) that made `new`, with the user's line.
+
+        `arg`: the name added (a kind, "call") or the collection ("merge",
+        "result", "discard").
+        """
+        if isinstance(arg, OutputCollection):
+            pairs, full = _top(arg), not arg.is_empty()
+        elif what == "call":
+            assert isinstance(arg, str)
+            levels = [getattr(new, k).get(arg) for k in _KINDS]
+            pairs = (("summaries", arg, id(levels[0])),)
+            full = any(isinstance(m, FrozenMapping) and has_leaf(m) for m in levels)
+        elif what == "replace":
+            pairs, full = (), False
+        else:
+            assert isinstance(arg, str)
+            pairs, full = ((what, arg, id(getattr(new, what).get(arg))),), True
         f: FrameType | None = sys._getframe(2)  # pyright: ignore[reportPrivateUsage]
         while f is not None:
             file = f.f_code.co_filename
@@ -59,10 +80,10 @@ class Ledger(list[Entry]):
             if skip is None:
                 skip = _SKIP[file] = _skipped(file)
             if not skip:
-                self.append((what, arg, new, f.f_code, f.f_lineno))
+                self.append((what, pairs, full, f.f_code, f.f_lineno))
                 return
             f = f.f_back
-        self.append((what, arg, new, None, 0))
+        self.append((what, pairs, full, None, 0))
 
     def lost(self, coll: OutputCollection, exact: bool) -> list[Entry]:
         """The recorded entries missing from `coll` (and not discarded).
@@ -72,43 +93,29 @@ class Ledger(list[Entry]):
         otherwise (a context rebuilt by a JAX transformation, or after
         `replace_collection`) their names must be present.
         """
-        out: list[Entry] = []
-        for entry in self:
-            what, arg, new = entry[0], entry[1], entry[2]
-            if exact and type(arg) is str:  # the common case, first
-                level = _LEVEL[what]
-                if getattr(coll, level).get(arg) is getattr(new, level).get(arg):
-                    continue
-            if what not in ("replace", "discard"):
-                out.append(entry)
-        if not out:
-            return out
         if any(e[0] == "replace" for e in self):
             exact = False
-        targets = (coll, *(e[1] for e in self if e[0] == "discard"))
-        return [e for e in out if _lost(e, targets, exact)]  # pyright: ignore[reportArgumentType]
+        out = [
+            e
+            for e in self
+            if e[2] and e[0] != "discard" and not _has(coll, e[1], exact)
+        ]
+        if out and (kept := [e[1] for e in self if e[0] == "discard"]):
+            dropped = {p if exact else p[:2] for pairs in kept for p in pairs}
+            out = [
+                e
+                for e in out
+                if not all((p if exact else p[:2]) in dropped for p in e[1])
+            ]
+        return out
 
 
-def _lost(entry: Entry, targets: tuple[OutputCollection, ...], exact: bool) -> bool:
-    what, arg, new, _, _ = entry
-    if isinstance(arg, OutputCollection):  # "merge", "result"
-        pairs = [(k, n, v) for k in _KINDS for n, v in getattr(arg, k).items_list()]
-    else:
-        assert isinstance(arg, str)
-        pairs = [(_LEVEL[what], arg, getattr(new, _LEVEL[what]).get(arg))]
-    for target in targets:
-        if all(
-            (getattr(target, k).get(n) is v) if exact else (n in getattr(target, k))
-            for k, n, v in pairs
-        ):
-            return False
-    # Nothing is lost with an empty child or collection.
-    if isinstance(arg, OutputCollection):
-        return not arg.is_empty()
-    if what == "call":
-        levels = [getattr(new, k).get(arg) for k in _KINDS]
-        return any(has_leaf(m) for m in levels if isinstance(m, FrozenMapping))
-    return True
+def _has(
+    coll: OutputCollection, pairs: tuple[tuple[str, str, int], ...], exact: bool
+) -> bool:
+    if exact:
+        return all(id(getattr(coll, k).get(n)) == i for k, n, i in pairs)
+    return all(n in getattr(coll, k) for k, n, _ in pairs)
 
 
 _WHAT = {
@@ -122,17 +129,17 @@ _WHAT = {
 def lost_error(lost: list[Entry], what: str, path: str) -> LostOutputError:
     """The error naming each lost entry, where it was added and the fix."""
     lines: list[str] = []
-    for kind, arg, _, code, line in lost[:8]:
+    for kind, pairs, _, code, line in lost[:8]:
         where = "?" if code is None else f"{code.co_filename}:{line}"
-        if isinstance(arg, OutputCollection):
-            names = sorted({n for k in _KINDS for n in getattr(arg, k)})
+        if kind in ("merge", "result"):
+            names = sorted({n for _, n, _ in pairs})
             desc = f"{path}/{names}: " + (
                 "a combinator's collection, never merged"
                 if kind == "result"
                 else "a collection merged with `ctx.merge`"
             )
         else:
-            desc = f"{_WHAT[kind]} {path}/{arg}"
+            desc = f"{_WHAT[kind]} {path}/{pairs[0][1]}"
         lines.append(f"  - {desc}, at {where}")
     more = f"\n  ... and {len(lost) - 8} more" if len(lost) > 8 else ""
     return LostOutputError(
