@@ -280,11 +280,18 @@ def _adds(program: Program) -> int:
     return sum(1 if op[0] == "add" else _adds(op[1]) for op in program)
 
 
+def _forgotten_loses(op: tuple[Any, ...]) -> bool:
+    if op[0] == "add":
+        return True
+    if op[0] == "call":  # a child whose body kept anything (even an empty child)
+        return any(not o[2] for o in op[1])
+    return _adds(op[1]) > 0  # a combinator's collection holding a leaf
+
+
 def loses(program: Program) -> bool:
-    """The reference: a forgotten add, or a forgotten child that holds an add."""
+    """The reference: a forgotten add or non-empty child, here or below."""
     return any(
-        (op[2] and (op[0] == "add" or _adds(op[1]) > 0))
-        or (op[0] != "add" and loses(op[1]))
+        (op[2] and _forgotten_loses(op)) or (op[0] != "add" and loses(op[1]))
         for op in program
     )
 
@@ -331,3 +338,19 @@ def test_random_programs_raise_exactly_when_an_entry_is_lost(program: Program) -
             run(model)
     else:
         run(model)
+
+
+def test_a_replaced_collection_is_checked_by_name() -> None:
+    def model(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+        ctx = ctx.add_summary("a", x)
+        return x, ctx.replace_collection(jax.tree.map(lambda v: v + 1, ctx.collection))
+
+    _, coll = run(model, 1.0)
+    assert {k: float(v) for k, v in coll.flatten("summaries").items()} == {"a": 2.0}
+
+    def lossy(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+        ctx.add_summary("a", x)  # replaced
+        return x, ctx.replace_collection(eqxctx.OutputCollection.empty())
+
+    with pytest.raises(LostOutputError, match=line_of("replaced")):
+        run(lossy)

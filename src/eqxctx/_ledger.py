@@ -17,8 +17,7 @@ from types import CodeType, FrameType
 
 from ._collection import OutputCollection
 from ._errors import LostOutputError
-from ._iterations import has_leaf
-from ._mapping import FrozenMapping
+from ._mapping import EMPTY
 
 
 #: One record: (what, its top-level entries as (level, name, id of the object),
@@ -61,18 +60,20 @@ class Ledger(list[Entry]):
         `arg`: the name added (a kind, "call") or the collection ("merge",
         "result", "discard").
         """
-        if isinstance(arg, OutputCollection):
+        if type(arg) is str:
+            level = new.summaries if what == "call" else getattr(new, what)
+            value = level.get(arg)
+            pairs = (("summaries" if what == "call" else what, arg, id(value)),)
+            # An empty child (its body kept nothing) loses nothing.
+            full = what != "call" or not (
+                value is EMPTY
+                and new.state_updates.get(arg) is EMPTY
+                and new.module_outputs.get(arg) is EMPTY
+            )
+        elif isinstance(arg, OutputCollection):
             pairs, full = _top(arg), not arg.is_empty()
-        elif what == "call":
-            assert isinstance(arg, str)
-            levels = [getattr(new, k).get(arg) for k in _KINDS]
-            pairs = (("summaries", arg, id(levels[0])),)
-            full = any(isinstance(m, FrozenMapping) and has_leaf(m) for m in levels)
-        elif what == "replace":
+        else:  # "replace"
             pairs, full = (), False
-        else:
-            assert isinstance(arg, str)
-            pairs, full = ((what, arg, id(getattr(new, what).get(arg))),), True
         f: FrameType | None = sys._getframe(2)  # pyright: ignore[reportPrivateUsage]
         while f is not None:
             file = f.f_code.co_filename
@@ -93,14 +94,22 @@ class Ledger(list[Entry]):
         otherwise (a context rebuilt by a JAX transformation, or after
         `replace_collection`) their names must be present.
         """
-        if any(e[0] == "replace" for e in self):
-            exact = False
-        out = [
-            e
-            for e in self
-            if e[2] and e[0] != "discard" and not _has(coll, e[1], exact)
-        ]
-        if out and (kept := [e[1] for e in self if e[0] == "discard"]):
+        out: list[Entry] = []
+        replaced = discarded = False
+        for entry in self:  # one pass, no generators: this runs for every body
+            what = entry[0]
+            if what == "replace":
+                replaced = True
+            elif what == "discard":
+                discarded = True
+            elif entry[2] and not _has(coll, entry[1], exact):
+                out.append(entry)
+        if not out:
+            return out
+        if replaced and exact:
+            return self.lost(coll, False)
+        if discarded:
+            kept = [e[1] for e in self if e[0] == "discard"]
             dropped = {p if exact else p[:2] for pairs in kept for p in pairs}
             out = [
                 e
@@ -113,6 +122,9 @@ class Ledger(list[Entry]):
 def _has(
     coll: OutputCollection, pairs: tuple[tuple[str, str, int], ...], exact: bool
 ) -> bool:
+    if exact and len(pairs) == 1:  # an add or a call: the common case
+        k, n, i = pairs[0]
+        return id(getattr(coll, k).get(n)) == i
     if exact:
         return all(id(getattr(coll, k).get(n)) == i for k, n, i in pairs)
     return all(n in getattr(coll, k) for k, n, _ in pairs)
