@@ -31,7 +31,13 @@ def test_every_public_name_has_a_docstring() -> None:
 
 
 def test_core_names_are_exported() -> None:
-    for name in ("Context", "OutputCollection", "OutputConflictError", "functional"):
+    for name in (
+        "Context",
+        "OutputCollection",
+        "OutputConflictError",
+        "LostOutputError",
+        "functional",
+    ):
         assert name in public_names()
 
 

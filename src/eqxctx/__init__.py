@@ -31,7 +31,10 @@ from ._control import (
     cond_in_context as cond_in_context,
     switch_in_context as switch_in_context,
 )
-from ._errors import OutputConflictError as OutputConflictError
+from ._errors import (
+    LostOutputError as LostOutputError,
+    OutputConflictError as OutputConflictError,
+)
 from ._functional import functional as functional
 from ._iterations import IterationSummaries as IterationSummaries
 from ._loops import (

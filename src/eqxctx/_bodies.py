@@ -10,6 +10,7 @@ from typing import Any
 from ._collection import OutputCollection
 from ._context import Context, frame_of, make_context
 from ._frame import UNSET, Frame, keyed_frame
+from ._ledger import Ledger, lost_error, unreturned
 from ._typing import MaybeKey, PRNGKey
 
 
@@ -41,6 +42,7 @@ def iteration_context(
         frame.is_training,
         shape_only or frame.shape_only,
         frame.gradients if gradients is UNSET else gradients,
+        Ledger(),
     )
     return make_context(at, OutputCollection.empty())
 
@@ -55,7 +57,13 @@ def gradient_root(
 ) -> Context:
     """A root context (named "root") carrying a `_gradients.GradientState`."""
     frame = Frame(
-        ("root",), prng_key, is_training, shape_only, summary_level, gradients
+        ("root",),
+        prng_key,
+        is_training,
+        shape_only,
+        summary_level,
+        gradients,
+        ledger=Ledger(),
     )
     return make_context(frame, OutputCollection.empty())
 
@@ -74,3 +82,40 @@ def row_mask_read(ctx: Context) -> bool:
 def is_shape_only(ctx: Context) -> bool:
     """Whether `ctx` is used inside one of eqxctx's shape-only passes."""
     return frame_of(ctx).shape_only
+
+
+def owned(ctx: Context) -> Context:
+    """`ctx` with a fresh ledger, for the call that owns it (see `_ledger`)."""
+    f = frame_of(ctx)
+    frame = Frame(
+        f.path,
+        f.key,
+        f.is_training,
+        f.shape_only,
+        f.summary_level,
+        f.gradients,
+        f.up,
+        f.name,
+        row_mask=f.row_mask,
+        ledger=Ledger(),
+    )
+    return make_context(frame, ctx.collection)
+
+
+def check_lost(returned: Context, given: Context, what: str) -> None:
+    """Raise `LostOutputError` if the body handed `given` lost an output.
+
+    `returned` is the context the body returned; `what` names the body.
+    """
+    collection = returned.collection
+    if lost := unreturned(
+        frame_of(given).ledger, frame_of(returned).ledger, collection
+    ):
+        raise lost_error(lost, what, "/".join(returned.path))
+
+
+def note_result(context: Context, collection: OutputCollection) -> None:
+    """Record a combinator's `collection`: it must be merged into `context`'s line."""
+    ledger = frame_of(context).ledger
+    if ledger is not None:
+        ledger.record("result", collection, collection)

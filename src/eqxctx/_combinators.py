@@ -12,7 +12,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PyTree
 
-from ._bodies import check_context, gradient_state, is_shape_only, iteration_context
+from ._bodies import (
+    check_context,
+    check_lost,
+    gradient_state,
+    is_shape_only,
+    iteration_context,
+    note_result,
+)
 from ._carry import LoopState, Names, check_carry, promote_weak
 from ._checks import check_drop, check_in_axes, check_path, note_missing_key
 from ._collection import OutputCollection, validate_child_name
@@ -77,6 +84,7 @@ def _run_body(
             "outputs to it."
         )
     check_path(result[-1], given, f"{what}: fn")
+    check_lost(result[-1], given, f"{what}: fn")
     return result
 
 
@@ -288,17 +296,11 @@ def scan_in_context(
     merged = final.summaries
     if merge_summaries and not merge:  # nothing to accumulate, or a shape-only pass
         merged = fold_stacked(stacked.summaries, n, reverse=reverse) if n else EMPTY
-    return (
-        final.carry,
-        ys,
-        assemble(
-            stacked,
-            prefix=prefix,
-            length=n,
-            merged_summaries=merged,
-            reverse=reverse,
-        ),
+    coll = assemble(
+        stacked, prefix=prefix, length=n, merged_summaries=merged, reverse=reverse
     )
+    note_result(context, coll)
+    return final.carry, ys, coll
 
 
 def vmap_in_context(
@@ -397,6 +399,8 @@ def vmap_in_context(
         ys, stacked = jax.vmap(
             body, in_axes=(in_axes, 0, 0), axis_size=n, axis_name=axis_name
         )(xs, index, grads.sinks if grads is not None else None)
-    return ys, propagate(
+    coll = propagate(
         stacked, child_name_prefix=prefix, merge_summaries=merge_summaries, length=n
     )
+    note_result(context, coll)
+    return ys, coll

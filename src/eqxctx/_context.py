@@ -42,6 +42,7 @@ from ._frame import (
 from ._frozen import TreeEquality
 from ._gradients import add_probe
 from ._leaves import drops as _drops
+from ._ledger import Ledger, lost_error, unreturned
 from ._rows import row_where
 from ._typing import ArrayTree, Children, Leaf, MaybeKey, Names, PRNGKey, R
 
@@ -286,7 +287,8 @@ class Context(TreeEquality):
         ) and _drops(self, name, level, "Context.add_summary"):
             return self
         try:
-            return _with(self, add_leaf(self.collection, "summaries", name, value))
+            new = add_leaf(self.collection, "summaries", name, value)
+            return _with(self, new, "summaries", name)
         except (OutputConflictError, TypeError, ValueError) as e:
             _note_context(e, self)
             raise
@@ -298,7 +300,8 @@ class Context(TreeEquality):
         (e.g. batch norm statistics), so no `summary_level` drops one.
         """
         try:
-            return _with(self, add_leaf(self.collection, "state_updates", name, value))
+            new = add_leaf(self.collection, "state_updates", name, value)
+            return _with(self, new, "state_updates", name)
         except (OutputConflictError, TypeError, ValueError) as e:
             _note_context(e, self)
             raise
@@ -310,7 +313,8 @@ class Context(TreeEquality):
         ) and _drops(self, name, level, "Context.add_module_output"):
             return self
         try:
-            return _with(self, add_leaf(self.collection, "module_outputs", name, value))
+            new = add_leaf(self.collection, "module_outputs", name, value)
+            return _with(self, new, "module_outputs", name)
         except (OutputConflictError, TypeError, ValueError) as e:
             _note_context(e, self)
             raise
@@ -372,7 +376,22 @@ class Context(TreeEquality):
         """
         where = "Context.replace_collection(collection)"
         check_is_collection(collection, where, "collection")
-        return _with(self, check_collection(collection))
+        return _with(self, check_collection(collection), "replace", None)
+
+    def discard(self) -> None:
+        """Say that the outputs this context holds are dropped on purpose.
+
+        Inside a body that eqxctx checks (`functional`, `value_and_grad`, a
+        `MethodRunner` step, `Context.call`, every scan, vmap, branch and loop
+        body), an output added to a context that is not returned raises
+        `LostOutputError` when the body returns. Calling `ctx.discard()` on the
+        context that holds such outputs (e.g. `ctx.merge(coll).discard()` for a
+        combinator's collection) drops them without an error. Nothing else
+        changes: `self` is unchanged, and the outputs are in no collection.
+        """
+        ledger = self._frame.ledger
+        if ledger is not None:
+            ledger.record("discard", self.collection, self.collection)
 
     def merge(self, collection: OutputCollection) -> "Context":
         """Return a new context whose collection is merged with `collection`.
@@ -393,7 +412,7 @@ class Context(TreeEquality):
             if PREFIX_HINT not in msg:
                 msg = f"{msg} {PREFIX_HINT}"
             raise OutputConflictError(f"In context {where!r}: {msg}") from None
-        return _with(self, merged)
+        return _with(self, merged, "merge", collection)
 
     def call(
         self,
@@ -421,6 +440,8 @@ class Context(TreeEquality):
             ValueError: for an invalid name, or if `fn` returns another context.
             OutputConflictError: if `name` is already used here.
             TypeError: if `fn` does not return `(out, Context)`.
+            LostOutputError: if an output added in `fn` is missing from the context
+                it returns (see `Context.discard`).
         """
         coll = self.collection
         if type(name) is not str or name not in _VALID_NAMES:
@@ -433,7 +454,7 @@ class Context(TreeEquality):
                 f"{'/'.join(self.path)!r}. {CALL_TWICE_HINT}"
             )
         frame = self._frame
-        at = _child_frame(frame, name, frame.is_training)
+        at = _child_frame(frame, name, frame.is_training, Ledger())
         # The child context is made in the call: the call's argument tuple holds the
         # empty child until `fn` returns (nothing that grows while `fn` runs).
         with jax.named_scope(name):
@@ -453,7 +474,12 @@ class Context(TreeEquality):
             check_path(
                 child_out, _make(at, _EMPTY), f"`Context.call({name!r}, fn)`: fn"
             )
-        return out, _with(self, with_child(coll, name, child_out.collection))
+        if lost := unreturned(at.ledger, child_out._frame.ledger, child_out.collection):
+            what = f"`Context.call({name!r}, fn)`: fn"
+            raise lost_error(lost, what, "/".join(child_out.path))
+        return out, _with(
+            self, with_child(coll, name, child_out.collection), "call", name
+        )
 
 
 _EMPTY = OutputCollection.empty()
@@ -491,10 +517,16 @@ def frame_of(ctx: Context) -> Frame:
     return ctx._frame  # pyright: ignore[reportPrivateUsage]
 
 
-def _with(ctx: Context, collection: OutputCollection) -> Context:
+def _with(
+    ctx: Context, collection: OutputCollection, what: str = "", arg: object = None
+) -> Context:
+    """`ctx` with `collection`; records in its ledger what the add (`what`) added."""
+    frame = ctx._frame  # pyright: ignore[reportPrivateUsage]
     out = _new(Context)
-    _set_frame(out, ctx._frame)  # pyright: ignore[reportPrivateUsage]
+    _set_frame(out, frame)
     _set_collection(out, collection)
+    if what and (ledger := frame.ledger) is not None:
+        ledger.record(what, arg, collection)
     return out
 
 

@@ -9,7 +9,13 @@ from collections.abc import Callable, Sequence
 import jax
 from jaxtyping import ArrayLike, PyTree
 
-from ._bodies import check_context, is_shape_only, iteration_context
+from ._bodies import (
+    check_context,
+    check_lost,
+    is_shape_only,
+    iteration_context,
+    note_result,
+)
 from ._checks import check_path, note_missing_key
 from ._collection import OutputCollection, validate_child_name
 from ._context import Context, check_returns_context
@@ -22,6 +28,7 @@ def check_result(result: object, ctx: Context, what: str) -> tuple[ArrayTree, Co
     """Return `(out, ctx')`, checking it is a pair whose context has `ctx`'s path."""
     out, got = check_returns_context(result, what)
     check_path(got, ctx, what)
+    check_lost(got, ctx, what)
     return out, got
 
 
@@ -88,7 +95,9 @@ def _run_branches(
             )
             e.add_note(f"{where} at {path!r}: {described}.")
             raise
-    return out, OutputCollection.empty().add_child(child_name, coll)
+    result = OutputCollection.empty().add_child(child_name, coll)
+    note_result(context, result)
+    return out, result
 
 
 def _name(fn: Callable[..., object]) -> str:

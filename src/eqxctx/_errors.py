@@ -31,3 +31,18 @@ PREFIX_HINT = (
     "comes from `cond_in_context`, `switch_in_context`, `while_in_context` or "
     "`fori_in_context`, pass another `child_name=`."
 )
+
+
+class LostOutputError(ValueError):
+    """An output added to a context does not reach the collection that is returned.
+
+    Contexts are immutable: `ctx.add_summary(...)` returns a new context, and an
+    add whose result is dropped, a context extended along two lines of which only
+    one is returned, or a combinator's collection that is never merged
+    (`ctx.merge(coll)`) would lose outputs silently. Raised when the body that
+    was handed the context returns (`functional`, `value_and_grad`, a
+    `MethodRunner` step, `Context.call`, and every scan, vmap, branch and loop
+    body), at trace time. The message names each lost entry's path and kind, the
+    file and line that added it, and the fix; `Context.discard` drops outputs on
+    purpose.
+    """

@@ -11,6 +11,7 @@ from typing import Any
 import jax
 
 from ._checks import check_is_training, check_prng_key, check_summary_level
+from ._ledger import Ledger
 from ._rows import RowMask, check_row_mask
 from ._typing import MaybeKey, Names, PRNGKey
 
@@ -52,6 +53,7 @@ class Frame:
         "gradients",
         "is_training",
         "key",
+        "ledger",
         "name",
         "path",
         "row_mask",
@@ -72,6 +74,7 @@ class Frame:
         name: str | None = None,
         *,
         row_mask: RowMask | None = None,
+        ledger: "Ledger | None" = None,
     ) -> None:
         self.path = path
         self.key = key
@@ -84,9 +87,13 @@ class Frame:
         self.up = up
         self.name = name
         self.row_mask = row_mask
+        # The adds to check when the body handed this frame's context returns.
+        self.ledger = ledger
 
 
-def child_frame(parent: Frame, name: str, is_training: bool) -> Frame:
+def child_frame(
+    parent: Frame, name: str, is_training: bool, ledger: "Ledger | None" = None
+) -> Frame:
     """The frame of `parent`'s child `name` (O(1): its path and key are read later)."""
     return Frame(
         None,
@@ -98,6 +105,7 @@ def child_frame(parent: Frame, name: str, is_training: bool) -> Frame:
         parent,
         name,
         row_mask=parent.row_mask,
+        ledger=ledger,
     )
 
 
@@ -108,6 +116,7 @@ def keyed_frame(
     is_training: bool,
     shape_only: bool,
     gradients: Any,
+    ledger: "Ledger | None" = None,
 ) -> Frame:
     """A frame at `path` with its own `key`, inheriting `parent`'s level and mask."""
     return Frame(
@@ -118,6 +127,7 @@ def keyed_frame(
         parent.summary_level,
         gradients,
         row_mask=parent.row_mask,
+        ledger=ledger,
     )
 
 

@@ -6,6 +6,7 @@ from typing import TypeVar
 import numpy as np
 from jaxtyping import PyTree
 
+from ._bodies import check_lost, owned
 from ._checks import (
     check_is_training,
     check_path,
@@ -60,6 +61,8 @@ def functional(
             argument), `fn` does not return `(outputs, Context)`, `is_training` is not
             a bool, `summary_level` is neither None nor an int, or `prng_key` is
             neither None, a raw `uint32[2]` key nor a typed key.
+        LostOutputError: if an output added in `fn` is missing from the context it
+            returns (naming its path and the add's line; see `Context.discard`).
 
     Examples:
         >>> def f(x, ctx):
@@ -89,7 +92,9 @@ def functional(
     prng_key = check_prng_key(prng_key, "functional")
     is_training = check_is_training(is_training, "functional")
     level = check_summary_level(summary_level, "functional")
-    ctx = Context.root(prng_key=prng_key, is_training=is_training, summary_level=level)
+    ctx = owned(
+        Context.root(prng_key=prng_key, is_training=is_training, summary_level=level)
+    )
     try:
         result = fn(*args, ctx, **(kwargs or {}))
     except TypeError as e:
@@ -97,6 +102,7 @@ def functional(
         raise
     outputs, out_ctx = check_returns_context(result, "`functional(fn)`: fn")
     check_path(out_ctx, ctx, "`functional(fn)`: fn")
+    check_lost(out_ctx, ctx, "`functional(fn)`: fn")
     coll = out_ctx.collection
     fields = {kind: {} if kind in drop else getattr(coll, kind) for kind in KINDS}
     return outputs, OutputCollection(**fields)

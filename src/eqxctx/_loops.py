@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax.core import Tracer
 from jaxtyping import Array, ArrayLike
 
-from ._bodies import check_context, is_shape_only, iteration_context
+from ._bodies import check_context, is_shape_only, iteration_context, note_result
 from ._carry import LoopState, Names, check_carry, promote_weak
 from ._checks import check_drop, note_missing_key
 from ._collection import OutputCollection, validate_child_name
@@ -147,7 +147,7 @@ def while_in_context(
     check_context(context, "while_in_context")
     check_drop(drop_output, "while_in_context")
     name = validate_child_name(child_name, where="while_in_context(child_name=...)")
-    return _while(
+    val, coll = _while(
         cond_fn,
         body_fn,
         init_val,
@@ -158,6 +158,8 @@ def while_in_context(
         view=lambda val: val,
         why="JAX cannot differentiate a `jax.lax.while_loop` in reverse mode",
     )
+    note_result(context, coll)
+    return val, coll
 
 
 def _while(
@@ -377,4 +379,5 @@ def fori_in_context(
             "cannot differentiate in reverse mode"
         ),
     )
+    note_result(context, coll)
     return val, coll

@@ -16,7 +16,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array
 
-from ._bodies import row_mask_read
+from ._bodies import check_lost, owned, row_mask_read
 from ._collection import OutputCollection
 from ._context import Context, check_returns_context
 from ._frozen import Frozen
@@ -129,11 +129,13 @@ def run_step(
         kwargs = eqx.combine(dynamic_kwargs, static_kwargs.tree())
     if settings.mask_kwarg is not None and mask is not None:
         kwargs[settings.mask_kwarg] = mask
-    ctx = Context.root(
-        prng_key=iter_key,
-        is_training=settings.is_training,
-        summary_level=settings.summary_level,
-        row_mask=mask,
+    ctx = owned(
+        Context.root(
+            prng_key=iter_key,
+            is_training=settings.is_training,
+            summary_level=settings.summary_level,
+            row_mask=mask,
+        )
     )
     root = ctx
     method = settings.method
@@ -154,6 +156,7 @@ def run_step(
             "context last, as in `y, state = layer(x, state)`). Swap the order."
         )
     output_batch, ctx = check_returns_context(result, what)
+    check_lost(ctx, root, what)
     if settings.pad_batches and settings.mask_kwarg is None and mask is not None:
         _warn_unmasked(step, root, ctx)
     output_batch = constrain_tree(

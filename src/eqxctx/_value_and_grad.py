@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, PyTree
 
-from ._bodies import gradient_root
+from ._bodies import check_lost, gradient_root
 from ._checks import (
     check_is_training,
     check_path,
@@ -298,6 +298,7 @@ def value_and_grad(
                 raise
             out, out_ctx = check_returns_context(result, where)
             check_path(out_ctx, ctx, where)
+            check_lost(out_ctx, ctx, where)
             _check_loss(out, where)
             return out, out_ctx.collection
 
