@@ -351,7 +351,8 @@ _KEYS = tuple(jax.tree_util.GetAttrKey(kind) for kind in KINDS)
 
 
 def _flatten_with_keys(coll: OutputCollection) -> tuple[list[Any], None]:
-    return list(zip(_KEYS, _trees(coll), strict=True)), None
+    levels = (coll.summaries, coll.state_updates, coll.module_outputs)
+    return list(zip(_KEYS, levels, strict=True)), None
 
 
 def _flatten(coll: OutputCollection) -> tuple[Levels, None]:
@@ -359,7 +360,12 @@ def _flatten(coll: OutputCollection) -> tuple[Levels, None]:
 
 
 def _unflatten(_: None, children: Children) -> OutputCollection:
-    return _make(*children)
+    # `_make`'s body, inline: JAX unflattens every returned collection per call.
+    out = object.__new__(OutputCollection)
+    _set_summaries(out, children[0])
+    _set_state_updates(out, children[1])
+    _set_module_outputs(out, children[2])
+    return out
 
 
 jax.tree_util.register_pytree_with_keys(
