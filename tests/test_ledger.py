@@ -232,6 +232,27 @@ def test_nothing_is_reported_for_an_empty_child_or_collection() -> None:
     np.testing.assert_array_equal(y, [1.0, 2.0])
 
 
+def test_a_dropped_child_loses_only_if_a_leaf_lies_below_it() -> None:
+    # Found by tests/test_scope.py: a child holding only empty children lost nothing.
+    def nested(leaf: bool) -> Callable[[jax.Array, Context], tuple[jax.Array, Context]]:
+        def inner(x: jax.Array, c: Context) -> tuple[jax.Array, Context]:
+            return x, c.add_summary("s", x.sum()) if leaf else c
+
+        def model(x: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+            ctx.call(
+                "a", lambda x, c: c.call("b", lambda x, c: c.call("c", inner, x), x), x
+            )
+            return x, ctx
+
+        return model
+
+    y, coll = run(nested(False), [1.0, 2.0])
+    assert coll.flatten("summaries") == {}
+    np.testing.assert_array_equal(y, [1.0, 2.0])
+    with pytest.raises(LostOutputError, match="root/a"):
+        run(nested(True), [1.0, 2.0])
+
+
 def test_the_check_changes_no_program_and_no_trace_count() -> None:
     # With the check (`functional`) and without (a root context nobody checks).
     traces: list[int] = []
@@ -280,11 +301,16 @@ def _adds(program: Program) -> int:
     return sum(1 if op[0] == "add" else _adds(op[1]) for op in program)
 
 
+def _kept(program: Program) -> int:
+    """The leaves a body's returned context holds (its forgotten ops hold none)."""
+    return sum(0 if op[2] else 1 if op[0] == "add" else _kept(op[1]) for op in program)
+
+
 def _forgotten_loses(op: tuple[Any, ...]) -> bool:
     if op[0] == "add":
         return True
-    if op[0] == "call":  # a child whose body kept anything (even an empty child)
-        return any(not o[2] for o in op[1])
+    if op[0] == "call":  # a child whose body kept a leaf, at any depth
+        return _kept(op[1]) > 0
     return _adds(op[1]) > 0  # a combinator's collection holding a leaf
 
 

@@ -17,7 +17,8 @@ from types import CodeType, FrameType
 
 from ._collection import OutputCollection
 from ._errors import LostOutputError
-from ._mapping import EMPTY
+from ._iterations import IterationSummaries
+from ._mapping import EMPTY, FrozenMapping
 
 
 #: One record: (what, its top-level entries as (level, name, id of the object),
@@ -49,6 +50,21 @@ def _top(coll: OutputCollection) -> tuple[tuple[str, str, int], ...]:
     )
 
 
+def _kept(level: object) -> bool:
+    """Whether a child's `level` holds a leaf: its own entries first, then deeper."""
+    if level is EMPTY or not isinstance(level, FrozenMapping):
+        return False
+    nested: list[FrozenMapping] = []
+    for value in level.values():
+        if isinstance(value, FrozenMapping):
+            nested.append(value)
+        elif not isinstance(value, IterationSummaries) or (
+            value.length and value.ndims
+        ):
+            return True
+    return any(_kept(m) for m in nested)
+
+
 class Ledger(list[Entry]):
     """The records of one body's adds, in order (see the module docstring)."""
 
@@ -64,11 +80,11 @@ class Ledger(list[Entry]):
             level = new.summaries if what == "call" else getattr(new, what)
             value = level.get(arg)
             pairs = (("summaries" if what == "call" else what, arg, id(value)),)
-            # An empty child (its body kept nothing) loses nothing.
-            full = what != "call" or not (
-                value is EMPTY
-                and new.state_updates.get(arg) is EMPTY
-                and new.module_outputs.get(arg) is EMPTY
+            # A child whose body kept nothing (no leaf, at any depth) loses nothing.
+            full = what != "call" or (
+                _kept(value)
+                or _kept(new.state_updates.get(arg))
+                or _kept(new.module_outputs.get(arg))
             )
         elif isinstance(arg, OutputCollection):
             pairs, full = _top(arg), not arg.is_empty()
