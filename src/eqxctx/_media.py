@@ -5,7 +5,7 @@ Follows AXLearn's `axlearn/common/summary.py` (`ImageSummary`, `AudioSummary`,
 """
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import equinox as eqx
 import jax
@@ -197,6 +197,7 @@ class CallbackSummary(_KeepFirst):
     fn: Callable[..., ArrayTree] = eqx.field(static=True)
     args: tuple[ArrayTree, ...]
     kwargs: dict[str, ArrayTree]
+    replayable_host_value: ClassVar[bool] = False  # `fn` runs at every read
 
     # `fn: object`: checked here, with a message naming the argument.
     def __init__(self, fn: object, *args: ArrayTree, **kwargs: ArrayTree):

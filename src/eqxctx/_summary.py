@@ -164,6 +164,9 @@ class Summary(eqx.Module):
     #: Whether `host_value()` of summaries stacked along leading axes gives each
     #: value stacked the same way: writers then read a scan's rows at once.
     rowwise_host_value: ClassVar[bool] = False
+    #: Whether writers may remake `host_value()` from fetched fields by a recipe
+    #: made once per structure (False: every read calls it afresh, e.g. a callback).
+    replayable_host_value: ClassVar[bool] = True
 
     def host_value(self) -> ArrayTree:
         """Return what writers write, read on the host (the arrays are NumPy there).

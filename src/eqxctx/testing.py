@@ -256,13 +256,19 @@ class _Spec:
     iterations: bool
 
 
+#: What a scan body adds per iteration, for a stackable kind not made as `kind(x)`.
+_STACKED: dict[SummaryKind, Callable[[Array], Leaf]] = {
+    RAW: lambda x: x,
+    WeightedSummary: lambda x: WeightedSummary(
+        x.astype(jnp.float32), jnp.ones((), jnp.float32)
+    ),
+}
+
+
 def _stacked_leaf(kind: SummaryKind, x: Array) -> Leaf:
     """What a scan body adds per iteration for `kind`, from its slice `x`."""
-    if kind == RAW:
-        return x
-    if kind is WeightedSummary:
-        return WeightedSummary(x.astype(jnp.float32), jnp.ones((), jnp.float32))
-    return kind(x)
+    make = _STACKED.get(kind)
+    return kind(x) if make is None else make(x)
 
 
 @contextlib.contextmanager

@@ -427,11 +427,11 @@ def _note(notes: Notes, leaf: Leaf, values: list[HostValue]) -> None:
     """Record how a summary's host values are made from its fetched leaves.
 
     A replay validates the summary again (where its kind checks anything) and
-    remakes the values that are not its leaves (`_Remake`). A kind that keeps
-    `Summary.host_value` (a `CallbackSummary`'s function) is read in full each time.
+    remakes the values that are not its leaves (`_Remake`). A kind whose `host_value`
+    is not `replayable_host_value` (a `CallbackSummary`) is read in full each time.
     """
     cls = type(leaf)
-    if not isinstance(leaf, Summary) or cls.host_value is Summary.host_value:
+    if not isinstance(leaf, Summary) or not cls.replayable_host_value:
         notes.opaque = True
         return
     leaves, treedef = jax.tree_util.tree_flatten(leaf)
