@@ -1,7 +1,7 @@
 """Issue 37: the share of one trace spent inside the lost-output check.
 
 bench_trace's K = 1000 rows, each traced once with `Ledger.record` and
-`_check_lost` (which calls `Ledger.lost`) timed by `time.perf_counter` around every
+`Ledger.lost` (the check when a body returns) timed by `time.perf_counter` around every
 call: an upper bound (the timer's own cost is inside), and a ratio within one
 trace, so less sensitive to the machine's load than an A/B of two traces.
 
@@ -19,7 +19,7 @@ import bench_trace as bt
 import jax
 import jax.numpy as jnp
 
-from eqxctx import _context, _ledger  # pyright: ignore[reportPrivateUsage]
+from eqxctx import _ledger
 
 
 spent = [0.0, 0]
@@ -39,7 +39,7 @@ def timed(f: Callable[..., Any]) -> Callable[..., Any]:
 
 def main() -> None:
     _ledger.Ledger.record = timed(_ledger.Ledger.record)
-    _context._check_lost = timed(_context._check_lost)  # pyright: ignore[reportPrivateUsage]
+    _ledger.Ledger.lost = timed(_ledger.Ledger.lost)
     args = (jnp.ones(bt.WIDTH, jnp.float32), jax.random.PRNGKey(0))
     for shape, make in (("flat", bt.make_flat_ours), ("deep", bt.make_deep_ours)):
         for s in (1, 4):
