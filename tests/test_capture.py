@@ -914,13 +914,3 @@ def test_tap_layers_must_be_ints(layers: Any) -> None:
     with unchecked(), pytest.raises(TypeError, match=match):
         Tap("layers", intervene=eqxctx.zero_ablate(), layers=layers)
     assert Tap("layers", intervene=eqxctx.zero_ablate(), layers=[2, 0]).layers == (2, 0)
-
-
-def test_capture_modules_have_at_most_500_lines() -> None:
-    # issue 36: one job per module, no module over ~500 lines (docstrings included).
-    import pathlib
-
-    folder = pathlib.Path(eqxctx.__file__).parent / "_capture"
-    for path in sorted(folder.glob("*.py")):
-        lines = len(path.read_text().splitlines())
-        assert lines <= 500, (path.name, lines)

@@ -915,11 +915,3 @@ def test_runner_internals_use_public_apis_only() -> None:
         text = (src / f"{name}.py").read_text()
         for banned in ("object.__new__", "__dict__", "__getattribute__ =", "_setattr"):
             assert banned not in text, (name, banned)
-
-
-def test_runner_modules_have_one_job_and_at_most_500_lines() -> None:
-    # issue 36: no module over ~500 lines (docstrings included).
-    src = Path(eqxctx.__file__).parent
-    for name in ("_runner", "_step", "_aot", "_donation", "_meshes"):
-        lines = len((src / f"{name}.py").read_text().splitlines())
-        assert lines <= 500, (name, lines)

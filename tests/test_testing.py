@@ -274,15 +274,3 @@ def test_assert_collections_equal_checks_shape_and_dtype() -> None:
         OutputCollection({"x": 1.0}, {}, {}),
         OutputCollection({"x": jnp.float32(1)}, {}, {}),
     )
-
-
-def test_testing_modules_have_at_most_500_lines() -> None:
-    # issue 36: one job per module, no module over ~500 lines (docstrings included).
-    import pathlib
-
-    import eqxctx
-
-    src = pathlib.Path(eqxctx.__file__).parent
-    for name in ("testing.py", "_assertions.py"):
-        lines = len((src / name).read_text().splitlines())
-        assert lines <= 500, (name, lines)
