@@ -199,10 +199,6 @@ def test_modules_import_only_from_their_layer_or_above() -> None:
     assert not wrong, "\n".join(wrong)
 
 
-# Modules other sessions are splitting (issue 36); remove each once it is split.
-_NOT_YET_SPLIT = {
-    "_context.py",
-}
 
 
 def test_no_module_over_500_lines() -> None:
@@ -212,4 +208,4 @@ def test_no_module_over_500_lines() -> None:
         for path in SRC.rglob("*.py")
         if (n := len(path.read_text().splitlines())) > 500
     }
-    assert not {p: n for p, n in long.items() if p not in _NOT_YET_SPLIT}, long
+    assert not long, long

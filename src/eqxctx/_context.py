@@ -4,13 +4,12 @@ Follows AXLearn's `InvocationContext` (`axlearn/common/module.py`), without its
 thread-local stack: a `Context` is passed in and returned explicitly.
 """
 
-import dataclasses
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import jax
 import numpy as np
-from jaxtyping import Array, ArrayLike, Bool
+from jaxtyping import Array, Bool
 
 from ._checks import (
     check_context_path,
@@ -28,26 +27,22 @@ from ._collection import (
     validate_child_name,
     with_child,
 )
+from ._context_base import ContextBase, set_collection, set_frame
 from ._errors import CALL_TWICE_HINT, PREFIX_HINT, OutputConflictError
 from ._frame import (
-    DERIVED,
     UNSET,
     Frame,
     child_frame as _child_frame,
-    key_of,
     keyed_frame,
-    path_of,
     root_frame,
 )
-from ._frozen import TreeEquality
 from ._gradients import add_probe
 from ._leaves import drops as _drops
 from ._ledger import Ledger, lost_error, unreturned
-from ._rows import row_where
-from ._typing import ArrayTree, Children, Leaf, MaybeKey, Names, PRNGKey, R
+from ._typing import ArrayTree, Children, Leaf, Names, PRNGKey, R
 
 
-class Context(TreeEquality):
+class Context(ContextBase):
     """An invocation context: a path, a PRNG key, a training flag and outputs.
 
     Model methods take the context last and return it last: `method(self, x, ctx)
@@ -81,11 +76,7 @@ class Context(TreeEquality):
         {'loss': 1.0}
     """
 
-    # The collection, and a `Frame` with everything else: adding an output makes a
-    # context with a new collection and the same frame.
-    __slots__ = ("_frame", "collection")
-    _frame: Frame
-    collection: OutputCollection
+    __slots__ = ()
 
     def __init__(
         self,
@@ -99,94 +90,8 @@ class Context(TreeEquality):
         names = check_context_path(path)
         frame = root_frame(names, prng_key, is_training, summary_level, row_mask, "")
         check_is_collection(collection, "Context", "collection")
-        _set_frame(self, frame)
-        _set_collection(self, collection)
-
-    def __setattr__(self, name: str, value: object) -> NoReturn:
-        raise dataclasses.FrozenInstanceError(f"cannot assign to field '{name}'")
-
-    def __repr__(self) -> str:
-        mask = self._frame.row_mask
-        return (
-            f"Context(path={self.path!r}, prng_key={self.prng_key!r}, "
-            f"is_training={self.is_training!r}, collection={self.collection!r}, "
-            f"summary_level={self.summary_level!r}"
-            + ("" if mask is None else f", row_mask={mask.array!r}")
-            + ")"
-        )
-
-    def __reduce__(self) -> tuple[object, ...]:
-        mask = self._frame.row_mask
-        mask = None if mask is None else mask.array
-        args = (self.path, self.prng_key, self.is_training, self.collection)
-        return Context, (*args, self.summary_level, mask)
-
-    @property
-    def path(self) -> tuple[str, ...]:
-        """The names from the root to this context (a child's, built on each read)."""
-        frame = self._frame
-        path = frame.path
-        return path_of(frame) if path is None else path
-
-    @property
-    def prng_key(self) -> MaybeKey:
-        """The key: a child's is `jax.random.fold_in(parent_key, seed(name))`.
-
-        Folded in on each read (D `fold_in`s for D levels) from the nearest
-        ancestor whose key is known: the root, an iteration, a context unflattened
-        by a transformation. None in a keyless context.
-        """
-        frame = self._frame
-        key = frame.key
-        return key_of(frame) if key is DERIVED else key
-
-    @property
-    def is_training(self) -> bool:
-        """Whether the model runs in training mode (static)."""
-        return self._frame.is_training
-
-    @property
-    def summary_level(self) -> int | None:
-        """The summary level (static): see `Context.root`."""
-        return self._frame.summary_level
-
-    @property
-    def row_mask(self) -> Bool[Array, " batch"] | np.ndarray | None:
-        """The padded step's real rows: `bool[batch]` (traced), or None.
-
-        Under a `MethodRunner` step with `pad_batches=True` (or a `mask_kwarg`),
-        True for real rows and False for padding; None elsewhere. Inherited by
-        every child and iteration (inside `vmap_in_context`, still the whole
-        batch's). Count only real rows: `MomentsSummary(x,
-        where=ctx.row_where(x))`. Reading it tells the runner that the method
-        handles padding; a padded step that never reads it warns once.
-        """
-        mask = self._frame.row_mask
-        if mask is None:
-            return None
-        mask.reads.read = True
-        return mask.array
-
-    def row_where(self, x: ArrayLike) -> Bool[Array, "batch ..."] | np.ndarray | None:
-        """Return `where=` for a summary of `x`'s rows: the row mask, or None.
-
-        `Context.row_mask` reshaped to `bool[batch, 1, ..., 1]` with `x`'s rank, so
-        that it broadcasts as NumPy's `where=` does; None outside a padded step.
-
-        Args:
-            x: an array whose leading axis is the batch (only its shape is read).
-
-        Returns:
-            `bool[batch, 1, ..., 1]`, or None.
-
-        Raises:
-            ValueError: under a padded step, if `x` is a scalar or its leading size
-                is not the batch's (naming the context path).
-        """
-        mask = self.row_mask
-        if mask is None:
-            return None
-        return row_where(mask, x, "/".join(self.path))
+        set_frame(self, frame)
+        set_collection(self, collection)
 
     @classmethod
     def root(
@@ -219,11 +124,6 @@ class Context(TreeEquality):
         validate_child_name(name, where="Context.root(name=...)")
         frame = root_frame((name,), prng_key, is_training, summary_level, row_mask)
         return _make(frame, OutputCollection.empty())
-
-    @property
-    def name(self) -> str:
-        """The last entry of `path`."""
-        return self.path[-1]
 
     def child(
         self,
@@ -495,17 +395,13 @@ def _note_context(error: Exception, ctx: Context) -> None:
 
 
 _new = object.__new__
-# The slots' own setters: faster than `object.__setattr__`, and the class's
-# `__setattr__` (which refuses every assignment) is not involved.
-_set_frame = Context.__dict__["_frame"].__set__
-_set_collection = Context.__dict__["collection"].__set__
 
 
 def _make(frame: Frame, collection: OutputCollection) -> Context:
     """Build a context from checked parts (no walk, no checks)."""
     out = _new(Context)
-    _set_frame(out, frame)
-    _set_collection(out, collection)
+    set_frame(out, frame)
+    set_collection(out, collection)
     return out
 
 
@@ -523,8 +419,8 @@ def _with(
     """`ctx` with `collection`; records in its ledger what the add (`what`) added."""
     frame = ctx._frame  # pyright: ignore[reportPrivateUsage]
     out = _new(Context)
-    _set_frame(out, frame)
-    _set_collection(out, collection)
+    set_frame(out, frame)
+    set_collection(out, collection)
     if what and (ledger := frame.ledger) is not None:
         ledger.record(what, arg, collection)
     return out
