@@ -17,7 +17,6 @@ nothing.
 """
 
 import dataclasses
-import functools
 import json
 from collections.abc import Callable
 from typing import (
@@ -34,6 +33,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, PyTree
 
 from ._errors import OutputConflictError
@@ -337,30 +337,22 @@ def add_probe(
 
 
 # The shape pass marks each probe's output so that `value_and_grad` can tell, from
-# the jaxpr, whether it reaches the loss: an identity `jax.jit` (an eqn JAX keeps,
-# whose output is a new variable) named after the probe and the line that added it.
+# the jaxpr, whether it reaches the loss: `checkpoint_name` is an identity eqn (its
+# output a new variable) whose `name` names the probe and the line that added it.
+# It only matters to `jax.checkpoint` policies that save names, which never name it.
 _MARK = "eqxctx_probe"
 
 
-@functools.lru_cache(maxsize=4096)
-def _marker(name: str) -> Callable[[Array], Array]:
-    def identity(x: Array) -> Array:
-        return x
-
-    identity.__name__ = identity.__qualname__ = name
-    return jax.jit(identity)
-
-
 def mark(x: Array, key: ProbeKey, site: str) -> Array:
-    """`x`, through an identity `jax.jit` naming the probe `key` and `site` (file:line).
+    """`x`, through an identity eqn naming the probe `key` and `site` (file:line).
 
     Shape pass only: the real pass never calls it, so no program holds a mark.
     """
-    return _marker(json.dumps([_MARK, list(key[0]), key[1], key[2], site]))(x)
+    return checkpoint_name(x, json.dumps([_MARK, list(key[0]), key[1], key[2], site]))
 
 
 def read_mark(name: object) -> tuple[ProbeKey, str] | None:
-    """The probe key and site of a mark's `jax.jit` name, or None for another name."""
+    """The probe key and site of a mark's name, or None for another name."""
     if not isinstance(name, str) or not name.startswith(f'["{_MARK}"'):
         return None
     _, path, kind, leaf, site = json.loads(name)
