@@ -155,6 +155,28 @@ def test_an_unused_probe_raises_naming_its_path_kind_and_line(
     assert "ctx.add_gradient_" in message  # the fix: use the value returned
 
 
+def test_an_unused_copy_of_a_probe_in_one_switch_branch_is_found() -> None:
+    # issue 37 item 2: branches made by one factory share the probe's line; the
+    # probe is reported if it is unused in any branch (it reads 0 when that runs).
+    def branch(k: int, lose: bool) -> Fn:
+        def f(h: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+            p, ctx = ctx.add_gradient_summary("g", h)  # factory
+            return (h if lose else p) * float(k + 1), ctx
+
+        return f
+
+    def loss(w: jax.Array, ctx: Context, lose: int) -> tuple[jax.Array, Context]:
+        fns = [branch(k, k == lose) for k in range(3)]
+        h, coll = eqxctx.switch_in_context(jnp.int32(1), fns, w, context=ctx)
+        return jnp.sum(h), ctx.merge(coll)
+
+    for lose in range(3):
+        with pytest.raises(LostOutputError, match=line_of("factory")):
+            grad(lambda w, c, lose=lose: loss(w, c, lose), W)
+    _, coll = grad(lambda w, c: loss(w, c, -1), W)[0]  # branch 1 runs: d/dh = 2
+    np.testing.assert_allclose(coll.flatten("summaries")["switch/g"], 2.0)
+
+
 def test_the_corrected_code_equals_a_vjp_reference() -> None:
     (loss, coll), g = grad(lambda w, c: top(w, c, use=True), W)
     h = jnp.sin(W)

@@ -135,7 +135,9 @@ def _reach(
 
     A backwards liveness walk: an eqn is live if one of its outputs is. The jaxprs
     inside an eqn are walked with all their outputs live if the eqn is (none if
-    not), conservatively: a probe is reported only if no path can reach the loss.
+    not), conservatively: a mark is dead only if no path can reach the loss. A
+    probe traced more than once (a branch factory's, in each branch) is dead if
+    one of its marks is: when that copy runs, the probe reads 0.
     """
     if (id(jaxpr), any(live_out)) in done:
         return
@@ -149,7 +151,7 @@ def _reach(
         used = any(v in live for v in eqn.outvars)
         found = read_mark(eqn.params.get("name"))
         if found is not None:
-            marks[found] = marks.get(found, False) or used
+            marks[found] = marks.get(found, True) and used
         if used:
             live.update(v for v in eqn.invars if isinstance(v, Var))
         if found is None:
