@@ -2,6 +2,7 @@
 
 import functools
 import inspect
+from pathlib import Path
 from typing import Any
 
 import equinox as eqx
@@ -19,6 +20,7 @@ from helpers import optimized_hlo, unchecked
 
 
 KEY = jax.random.key(0)
+SOURCE = Path(__file__).read_text().splitlines()
 # One jitted entry each, shared by the tests: a model, tap and function seen before
 # hits the compilation cache (the tests' cost is compilation, on shared CPU cores).
 run_capture = eqx.filter_jit(capture)
@@ -682,6 +684,67 @@ def test_capture_inside_a_context_method_merges_into_ctx() -> None:
     )
     for i in range(3):
         close(sums[f"blocks/layer{i}/r"], sums[f"layer{i}/own_rms"])
+
+
+def _capture_in_method(lose: str) -> Any:
+    """A method capturing a ctx-threading model; `lose`: what it forgets."""
+
+    def method(
+        m: CtxModel, x: jax.Array, ctx: eqxctx.Context
+    ) -> tuple[jax.Array, eqxctx.Context]:
+        (y, model_ctx), captured = capture(  # capture-call
+            lambda m, x, c: m(x, c), m, x, ctx, taps=Tap("blocks", summaries={"r": rms})
+        )
+        if lose == "model":  # the model's context (its scan's collection) dropped
+            return y, ctx.merge(captured)
+        if lose == "capture":  # capture's collection never merged
+            return y, model_ctx
+        return y, model_ctx.merge(captured)
+
+    return method
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize(
+    ("lose", "match"),
+    [
+        # Already caught before issue 37's capture item: the adds inside capture
+        # land on the calling body's ledger, checked when that body returns.
+        ("model", "root/\\['layer'\\]: a combinator's collection, never merged"),
+        # issue 37 item capture: capture's own collection, never merged.
+        ("capture", "root/\\['blocks'\\]: a combinator's collection, never merged"),
+    ],
+)
+def test_capture_with_a_context_loses_no_output_silently(
+    lose: str, match: str, grad: bool
+) -> None:
+    model, x = _ctx_model(), jnp.arange(4.0) / 4
+    method = _capture_in_method(lose)
+
+    def loss(m: CtxModel, x: jax.Array, c: eqxctx.Context) -> Any:
+        y, c = method(m, x, c)
+        return jnp.sum(y), c
+
+    if grad:
+        run = lambda: eqxctx.value_and_grad(loss)(
+            model, x, prng_key=None, is_training=False
+        )
+    else:
+        run = lambda: eqxctx.functional(
+            method, prng_key=None, is_training=False, args=(model, x)
+        )
+    with pytest.raises(eqxctx.LostOutputError, match=match) as info:
+        run()
+    at = "capture-call" if lose == "capture" else "scan_in_context("
+    (line,) = [i + 1 for i, s in enumerate(SOURCE) if s.rstrip().endswith(at)]
+    assert f"{__file__}:{line}" in str(info.value)
+    _, coll = eqxctx.functional(
+        _capture_in_method("none"), prng_key=None, is_training=False, args=(model, x)
+    )
+    assert sorted(coll.flatten("summaries")) == sorted(
+        [f"layer{i}/own_rms" for i in range(3)]
+        + [f"blocks/layer{i}/r" for i in range(3)]
+    )
 
 
 def test_capture_in_a_method_runner_method() -> None:

@@ -12,6 +12,7 @@ from jaxtyping import ArrayLike, PyTree
 from ._bodies import (
     check_context,
     check_lost,
+    gradient_state,
     is_shape_only,
     iteration_context,
     note_result,
@@ -67,6 +68,9 @@ def _run_branches(
         results = [run(j, operands, True) for j in range(len(branches))]
         spec = union_collections([c for _, c in results], names, path, where)
         out, coll = results[0][0], fill_collection(spec, results[0][1])
+        state = gradient_state(context)
+        if state is not None and state.mode == "shapes":
+            out = _tied([o for o, _ in results])
     else:
         # The union's structure is needed before `jax.lax.switch`: one abstract
         # evaluation of each branch (no FLOPs, nothing in the program).
@@ -98,6 +102,31 @@ def _run_branches(
     result = OutputCollection.empty().add_child(child_name, coll)
     note_result(context, result)
     return out, result
+
+
+def _tied(outs: list[ArrayTree]) -> ArrayTree:
+    """Branch 0's outputs, made to depend on every branch's outputs.
+
+    For `value_and_grad`'s shape pass, which traces the branches in line and keeps
+    branch 0's outputs: its check of unused gradient probes (a liveness walk of the
+    jaxpr) must see that any branch's outputs may reach the loss.
+    `jax.lax.optimization_barrier` ties them (shapes and weak types unchanged;
+    nothing of a shape pass is compiled).
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(outs[0])
+    at = [i for i, a in enumerate(leaves) if isinstance(a, jax.Array)]
+    rest = [
+        a
+        for o in outs[1:]
+        for a in jax.tree_util.tree_leaves(o)
+        if isinstance(a, jax.Array)
+    ]
+    if not at or not rest:
+        return outs[0]
+    tied, _ = jax.lax.optimization_barrier(([leaves[i] for i in at], rest))
+    for i, a in zip(at, tied, strict=True):
+        leaves[i] = a
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def _name(fn: Callable[..., object]) -> str:

@@ -17,6 +17,7 @@ nothing.
 """
 
 import dataclasses
+import json
 from collections.abc import Callable
 from typing import (
     Any,
@@ -32,11 +33,13 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, PyTree
 
 from ._errors import OutputConflictError
 from ._leaves import ContextLike, drops, validate_leaf_name
 from ._sinks import sink_layout, to_sink
+from ._sites import call_site
 from ._summary import Summary, accumulate_leaf, is_array_leaf
 from ._typing import ArrayTree, Names, TreeDef
 
@@ -326,7 +329,34 @@ def add_probe(
         raise OutputConflictError(
             f"`{where}`: {path!r}: {e} Forward and gradient {kind} share names."
         ) from None
+    if state.mode == "shapes":
+        code, line = call_site(1)
+        site = "?" if code is None else f"{code.co_filename}:{line}"
+        return mark(x, key, site), ctx
     return probe(x, state.sinks.get(key), fn), ctx
+
+
+# The shape pass marks each probe's output so that `value_and_grad` can tell, from
+# the jaxpr, whether it reaches the loss: `checkpoint_name` is an identity eqn (its
+# output a new variable) whose `name` names the probe and the line that added it.
+# It only matters to `jax.checkpoint` policies that save names, which never name it.
+_MARK = "eqxctx_probe"
+
+
+def mark(x: Array, key: ProbeKey, site: str) -> Array:
+    """`x`, through an identity eqn naming the probe `key` and `site` (file:line).
+
+    Shape pass only: the real pass never calls it, so no program holds a mark.
+    """
+    return checkpoint_name(x, json.dumps([_MARK, list(key[0]), key[1], key[2], site]))
+
+
+def read_mark(name: object) -> tuple[ProbeKey, str] | None:
+    """The probe key and site of a mark's name, or None for another name."""
+    if not isinstance(name, str) or not name.startswith(f'["{_MARK}"'):
+        return None
+    _, path, kind, leaf, site = json.loads(name)
+    return (tuple(path), kind, leaf), site
 
 
 class Iterations:

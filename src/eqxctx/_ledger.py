@@ -10,15 +10,13 @@ returned collection against it. The ledger belongs to that one call: no global o
 thread-local state.
 """
 
-import os
-import sys
-from pathlib import Path
-from types import CodeType, FrameType
+from types import CodeType
 
 from ._collection import OutputCollection
 from ._errors import LostOutputError
 from ._iterations import IterationSummaries
 from ._mapping import EMPTY, FrozenMapping
+from ._sites import call_site
 
 
 #: One record: (what, its top-level entries as (level, name, id of the object),
@@ -29,19 +27,6 @@ from ._mapping import EMPTY, FrozenMapping
 Entry = tuple[str, tuple[tuple[str, str, int], ...], bool, CodeType | None, int]
 
 _KINDS = ("summaries", "state_updates", "module_outputs")
-_HERE = Path(__file__).parent
-# Frames skipped to find the user's line: eqxctx's private modules, and the
-# wrappers of runtime type checkers (jaxtyping, beartype: "<@beartype(...)>").
-_INTERNAL = {str(p) for p in _HERE.glob("_*.py")} | {
-    str(p) for p in (_HERE / "_capture").glob("*.py")
-}
-_CHECKERS = (f"{os.sep}jaxtyping{os.sep}", f"{os.sep}beartype{os.sep}")
-# Whether a file's frames are skipped, by file name (a memo of `_skipped`).
-_SKIP: dict[str, bool] = {}
-
-
-def _skipped(file: str) -> bool:
-    return file in _INTERNAL or file[:1] == "<" or any(c in file for c in _CHECKERS)
 
 
 def _top(coll: OutputCollection) -> tuple[tuple[str, str, int], ...]:
@@ -90,17 +75,8 @@ class Ledger(list[Entry]):
             pairs, full = _top(arg), not arg.is_empty()
         else:  # "replace"
             pairs, full = (), False
-        f: FrameType | None = sys._getframe(2)  # pyright: ignore[reportPrivateUsage]
-        while f is not None:
-            file = f.f_code.co_filename
-            skip = _SKIP.get(file)
-            if skip is None:
-                skip = _SKIP[file] = _skipped(file)
-            if not skip:
-                self.append((what, pairs, full, f.f_code, f.f_lineno))
-                return
-            f = f.f_back
-        self.append((what, pairs, full, None, 0))
+        code, line = call_site(2)
+        self.append((what, pairs, full, code, line))
 
     def lost(self, coll: OutputCollection, exact: bool) -> list[Entry]:
         """The recorded entries missing from `coll` (and not discarded).

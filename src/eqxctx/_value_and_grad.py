@@ -4,13 +4,14 @@ See `_gradients.py` for the probes themselves and the mechanism.
 """
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Concatenate, Literal, TypeAlias, TypeVar, overload
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr, Var
 from jaxtyping import Array, PyTree
 
 from ._bodies import check_lost, gradient_root
@@ -23,6 +24,7 @@ from ._checks import (
 )
 from ._collection import OutputCollection
 from ._context import Context, check_returns_context
+from ._errors import LostOutputError
 from ._gradients import (
     GradientState,
     Level,
@@ -30,6 +32,7 @@ from ._gradients import (
     Probe,
     ProbeKey,
     is_pending,
+    read_mark,
 )
 from ._repeat import fold_stacked
 from ._sinks import from_sink
@@ -110,6 +113,83 @@ def _fill(
         return _lay_out(grads[leaf.key], probes[leaf.key], leaf)
 
     return jax.tree_util.tree_map(fill, collection, is_leaf=is_pending)
+
+
+def _sub_jaxprs(params: dict[str, Any]) -> Iterator[Jaxpr]:
+    """The jaxprs an eqn holds (scan, cond, jit, checkpoint, custom_vjp/jvp, ...)."""
+    for value in params.values():
+        for p in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(p, ClosedJaxpr):
+                yield p.jaxpr
+            elif isinstance(p, Jaxpr):
+                yield p
+
+
+def _reach(
+    jaxpr: Jaxpr,
+    live_out: Sequence[bool],
+    marks: dict[tuple[ProbeKey, str], bool],
+    done: set[tuple[int, bool]],
+) -> None:
+    """Record in `marks` whether each probe mark in `jaxpr` reaches a live output.
+
+    A backwards liveness walk: an eqn is live if one of its outputs is. The jaxprs
+    inside an eqn are walked with all their outputs live if the eqn is (none if
+    not), conservatively: a mark is dead only if no path can reach the loss. A
+    probe traced more than once (a branch factory's, in each branch) is dead if
+    one of its marks is: when that copy runs, the probe reads 0.
+    """
+    if (id(jaxpr), any(live_out)) in done:
+        return
+    done.add((id(jaxpr), any(live_out)))
+    live = {
+        v
+        for v, on in zip(jaxpr.outvars, live_out, strict=True)
+        if on and isinstance(v, Var)
+    }
+    for eqn in reversed(jaxpr.eqns):
+        used = any(v in live for v in eqn.outvars)
+        found = read_mark(eqn.params.get("name"))
+        if found is not None:
+            marks[found] = marks.get(found, True) and used
+        if used:
+            live.update(v for v in eqn.invars if isinstance(v, Var))
+        if found is None:
+            for sub in _sub_jaxprs(eqn.params):
+                _reach(sub, [used] * len(sub.outvars), marks, done)
+
+
+_KIND = {"summaries": "gradient summary", "module_outputs": "gradient output"}
+_ADDER = {"summaries": "add_gradient_summary", "module_outputs": "add_gradient_output"}
+
+
+def check_probes_used(jaxpr: Jaxpr) -> None:
+    """Raise `LostOutputError` for probes whose output never reaches the loss.
+
+    `jaxpr` is the shape pass's: its first output is the loss.
+    """
+    marks: dict[tuple[ProbeKey, str], bool] = {}
+    _reach(jaxpr, [i == 0 for i in range(len(jaxpr.outvars))], marks, set())
+    unused = sorted(found for found, used in marks.items() if not used)
+    if not unused:
+        return
+    lines = [
+        f"  - {_KIND[key[1]]} {'/'.join((*key[0], key[2]))}, at {site}"
+        for key, site in unused[:8]
+    ]
+    if len(unused) > 8:
+        lines.append(f"  ... and {len(unused) - 8} more")
+    (_, kind, name), _ = unused[0]
+    raise LostOutputError(
+        "`eqxctx.value_and_grad(fn)`: fn does not use the value that these "
+        "gradient probes return, so no cotangent reaches them and their values "
+        "would read 0 silently:\n" + "\n".join(lines) + "\nA probe is an identity "
+        "whose backward pass records the cotangent of the value it returns: use "
+        f"that value on the way to the loss (`h, ctx = ctx.{_ADDER[kind]}"
+        f'("{name}", h)`, then compute with the new `h`). A probe of a value that '
+        "does not reach the loss records zeros: remove it, or give it a `level` "
+        "above the `summary_level` to switch it off."
+    )
 
 
 def _check_loss(loss: object, where: str) -> None:
@@ -204,8 +284,9 @@ def value_and_grad(
     and `ctx.add_gradient_output`: `collection` holds every kind of output (none is
     dropped, unlike `functional`'s default), forward and backward.
 
-    `fn` is traced twice: once abstractly (`jax.eval_shape`: nothing is computed)
-    to find the probes and the shapes of their sinks, once for real.
+    `fn` is traced twice: once abstractly (`jax.make_jaxpr`: nothing is computed)
+    to find the probes, the shapes of their sinks and whether each probe's
+    returned value reaches the loss, once for real.
 
     Args:
         fn: the loss function, `fn(*args, ctx, **kwargs) -> (loss, ctx)`; `loss` a
@@ -232,6 +313,10 @@ def value_and_grad(
             (naming their paths).
         ValueError: at call time, a non-scalar loss, an `argnums` out of range or
             naming one argument twice (`(0, -2)` with two arguments).
+        LostOutputError: at call time (a `ValueError`), an output `fn` added but
+            did not return (as `functional`), or a gradient probe whose returned
+            value never reaches the loss (`_, ctx = ctx.add_gradient_summary("g",
+            h)`, then `h` used: it would read 0), naming its path, kind and line.
 
     References:
         `eqx.filter_value_and_grad`; `jax.custom_vjp`; Flax's `perturb`.
@@ -302,11 +387,15 @@ def value_and_grad(
             _check_loss(out, where)
             return out, out_ctx.collection
 
-        # The shape pass: which probes exist, and their sinks' shapes.
-        shapes = jax.eval_shape(
-            lambda: run(diff, GradientState("shapes", (), {}), True)[1]
-        )
-        probes = _probes(shapes)
+        # The shape pass: which probes exist, their sinks' shapes, and (from the
+        # jaxpr, as costly as `jax.eval_shape`) whether each one's value is used.
+        jaxpr, shapes = jax.make_jaxpr(
+            lambda: run(diff, GradientState("shapes", (), {}), True),
+            return_shape=True,
+        )()
+        probes = _probes(shapes[1])
+        if probes:
+            check_probes_used(jaxpr.jaxpr)
         sinks = {k: p.sink() for k, p in probes.items()}
 
         def loss_fn(

@@ -8,7 +8,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from eqxctx._bodies import note_result
 from eqxctx._collection import OutputCollection
+from eqxctx._context import Context
 
 from ._session import Session
 from ._tap import Tap
@@ -77,7 +79,11 @@ def capture(
     JAX has no backward pass through while loops). Interventions need no
     recording and work in every branch and loop. Modules that thread a context
     (`module(x, ctx) -> (y, ctx)`) record and change `y`; the context passes
-    through, and the returned collection merges into it (`ctx.merge`).
+    through, and the returned collection merges into it (`ctx.merge`). When
+    `args` or `kwargs` hold a context, the collection is checked as a
+    combinator's: the calling body must return it merged (`LostOutputError`
+    otherwise, naming the line of the `capture` call; `ctx.discard()` drops it on
+    purpose), and outputs the model adds to that context are checked as usual.
 
     `fn` is traced twice: once abstractly (`eqx.filter_eval_shape`: which points
     run where, and the shapes of what they record), once for real. Recording
@@ -110,6 +116,9 @@ def capture(
             `Summary`.
         EquinoxRuntimeError: at run time (under `eqx.filter_jit` or eagerly), a
             recording point that did not run exactly once per layer (per example).
+        LostOutputError: when the body that called `capture` with a context
+            returns (`functional`, a scan body, ...), if the collection never
+            reached the context it returns.
 
     References:
         Flax NNX `nnx.capture`; TransformerLens `run_with_cache`; `jax.custom_vjp`.
@@ -145,7 +154,7 @@ def capture(
         diff, vjp_fn, arrays = jax.vjp(differentiable, session.sinks, has_aux=True)
         (cts,) = vjp_fn(jax.tree_util.tree_map(jnp.zeros_like, diff))
     out = eqx.combine(diff, arrays, static_box[-1])
-    return out, session.collection(cts)
+    return out, _noted(session.collection(cts), args, kwargs)
 
 
 def capture_value_and_grad(
@@ -187,6 +196,7 @@ def capture_value_and_grad(
 
     Raises:
         ValueError: as `capture`.
+        LostOutputError: as `capture`.
         TypeError: as `capture`; a loss that is not a floating-point scalar
             (JAX's message, from `eqx.filter_value_and_grad`); a gradient tap at
             a point whose output is not one floating-point array.
@@ -217,7 +227,24 @@ def capture_value_and_grad(
         loss, (grads, cts) = eqx.filter_value_and_grad(loss_fn)((model, session.sinks))
     if not session.sinks:
         return (loss, OutputCollection.empty()), grads
-    return (loss, session.collection(cts)), grads
+    return (loss, _noted(session.collection(cts), args, kwargs)), grads
+
+
+def _noted(
+    collection: OutputCollection, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> OutputCollection:
+    """Note `collection` on the ledger of the context `fn` was given, if any.
+
+    Issue 37: like a combinator's, capture's collection must then reach the body's
+    returned context (`ctx.merge(collection)`), or a `LostOutputError` names it.
+    """
+    for leaf in jax.tree_util.tree_leaves(
+        (args, kwargs), is_leaf=lambda x: isinstance(x, Context)
+    ):
+        if isinstance(leaf, Context):
+            note_result(leaf, collection)
+            break
+    return collection
 
 
 def _check_loss(loss: object, where: str) -> None:
