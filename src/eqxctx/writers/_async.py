@@ -365,7 +365,7 @@ class AsyncWriter(AbstractWriter):
             fetched = buffer_rows(fetch)
             for host in buffer_hosts(self.writer, fetched):
                 self._submit(host)
-            self._buffer_done = (token, len(fetched.rows))
+            self._buffer_done = (token, len(fetched.steps))
             check_lost(fetched, where=where)
             self._raise_if_failed(where)
         else:

@@ -10,8 +10,9 @@ from typing import SupportsIndex, TypeAlias, TypeVar
 import jax
 
 from ._buffer import BufferRows, SummaryBuffer, buffer_rows, start_fetch
+from ._columns import buffer_values, prefetched_rows
 from ._host import HostValue
-from ._read import Prefetched, Summaries, host_values, prefetched_rows
+from ._read import Prefetched, Summaries, host_values
 
 
 #: A step number: a Python or NumPy integer (anything with `__index__`).
@@ -210,10 +211,19 @@ def buffer_hosts(writer: AbstractWriter, fetched: BufferRows) -> list[HostSummar
             writer.fetch(step, layout.treedef.unflatten(leaves))
             for step, leaves, layout in fetched.rows
         ]
-    return [
-        fetch_host(writer, step, prefetched)
-        for step, prefetched in prefetched_rows(fetched)
-    ]
+    where = f"{type(writer).__name__}.write"
+    columns = buffer_values(fetched, where=where)
+    if columns is None:  # a structure without a recipe yet, or a row that fails
+        return [
+            fetch_host(writer, step, prefetched)
+            for step, prefetched in prefetched_rows(fetched)
+        ]
+    hosts: list[HostSummaries] = []
+    for step, values in zip(fetched.steps, columns, strict=True):
+        host = HostSummaries(check_step(step, where=where), values)
+        writer.check(host)
+        hosts.append(host)
+    return hosts
 
 
 def check_lost(fetched: BufferRows, *, where: str) -> None:
@@ -223,10 +233,10 @@ def check_lost(fetched: BufferRows, *, where: str) -> None:
         ValueError: naming the number of steps lost.
     """
     if fetched.lost:
-        last = fetched.rows[-1][0]
+        last = fetched.steps[-1]
         raise ValueError(
             f"`{where}`: {fetched.lost} step(s) were added to the full buffer of "
-            f"{len(fetched.rows)} rows and lost (each overwrote the last row, which "
+            f"{len(fetched.steps)} rows and lost (each overwrote the last row, which "
             f"holds step {last}). Write the buffer every `buffer.size` steps: `if "
             "(step + 1) % buffer.size == 0: buffer = writer.write_buffer(buffer)`."
         )

@@ -337,16 +337,53 @@ def start_fetch(buffer: object, *, where: str) -> BufferFetch:
 
 
 class BufferRows(NamedTuple):
-    """A fetched buffer: each step's summaries (NumPy leaves), in the added order.
+    """A fetched buffer: the steps it holds, in the added order, as NumPy columns.
 
     Attributes:
-        rows: `(step, leaves, layout)` per step held: the leaves of its summaries
-            (`layout.treedef.unflatten(leaves)`: the summaries).
+        steps: each row's step.
+        slots: each row's structure (an index into `layouts`).
+        layouts: the buffer's structures.
+        tables: per structure, its array leaves `[size, ...]` (row `i` of a
+            structure's table is meaningful where `slots[i]` is that structure).
         lost: the number of steps added after the buffer was full.
     """
 
-    rows: list[tuple[int, list[Any], _Layout]]
+    steps: list[int]
+    slots: list[int]
+    layouts: tuple[_Layout, ...]
+    tables: list[list[np.ndarray]]
     lost: int
+
+    @property
+    def rows(self) -> list[tuple[int, list[Any], _Layout]]:
+        """`(step, leaves, layout)` per row: the leaves of its summaries (views).
+
+        `layout.treedef.unflatten(leaves)` is the row's summaries.
+        """
+        return [
+            (
+                step,
+                self.layouts[k].row_leaves([x[i, ...] for x in self.tables[k]]),
+                self.layouts[k],
+            )
+            for i, (step, k) in enumerate(zip(self.steps, self.slots, strict=True))
+        ]
+
+    def columns(self, k: int) -> tuple[list[int], list[Any]]:
+        """The rows of structure `k`: their positions and its leaves' columns.
+
+        Each leaf as `layout.leaves` lists it: an array leaf stacked `[n, ...]`
+        over the `n` rows (a view where they are the first `n`), a static leaf as
+        it is (`_Layout.arrays` says which).
+        """
+        positions = [i for i, s in enumerate(self.slots) if s == k]
+        n = len(positions)
+        if positions == list(range(n)):
+            arrays = [x[:n] for x in self.tables[k]]
+        else:
+            index = np.asarray(positions)
+            arrays = [x[index] for x in self.tables[k]]
+        return positions, self.layouts[k].row_leaves(arrays)
 
 
 def buffer_rows(fetch: BufferFetch) -> BufferRows:
@@ -366,9 +403,6 @@ def buffer_rows(fetch: BufferFetch) -> BufferRows:
         tables.append([np.asarray(x) for x in host[start:stop]])
         start = stop
     n = min(count, fetch.size)
-    rows: list[tuple[int, list[Any], _Layout]] = []
-    for i, k in enumerate(slots[:n].tolist()):
-        layout = fetch.layouts[k]
-        leaves = layout.row_leaves([x[i, ...] for x in tables[k]])
-        rows.append((int(steps[i]), leaves, layout))
-    return BufferRows(rows, count - n)
+    return BufferRows(
+        steps[:n].tolist(), slots[:n].tolist(), fetch.layouts, tables, count - n
+    )

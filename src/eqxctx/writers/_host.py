@@ -5,13 +5,15 @@ from the full read of the first write of a structure and replayed for the next o
 (writers read the same structure every step).
 """
 
+import copy
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeAlias
 
 import jax
 import numpy as np
 
-from eqxctx._records import Audio, Histogram, Image
+from eqxctx._records import Audio, Histogram, Image, is_record_type
 
 
 #: A value ready to write: a NumPy array, or a host record (`Histogram`, `Image`,
@@ -183,6 +185,151 @@ class Recipe:
         except (ValueError, _Refused):  # read in full, which names the path
             return None
         return HostValues(parts, self)
+
+    def replay_rows(
+        self, columns: Sequence[Any], stacked: Sequence[bool], n: int
+    ) -> list[HostValues] | None:
+        """The `HostValues` of `n` rows of this structure, read column-wise.
+
+        `columns[k]`: leaf `k` of every row, stacked `[n, ...]` where `stacked[k]`,
+        else the one value all rows share (a static leaf). Each row equals
+        `replay` of that row's leaves. A check or value whose function is
+        `rowwise` (see `_rowwise`) runs once over the stacked leaves, the others
+        once per row; where a stacked one raises, or gives other than a NumPy
+        array of `n` rows and the recorded dtype, it runs once per row instead.
+
+        Returns:
+            One `HostValues` per row, or None where a row's check or value fails
+            (read the rows one by one: the full read names the path).
+        """
+        rows: list[list[Any] | None] = [None] * n
+
+        def row(i: int) -> list[Any]:  # row i's leaves, made once (a `_Remake` cache)
+            leaves = rows[i]
+            if leaves is None:
+                leaves = rows[i] = [
+                    c[i, ...] if s else c for c, s in zip(columns, stacked, strict=True)
+                ]
+            return leaves
+
+        #: Per value: (0, column) read as `column[i, ...]`, (1, value) the same
+        #: for every row, or (2, values) one per row.
+        made: list[list[tuple[int, Any]]] = []
+        try:
+            for fn, ks in self.checks:
+                if _rowwise(fn) and _stacked_ok(fn, [columns[k] for k in ks]):
+                    continue
+                for i in range(n):
+                    leaves = row(i)
+                    fn(*[leaves[k] for k in ks])
+            for _, _, ops in self.parts:
+                part: list[tuple[int, Any]] = []
+                for op in ops:
+                    if type(op) is int:
+                        part.append(
+                            (0, columns[op]) if stacked[op] else (1, columns[op])
+                        )
+                        continue
+                    column = _made_stacked(op, columns, n)  # pyright: ignore[reportArgumentType]
+                    if column is not None:
+                        part.append((0, column))
+                    else:
+                        part.append((2, [_made(op, row(i)) for i in range(n)]))  # pyright: ignore[reportArgumentType]
+                made.append(part)
+        except (ValueError, _Refused):
+            return None
+        out: list[HostValues] = []
+        for i in range(n):
+            parts: list[Part] = []
+            for (is_rows, paths, _), part in zip(self.parts, made, strict=True):
+                values = [
+                    v[i, ...] if how == 0 else v if how == 1 else v[i]
+                    for how, v in part
+                ]
+                parts.append(
+                    Rows(paths, values)
+                    if is_rows
+                    else dict(zip(paths, values, strict=True))
+                )
+            out.append(HostValues(parts, self))
+        return out
+
+
+def _rowwise(fn: Callable[..., Any]) -> bool:
+    """Whether `fn` (a recipe's check or value) may run over stacked leaves.
+
+    True where it (or the function of a `functools.partial`) has a true `rowwise`
+    attribute: applied to leaves stacked `[n, ...]` it gives each row's value
+    stacked the same way, and a check raises unless every row would pass (the
+    read's `_Check` and `_Remake` of a kind with `Summary.rowwise_host_value`).
+    """
+    return bool(getattr(getattr(fn, "func", fn), "rowwise", False))
+
+
+def _stacked_ok(fn: Callable[..., Any], columns: list[Any]) -> bool:
+    """Whether the check `fn` passes over stacked leaves (False: check each row)."""
+    try:
+        fn(*columns)
+    except Exception:  # e.g. shapes valid per row only: each row is checked
+        return False
+    return True
+
+
+def _made_stacked(
+    op: tuple[Callable[..., Any], tuple[int, ...], object],
+    columns: Sequence[Any],
+    n: int,
+) -> "np.ndarray | _RecordRows | None":
+    """A rowwise value over stacked leaves (`[n, ...]`), or None: make it per row."""
+    fn, ks, dtype = op
+    if not _rowwise(fn):
+        return None
+    try:
+        value = fn(*[columns[k] for k in ks])
+    except Exception:  # made per row, whose error (if any) names the path
+        return None
+    if is_record_type(type(value)):  # rows of a record: its arrays' rows
+        arrays = [getattr(value, f.name) for f in _array_fields(value)]
+        if all(x.ndim >= 2 and x.shape[0] == n for x in arrays):
+            return _RecordRows(value)
+        return None
+    if (
+        type(value) is not np.ndarray
+        or value.shape[:1] != (n,)
+        or (dtype is not None and value.dtype != dtype)
+    ):
+        return None
+    return value
+
+
+def _array_fields(record: object) -> list[dataclasses.Field[Any]]:
+    """The fields of a host record that hold NumPy arrays."""
+    return [
+        f
+        for f in dataclasses.fields(record)  # pyright: ignore[reportArgumentType]
+        if type(getattr(record, f.name)) is np.ndarray
+    ]
+
+
+class _RecordRows:
+    """A host record of stacked arrays (validated stacked), read row by row.
+
+    `self[i, ...]` is the record of row `i`: a copy whose arrays are their row `i`
+    (at least 1-d), made without running the record's checks again, which the
+    stacked record passed for every row (counts, dtypes, the last axis).
+    """
+
+    __slots__ = ("fields", "record")
+
+    def __init__(self, record: object):
+        self.record = record
+        self.fields = [f.name for f in _array_fields(record)]
+
+    def __getitem__(self, index: tuple[int, Any]) -> Any:
+        row = copy.copy(self.record)
+        for name in self.fields:
+            object.__setattr__(row, name, getattr(self.record, name)[index])
+        return row
 
 
 def _made(op: tuple[Callable[..., Any], tuple[int, ...], object], host: Any) -> Any:
