@@ -20,6 +20,7 @@ import pytest
 from jax.core import Tracer
 
 import eqxctx
+import eqxctx.writers._jsonl as writers_jsonl
 import eqxctx.writers._read as writers_read
 from eqxctx.writers import Histogram, JsonlWriter, SummaryBuffer, TensorBoardWriter
 from eqxctx.writers._buffer import buffer_rows, start_fetch
@@ -95,6 +96,7 @@ def _summaries(i: jax.Array, vector_mean: bool = False) -> dict[str, Any]:
     def body(c: jax.Array, y: jax.Array, ctx: eqxctx.Context) -> Any:
         ctx = ctx.add_summary("y", _Doubled(y * x))
         ctx = ctx.add_summary("w", eqxctx.WeightedSummary(y, jnp.abs(y)))
+        ctx = ctx.add_summary("vec", y * jnp.arange(2.0))  # rows `[n, 3, 2]`
         return c + y, None, ctx
 
     _, _, scanned = eqxctx.scan_in_context(
@@ -264,3 +266,28 @@ def test_a_buffer_reads_each_histogram_once(monkeypatch: pytest.MonkeyPatch) -> 
         monkeypatch.setattr(eqxctx.HistogramSummary, "host_value", counting)
         writer.write_buffer(second)
     assert calls == [(4, 4)]  # the 4 rows' 4 buckets, read once
+
+
+def test_jsonl_formats_a_buffers_rows_together(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # issue 39: each row's line converted every value alone.
+    writers_read._RECIPES.clear()  # pyright: ignore[reportPrivateUsage]
+    first, outs = _buffer(_step, range(6), 6)
+    second, more = _buffer(_step, range(6, 12), 6)
+    blocks: list[int] = []
+    real = writers_jsonl._block_values  # pyright: ignore[reportPrivateUsage]
+
+    def counting(block: Any) -> Any:
+        blocks.append(block.n)
+        return real(block)
+
+    monkeypatch.setattr(writers_jsonl, "_block_values", counting)
+    with JsonlWriter(tmp_path / "s.jsonl") as reference:
+        for step, out in enumerate(outs + more):
+            reference.write(step, out)
+    with JsonlWriter(tmp_path / "b.jsonl") as writer:
+        writer.write_buffer(first)  # row by row (the recipe is made)
+        writer.write_buffer(second)
+    assert blocks == [6]  # the second buffer's 6 rows, converted once
+    assert (tmp_path / "b.jsonl").read_bytes() == (tmp_path / "s.jsonl").read_bytes()

@@ -53,18 +53,35 @@ class HostValues(Mapping[str, HostValue]):
     may format together; the dict of every value is built only when one is read.
     """
 
-    __slots__ = ("_dict", "layout", "parts")
+    __slots__ = ("_dict", "_parts", "layout", "row")
 
     # `list[Part]`: beartype samples a list's items with `random`, which hypothesis
     # forbids inside strategies; host values are made by writers, never in one.
-    def __init__(self, parts: list[Part], layout: object = None):
-        #: The parts, in order: dicts of single values and `Rows`.
-        self.parts = parts
+    def __init__(
+        self,
+        parts: list[Part] | None,
+        layout: object = None,
+        row: "tuple[RowBlock, int] | None" = None,
+    ):
+        self._parts = parts  # (None: made from `row` when first read)
         self._dict: dict[str, HostValue] | None = None
         #: The `Recipe` these values were replayed from, or None: the same object
         #: for every write of one structure (same parts, paths and dtypes), so
         #: writers may key their own formatting caches by it.
         self.layout = layout
+        #: `(block, i)`: these are row `i` of a buffer's rows read column-wise
+        #: (`Recipe.replay_rows`), which a writer may format together; or None.
+        self.row = row
+
+    @property
+    def parts(self) -> list[Part]:
+        """The parts, in order: dicts of single values and `Rows`."""
+        parts = self._parts
+        if parts is None:
+            assert self.row is not None
+            block, i = self.row
+            parts = self._parts = block.row_parts(i)
+        return parts
 
     def _full(self) -> dict[str, HostValue]:
         full = self._dict
@@ -98,6 +115,8 @@ class HostValues(Mapping[str, HostValue]):
     def __contains__(self, key: object) -> bool:
         if self._dict is not None:
             return key in self._dict
+        if self._parts is None and self.row is not None:
+            return key in self.row[0].paths()
         for part in self.parts:
             if isinstance(part, Rows):
                 # Row paths are `{prefix}{i}/...`: a name without "/" (a writer's
@@ -238,21 +257,63 @@ class Recipe:
                 made.append(part)
         except (ValueError, _Refused):
             return None
-        out: list[HostValues] = []
-        for i in range(n):
-            parts: list[Part] = []
-            for (is_rows, paths, _), part in zip(self.parts, made, strict=True):
-                values = [
-                    v[i, ...] if how == 0 else v if how == 1 else v[i]
-                    for how, v in part
-                ]
-                parts.append(
-                    Rows(paths, values)
-                    if is_rows
-                    else dict(zip(paths, values, strict=True))
-                )
-            out.append(HostValues(parts, self))
-        return out
+        block = RowBlock([(rows, paths) for rows, paths, _ in self.parts], made, n)
+        return [HostValues(None, self, (block, i)) for i in range(n)]
+
+
+class RowBlock:
+    """The values of `n` rows of one structure, column-wise (`Recipe.replay_rows`).
+
+    Row `i`'s `HostValues` hold, part by part, `value(how, v, i)` of each
+    `(how, v)` in `made`: how 0, `v[i, ...]` (a column `[n, ...]`, or a record
+    of such columns); how 1, `v` itself (a value every row shares); how 2,
+    `v[i]` (a list, one value per row). A writer may format the rows together
+    from the columns, with its results in `cache` (keyed by the writer's own
+    formatting function): e.g. `JsonlWriter` reads each column's numbers once.
+
+    Attributes:
+        parts: `(rows, paths)` per part: whether it is `Rows`, and its paths.
+        made: per part, `(how, v)` per value (per column of `Rows`).
+        n: the number of rows.
+        cache: what writers computed for the block.
+    """
+
+    __slots__ = ("_paths", "cache", "made", "n", "parts")
+
+    def __init__(
+        self,
+        parts: list[tuple[bool, tuple[str, ...]]],
+        made: list[list[tuple[int, Any]]],
+        n: int,
+    ):
+        self.parts = parts
+        self.made = made
+        self.n = n
+        self.cache: dict[object, Any] = {}
+        self._paths: frozenset[str] | None = None
+
+    def paths(self) -> frozenset[str]:
+        """Every path of a row."""
+        if self._paths is None:
+            self._paths = frozenset(p for _, paths in self.parts for p in paths)
+        return self._paths
+
+    def row_parts(self, i: int) -> list[Part]:
+        """The parts of row `i`'s `HostValues`."""
+        parts: list[Part] = []
+        for (is_rows, paths), made in zip(self.parts, self.made, strict=True):
+            values = [self.value(how, v, i) for how, v in made]
+            parts.append(
+                Rows(paths, values)
+                if is_rows
+                else dict(zip(paths, values, strict=True))
+            )
+        return parts
+
+    @staticmethod
+    def value(how: int, v: Any, i: int) -> Any:
+        """Row `i`'s value of `(how, v)` (see the class)."""
+        return v[i, ...] if how == 0 else v if how == 1 else v[i]
 
 
 def _rowwise(fn: Callable[..., Any]) -> bool:
