@@ -28,7 +28,7 @@ from ._base import (
     fetch_host,
     is_writing_process,
 )
-from ._buffer import SummaryBuffer, buffer_rows, start_fetch
+from ._buffer import SummaryBuffer, buffer_rows, emptied, start_fetch
 from ._read import Prefetched, Summaries, prefetch
 
 
@@ -371,7 +371,7 @@ class AsyncWriter(AbstractWriter):
         else:
             self._queue.put((_BUFFER, fetch))
             self._buffer_done = (token, 0)
-        return buffer.cleared()
+        return emptied(buffer, fetch)
 
     def fetch(self, step: Step, summaries: Summaries) -> HostSummaries:
         """Fetch with the wrapped writer (`AbstractWriter.fetch`)."""

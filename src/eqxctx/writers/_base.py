@@ -9,7 +9,7 @@ from typing import SupportsIndex, TypeAlias, TypeVar
 
 import jax
 
-from ._buffer import BufferRows, SummaryBuffer, buffer_rows, start_fetch
+from ._buffer import BufferRows, SummaryBuffer, buffer_rows, emptied, start_fetch
 from ._columns import buffer_values, prefetched_rows
 from ._host import HostValue
 from ._read import Prefetched, Summaries, host_values
@@ -133,7 +133,8 @@ class AbstractWriter(abc.ABC):
                 steps).
         """
         where = f"{type(self).__name__}.write_buffer"
-        fetched = buffer_rows(start_fetch(buffer, where=where))
+        fetch = start_fetch(buffer, where=where)
+        fetched = buffer_rows(fetch)
         done, token = self._buffer_done, buffer.count
         skip = done[1] if done is not None and done[0] is token else 0
         hosts = buffer_hosts(self, fetched)
@@ -143,7 +144,7 @@ class AbstractWriter(abc.ABC):
                 self._buffer_done = (token, k + 1)
         self._buffer_done = (token, len(hosts))
         check_lost(fetched, where=where)
-        return buffer.cleared()
+        return emptied(buffer, fetch)
 
     #: `(buffer.count, steps written)` of the last buffer `write_buffer` wrote.
     _buffer_done: tuple[object, int] | None = None

@@ -268,13 +268,17 @@ class SummaryBuffer(eqx.Module):
 
     def cleared(self) -> "SummaryBuffer":
         """Return the buffer emptied (`count` 0), with the same row arrays."""
-        # Rebuilt from its leaves: `write_buffer` calls this on the training thread
-        # every `size` steps, and a Module's `__init__` is slower than an unflatten.
-        leaves, treedef = jax.tree_util.tree_flatten(self)
-        assert leaves[-1] is self.count  # the last field
-        return jax.tree_util.tree_unflatten(
-            treedef, [*leaves[:-1], jnp.zeros((), jnp.int32)]
-        )
+        return _with_count(self, jnp.zeros((), jnp.int32))
+
+
+def _with_count(buffer: SummaryBuffer, count: Array) -> SummaryBuffer:
+    """`buffer` with another `count` (the same row arrays)."""
+    # Rebuilt from its leaves: `write_buffer` empties the buffer on the training
+    # thread every `size` steps, and a Module's `__init__` is slower than an
+    # unflatten.
+    leaves, treedef = jax.tree_util.tree_flatten(buffer)
+    assert leaves[-1] is buffer.count  # the last field
+    return jax.tree_util.tree_unflatten(treedef, [*leaves[:-1], count])
 
 
 class BufferFetch(NamedTuple):
@@ -286,12 +290,14 @@ class BufferFetch(NamedTuple):
         started: the fetch of `[count, steps, slots, *rows]`, or None where
             `host` holds them already (several processes).
         host: the fetched arrays, or None.
+        zero: the emptied buffer's count (made by the copy), or None.
     """
 
     layouts: tuple[_Layout, ...]
     size: int
     started: Started | None
     host: list[Any] | None
+    zero: Array | None = None
 
 
 def _arrays(buffer: SummaryBuffer, where: str) -> list[jax.Array]:
@@ -331,9 +337,18 @@ def start_fetch(buffer: object, *, where: str) -> BufferFetch:
         buffer.layouts,
         tuple(x.sharding for x in arrays),
     )
+    started, zeros = start_owned(arrays, signature, zeros=(0,))  # 0: the count
     return BufferFetch(
-        buffer.layouts, buffer.size, start_owned(arrays, signature), None
+        buffer.layouts, buffer.size, started, None, zeros[0] if zeros else None
     )
+
+
+def emptied(buffer: SummaryBuffer, fetch: BufferFetch) -> SummaryBuffer:
+    """`buffer.cleared()`, with the zero count made by its fetch where there is one.
+
+    (The calling thread then dispatches nothing but the buffer's copy.)
+    """
+    return buffer.cleared() if fetch.zero is None else _with_count(buffer, fetch.zero)
 
 
 class BufferRows(NamedTuple):
