@@ -8,6 +8,7 @@ the same summaries written step by step.
 """
 
 import collections
+import functools
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -72,12 +73,16 @@ class _Buckets(eqxctx.Summary):
         return Histogram(counts, (0.0, 1.0, 2.0, 3.0))
 
 
-def _summaries(i: jax.Array, vector_mean: bool = False) -> dict[str, Any]:
+def _summaries(
+    i: jax.Array, vector_mean: bool = False, level: int | None = None
+) -> dict[str, Any]:
     x = i.astype(jnp.float32)
     v = jnp.cos(x + jnp.arange(3.0, dtype=jnp.float32))
-    ctx = eqxctx.Context.root()
-    ctx = ctx.add_summary("doubled", _Doubled(v * 10.0 + x))
-    ctx = ctx.add_summary("buckets", _Buckets(jnp.abs(v * 4).astype(jnp.int32)))
+    ctx = eqxctx.Context.root(summary_level=level)
+    ctx = ctx.add_summary("doubled", _Doubled(v * 10.0 + x), level=1)
+    ctx = ctx.add_summary(
+        "buckets", _Buckets(jnp.abs(v * 4).astype(jnp.int32)), level=1
+    )
     mean = v if vector_mean else v[0]  # a vector mean with a scalar weight
     ctx = ctx.add_summary("loss", eqxctx.WeightedSummary(mean, x + 1.0))
     ctx = ctx.add_summary("moments", eqxctx.MomentsSummary(v * x))
@@ -291,3 +296,41 @@ def test_jsonl_formats_a_buffers_rows_together(
         writer.write_buffer(second)
     assert blocks == [6]  # the second buffer's 6 rows, converted once
     assert (tmp_path / "b.jsonl").read_bytes() == (tmp_path / "s.jsonl").read_bytes()
+
+
+@functools.cache
+def _level_step(level: int) -> Any:
+    @jax.jit
+    def step(buffer: SummaryBuffer, i: jax.Array) -> Any:
+        summaries = _summaries(i, level=level)
+        return buffer.add(i, summaries), summaries
+
+    return step
+
+
+def test_alternating_levels_are_read_column_wise(tmp_path: Path) -> None:
+    # A cheap step (level 0) and a full step (level 1) alternate: each structure's
+    # rows are every other row of the buffer. 16 steps: 6, 6 and a partial 4.
+    writers_read._RECIPES.clear()  # pyright: ignore[reportPrivateUsage]
+    buffer = SummaryBuffer.create(6)
+    buffers: list[SummaryBuffer] = []
+    with JsonlWriter(tmp_path / "s.jsonl") as reference:
+        for step in range(16):
+            buffer, out = _level_step(step % 2)(buffer, jnp.int32(step))
+            reference.write(step, out)
+            if (step + 1) % 6 == 0 or step == 15:
+                buffers.append(buffer)
+                buffer = SummaryBuffer.create(6)
+    with JsonlWriter(tmp_path / "b.jsonl") as writer:
+        writer.write_buffer(buffers[0])  # row by row: the recipes are made
+        for later in buffers[1:]:
+            fetched = buffer_rows(start_fetch(later, where="test"))
+            assert fetched.slots == [0, 1] * (len(fetched.steps) // 2)
+            assert buffer_values(fetched, where="test") is not None
+            writer.write_buffer(later)
+    got = (tmp_path / "b.jsonl").read_bytes()
+    assert got == (tmp_path / "s.jsonl").read_bytes()
+    lines = got.decode().splitlines()
+    assert len(lines) == 16
+    assert '"train/doubled/twice"' in lines[1]
+    assert '"train/doubled/twice"' not in lines[0]

@@ -257,7 +257,8 @@ class Recipe:
                 made.append(part)
         except (ValueError, _Refused):
             return None
-        block = RowBlock([(rows, paths) for rows, paths, _ in self.parts], made, n)
+        shape = [(is_rows, paths) for is_rows, paths, _ in self.parts]
+        block = RowBlock(shape, made, n)
         return [HostValues(None, self, (block, i)) for i in range(n)]
 
 
@@ -351,7 +352,7 @@ def _made_stacked(
         return None
     if is_record_type(type(value)):  # rows of a record: its arrays' rows
         arrays = [getattr(value, f.name) for f in _array_fields(value)]
-        if all(x.ndim >= 2 and x.shape[0] == n for x in arrays):
+        if arrays and all(x.ndim >= 2 and x.shape[0] == n for x in arrays):
             return _RecordRows(value)
         return None
     if (
