@@ -5,15 +5,13 @@ from the full read of the first write of a structure and replayed for the next o
 (writers read the same structure every step).
 """
 
-import copy
-import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeAlias
+from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import jax
 import numpy as np
 
-from eqxctx._records import Audio, Histogram, Image, is_record_type
+from eqxctx._records import Audio, Histogram, Image
 
 
 #: A value ready to write: a NumPy array, or a host record (`Histogram`, `Image`,
@@ -45,6 +43,19 @@ class Rows:
 Part: TypeAlias = dict[str, HostValue] | Rows
 
 
+@runtime_checkable
+class Block(Protocol):
+    """Rows read together (`_columns.RowBlock`), as `HostValues.row` uses them."""
+
+    def row_parts(self, i: int) -> "list[Part]":
+        """The parts of row `i`'s `HostValues`."""
+        ...
+
+    def paths(self) -> frozenset[str]:
+        """Every path of a row."""
+        ...
+
+
 class HostValues(Mapping[str, HostValue]):
     """A read-only `{path: value}` mapping; per-iteration rows stay stacked until read.
 
@@ -61,7 +72,7 @@ class HostValues(Mapping[str, HostValue]):
         self,
         parts: list[Part] | None,
         layout: object = None,
-        row: "tuple[RowBlock, int] | None" = None,
+        row: "tuple[Block, int] | None" = None,
     ):
         self._parts = parts  # (None: made from `row` when first read)
         self._dict: dict[str, HostValue] | None = None
@@ -70,7 +81,7 @@ class HostValues(Mapping[str, HostValue]):
         #: writers may key their own formatting caches by it.
         self.layout = layout
         #: `(block, i)`: these are row `i` of a buffer's rows read column-wise
-        #: (`Recipe.replay_rows`), which a writer may format together; or None.
+        #: (`_columns.replay_rows`), which a writer may format together; or None.
         self.row = row
 
     @property
@@ -162,7 +173,7 @@ class Notes:
 _Op: TypeAlias = int | tuple[Callable[..., Any], tuple[int, ...], object]
 
 
-class _Refused(Exception):
+class Refused(Exception):
     """A replayed value differs from what the recipe recorded: read in full."""
 
 
@@ -193,7 +204,7 @@ class Recipe:
                 fn(*[host[k] for k in ks])
             for rows, paths, ops in self.parts:
                 values = [
-                    host[op] if type(op) is int else _made(op, host)  # pyright: ignore[reportArgumentType]
+                    host[op] if type(op) is int else make_value(op, host)  # pyright: ignore[reportArgumentType]
                     for op in ops
                 ]
                 parts.append(
@@ -201,204 +212,18 @@ class Recipe:
                     if rows
                     else dict(zip(paths, values, strict=True))
                 )
-        except (ValueError, _Refused):  # read in full, which names the path
+        except (ValueError, Refused):  # read in full, which names the path
             return None
         return HostValues(parts, self)
 
-    def replay_rows(
-        self, columns: Sequence[Any], stacked: Sequence[bool], n: int
-    ) -> list[HostValues] | None:
-        """The `HostValues` of `n` rows of this structure, read column-wise.
 
-        `columns[k]`: leaf `k` of every row, stacked `[n, ...]` where `stacked[k]`,
-        else the one value all rows share (a static leaf). Each row equals
-        `replay` of that row's leaves. A check or value whose function is
-        `rowwise` (see `_rowwise`) runs once over the stacked leaves, the others
-        once per row; where a stacked one raises, or gives other than a NumPy
-        array of `n` rows and the recorded dtype, it runs once per row instead.
-
-        Returns:
-            One `HostValues` per row, or None where a row's check or value fails
-            (read the rows one by one: the full read names the path).
-        """
-        rows: list[list[Any] | None] = [None] * n
-
-        def row(i: int) -> list[Any]:  # row i's leaves, made once (a `_Remake` cache)
-            leaves = rows[i]
-            if leaves is None:
-                leaves = rows[i] = [
-                    c[i, ...] if s else c for c, s in zip(columns, stacked, strict=True)
-                ]
-            return leaves
-
-        #: Per value: (0, column) read as `column[i, ...]`, (1, value) the same
-        #: for every row, or (2, values) one per row.
-        made: list[list[tuple[int, Any]]] = []
-        try:
-            for fn, ks in self.checks:
-                if _rowwise(fn) and _stacked_ok(fn, [columns[k] for k in ks]):
-                    continue
-                for i in range(n):
-                    leaves = row(i)
-                    fn(*[leaves[k] for k in ks])
-            for _, _, ops in self.parts:
-                part: list[tuple[int, Any]] = []
-                for op in ops:
-                    if type(op) is int:
-                        part.append(
-                            (0, columns[op]) if stacked[op] else (1, columns[op])
-                        )
-                        continue
-                    column = _made_stacked(op, columns, n)  # pyright: ignore[reportArgumentType]
-                    if column is not None:
-                        part.append((0, column))
-                    else:
-                        part.append((2, [_made(op, row(i)) for i in range(n)]))  # pyright: ignore[reportArgumentType]
-                made.append(part)
-        except (ValueError, _Refused):
-            return None
-        shape = [(is_rows, paths) for is_rows, paths, _ in self.parts]
-        block = RowBlock(shape, made, n)
-        return [HostValues(None, self, (block, i)) for i in range(n)]
-
-
-class RowBlock:
-    """The values of `n` rows of one structure, column-wise (`Recipe.replay_rows`).
-
-    Row `i`'s `HostValues` hold, part by part, `value(how, v, i)` of each
-    `(how, v)` in `made`: how 0, `v[i, ...]` (a column `[n, ...]`, or a record
-    of such columns); how 1, `v` itself (a value every row shares); how 2,
-    `v[i]` (a list, one value per row). A writer may format the rows together
-    from the columns, with its results in `cache` (keyed by the writer's own
-    formatting function): e.g. `JsonlWriter` reads each column's numbers once.
-
-    Attributes:
-        parts: `(rows, paths)` per part: whether it is `Rows`, and its paths.
-        made: per part, `(how, v)` per value (per column of `Rows`).
-        n: the number of rows.
-        cache: what writers computed for the block.
-    """
-
-    __slots__ = ("_paths", "cache", "made", "n", "parts")
-
-    def __init__(
-        self,
-        parts: list[tuple[bool, tuple[str, ...]]],
-        made: list[list[tuple[int, Any]]],
-        n: int,
-    ):
-        self.parts = parts
-        self.made = made
-        self.n = n
-        self.cache: dict[object, Any] = {}
-        self._paths: frozenset[str] | None = None
-
-    def paths(self) -> frozenset[str]:
-        """Every path of a row."""
-        if self._paths is None:
-            self._paths = frozenset(p for _, paths in self.parts for p in paths)
-        return self._paths
-
-    def row_parts(self, i: int) -> list[Part]:
-        """The parts of row `i`'s `HostValues`."""
-        parts: list[Part] = []
-        for (is_rows, paths), made in zip(self.parts, self.made, strict=True):
-            values = [self.value(how, v, i) for how, v in made]
-            parts.append(
-                Rows(paths, values)
-                if is_rows
-                else dict(zip(paths, values, strict=True))
-            )
-        return parts
-
-    @staticmethod
-    def value(how: int, v: Any, i: int) -> Any:
-        """Row `i`'s value of `(how, v)` (see the class)."""
-        return v[i, ...] if how == 0 else v if how == 1 else v[i]
-
-
-def _rowwise(fn: Callable[..., Any]) -> bool:
-    """Whether `fn` (a recipe's check or value) may run over stacked leaves.
-
-    True where it (or the function of a `functools.partial`) has a true `rowwise`
-    attribute: applied to leaves stacked `[n, ...]` it gives each row's value
-    stacked the same way, and a check raises unless every row would pass (the
-    read's `_Check` and `_Remake` of a kind with `Summary.rowwise_host_value`).
-    """
-    return bool(getattr(getattr(fn, "func", fn), "rowwise", False))
-
-
-def _stacked_ok(fn: Callable[..., Any], columns: list[Any]) -> bool:
-    """Whether the check `fn` passes over stacked leaves (False: check each row)."""
-    try:
-        fn(*columns)
-    except Exception:  # e.g. shapes valid per row only: each row is checked
-        return False
-    return True
-
-
-def _made_stacked(
-    op: tuple[Callable[..., Any], tuple[int, ...], object],
-    columns: Sequence[Any],
-    n: int,
-) -> "np.ndarray | _RecordRows | None":
-    """A rowwise value over stacked leaves (`[n, ...]`), or None: make it per row."""
-    fn, ks, dtype = op
-    if not _rowwise(fn):
-        return None
-    try:
-        value = fn(*[columns[k] for k in ks])
-    except Exception:  # made per row, whose error (if any) names the path
-        return None
-    if is_record_type(type(value)):  # rows of a record: its arrays' rows
-        arrays = [getattr(value, f.name) for f in _array_fields(value)]
-        if arrays and all(x.ndim >= 2 and x.shape[0] == n for x in arrays):
-            return _RecordRows(value)
-        return None
-    if (
-        type(value) is not np.ndarray
-        or value.shape[:1] != (n,)
-        or (dtype is not None and value.dtype != dtype)
-    ):
-        return None
-    return value
-
-
-def _array_fields(record: object) -> list[dataclasses.Field[Any]]:
-    """The fields of a host record that hold NumPy arrays."""
-    return [
-        f
-        for f in dataclasses.fields(record)  # pyright: ignore[reportArgumentType]
-        if type(getattr(record, f.name)) is np.ndarray
-    ]
-
-
-class _RecordRows:
-    """A host record of stacked arrays (validated stacked), read row by row.
-
-    `self[i, ...]` is the record of row `i`: a copy whose arrays are their row `i`
-    (at least 1-d), made without running the record's checks again, which the
-    stacked record passed for every row (counts, dtypes, the last axis).
-    """
-
-    __slots__ = ("fields", "record")
-
-    def __init__(self, record: object):
-        self.record = record
-        self.fields = [f.name for f in _array_fields(record)]
-
-    def __getitem__(self, index: tuple[int, Any]) -> Any:
-        row = copy.copy(self.record)
-        for name in self.fields:
-            object.__setattr__(row, name, getattr(self.record, name)[index])
-        return row
-
-
-def _made(op: tuple[Callable[..., Any], tuple[int, ...], object], host: Any) -> Any:
+def make_value(
+    op: tuple[Callable[..., Any], tuple[int, ...], object], host: Any
+) -> Any:
     fn, ks, dtype = op
     value = fn(*[host[k] for k in ks])
     if dtype is not None and value.dtype != dtype:
-        raise _Refused
+        raise Refused
     return value
 
 

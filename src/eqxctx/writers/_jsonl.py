@@ -11,7 +11,8 @@ import orjson
 from eqxctx._records import Audio, Histogram, Image
 
 from ._base import AbstractWriter, HostSummaries, is_writing_process
-from ._host import HostValue, HostValues, Part, RowBlock, Rows
+from ._columns import RowBlock
+from ._host import HostValue, HostValues, Part, Rows
 
 
 #: What orjson writes for one value: a NumPy scalar or array (of a dtype orjson
@@ -116,9 +117,9 @@ def json_line(host: HostSummaries) -> bytes:
     """
     values = host.values
     row = values.row if type(values) is HostValues else None
-    if row is None:
+    block, i = row if row is not None else (None, 0)
+    if not isinstance(block, RowBlock):
         return orjson.dumps(json_record(host), option=_OPTIONS)
-    block, i = row
     formatted = block.cache.get(_block_values)
     if formatted is None:
         formatted = block.cache[_block_values] = _block_values(block)

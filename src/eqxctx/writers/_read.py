@@ -433,7 +433,7 @@ class _Check:
     """`validate()` the summary of some leaves (a replay; raises `ValueError`).
 
     `rowwise`: the kind's `rowwise_host_value`; a recipe replayed over a buffer's
-    rows validates such a kind once, stacked (`Recipe.replay_rows`).
+    rows validates such a kind once, stacked (`_columns.replay_rows`).
     """
 
     __slots__ = ("rowwise", "treedef")
@@ -452,7 +452,7 @@ class _Remake:
 
     The last summary's values are kept, so that a summary of several values (a
     `MomentsSummary`'s six) is read once per replay. `rowwise`: the kind's
-    `rowwise_host_value` (`Recipe.replay_rows` then reads a buffer's rows at once).
+    `rowwise_host_value` (`_columns.replay_rows` then reads a buffer's rows at once).
     """
 
     __slots__ = ("last", "rowwise", "treedef")
