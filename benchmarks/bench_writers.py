@@ -28,7 +28,10 @@ beside them the CPU time per step (the median over the rounds) of the whole proc
 and of the training thread alone (`time.thread_time` around the loop), which says
 where a writer's work runs. A second table gives the buffer's device memory, from
 XLA's `memory_analysis()` of a program taking the buffer's arrays, against N times
-that of one step's summaries. Usage:
+that of one step's summaries. A third gives the host work of one `write_buffer` of
+N steps (the median thread CPU of 21 calls, the writer alone): all of it
+(`JsonlWriter.write_buffer`, on the calling thread), and the calling thread's part
+with `AsyncWriter` (the rest runs on its thread). Usage:
 
     python benchmarks/bench_writers.py [--quick] [--rounds N] [--steps N]
         [--sizes WIDTHxBATCH ...] [--tensorboard] [--out FILE.md]
@@ -249,6 +252,44 @@ def bench_loop(
     }
 
 
+def bench_host(setup: Setup, repeats: int = 21) -> tuple[float, float]:
+    """One `write_buffer` of N steps: its thread CPU (seconds, the median).
+
+    `(JsonlWriter's, all the host work on the calling thread; AsyncWriter's, the
+    calling thread's part: starting the buffer's copy and queueing it)`. The same
+    full buffer is written each time, with a new `count` array (a buffer not
+    written before).
+    """
+    m, s = setup.model, setup.opt
+    buffer = SummaryBuffer.create(N, {"train": setup.like})
+    for batch, key, number in list(
+        zip(setup.batches, setup.keys, setup.steps, strict=True)
+    )[:N]:
+        m, s, buffer = buffered_step(m, s, buffer, batch, key, number)
+    jax.block_until_ready(buffer)
+
+    def full() -> SummaryBuffer:  # the buffer, as not written yet
+        return eqx.tree_at(lambda b: b.count, buffer, jnp.asarray(N, jnp.int32))
+
+    times: list[list[float]] = [[], []]
+    with tempfile.TemporaryDirectory() as logdir:
+        writers = (
+            JsonlWriter(f"{logdir}/sync.jsonl"),
+            AsyncWriter(JsonlWriter(f"{logdir}/async.jsonl")),
+        )
+        for k, writer in enumerate(writers):
+            for r in range(repeats + 2):  # two to warm up
+                again = full()
+                start = time.thread_time()
+                writer.write_buffer(again)
+                if r >= 2:
+                    times[k].append(time.thread_time() - start)
+                writer.flush()
+            writer.close()
+    sync, asynchronous = (statistics.median(t) for t in times)
+    return sync, asynchronous
+
+
 def device_bytes(arrays: list[Any]) -> int | None:
     """XLA's argument bytes of a program taking `arrays` (`memory_analysis()`)."""
     fn = jax.jit(lambda *xs: None, keep_unused=True)
@@ -352,6 +393,7 @@ def main() -> None:
     )
     emit("|---|---|--:|--:|--:|--:|")
     memory: list[tuple[str, tuple[int | None, int | None, int, int]]] = []
+    host: list[tuple[str, tuple[float, float]]] = []
     all_variants = variants(args.tensorboard)
     for width, batch in sizes:
         setup = make_setup(steps, width, batch)
@@ -364,6 +406,7 @@ def main() -> None:
                 f"| {ms[1]:.2f} | {ms[2]:.2f} |"
             )
         memory.append((label, bench_memory(setup)))
+        host.append((label, bench_host(setup)))
     emit(
         f"\n| model | buffer, `memory_analysis()` | {N} x one step's summaries, "
         "`memory_analysis()` | ratio | buffer, nbytes | "
@@ -378,6 +421,14 @@ def main() -> None:
         emit(
             f"| {label} | {' | '.join(xla)} | {buffer_nbytes:,} | {N * one_nbytes:,} |"
         )
+    emit(
+        f"\n| model | one `write_buffer` of {N} steps, thread CPU (ms): "
+        "`JsonlWriter` (all its host work) | `AsyncWriter(JsonlWriter)` (the "
+        "calling thread) |"
+    )
+    emit("|---|--:|--:|")
+    for label, (sync, asynchronous) in host:
+        emit(f"| {label} | {sync * 1e3:.2f} | {asynchronous * 1e3:.2f} |")
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             f.write("\n".join(lines) + "\n")

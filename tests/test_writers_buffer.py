@@ -422,3 +422,35 @@ def _scalar_step(buffer: SummaryBuffer, i: jax.Array) -> Any:
     )
     collection = ctx.merge(scanned).collection
     return buffer.add(i, {"train": collection}), {"train": collection}
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_write_buffer_dispatches_only_the_buffers_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, asynchronous: bool
+) -> None:
+    # issue 39 (the calling thread's work): the emptied buffer's count was a
+    # device computation of its own (`jnp.zeros`); it is an output of the copy.
+    zeros: list[object] = []
+    real = jnp.zeros
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        zeros.append(args)
+        return real(*args, **kwargs)
+
+    writer: AbstractWriter = JsonlWriter(tmp_path / "s.jsonl")
+    if asynchronous:
+        writer = AsyncWriter(writer)
+    buffer = SummaryBuffer.create(4)
+    with writer:
+        for step in range(12):
+            buffer, _ = _scalar_step(buffer, jnp.int32(step))
+            if step == 7:  # the copy's program is made (traced) at the first write
+                monkeypatch.setattr(jnp, "zeros", counting)
+            if (step + 1) % 4 == 0:
+                buffer = writer.write_buffer(buffer)
+                assert int(buffer.count) == 0
+    assert zeros == []
+    lines = (tmp_path / "s.jsonl").read_text().splitlines()
+    assert [line.split(",")[0] for line in lines] == [
+        f'{{"step":{s}' for s in range(12)
+    ]

@@ -7,7 +7,7 @@ are made, so a writer fetches their counts, not the values.
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -339,6 +339,10 @@ class HistogramSummary(Summary):
         The writers read the exact counts (`counts`) on the host instead.
         """
         return words_to_float(self._words, jnp.float32)
+
+    #: Stacked histograms give a `Histogram` of stacked counts (a buffer's rows
+    #: are read at once).
+    rowwise_host_value: ClassVar[bool] = True
 
     def host_value(self) -> Histogram:
         """Return the exact counts (`counts`) and `edges` as a `Histogram` record."""

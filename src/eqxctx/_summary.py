@@ -162,7 +162,9 @@ class Summary(eqx.Module):
         return jax.lax.scan(step, first, rest)[0]
 
     #: Whether `host_value()` of summaries stacked along leading axes gives each
-    #: value stacked the same way: writers then read a scan's rows at once.
+    #: value stacked the same way (a host record: its arrays), and `validate()` of
+    #: stacked summaries passes only if each one's would: writers then read a
+    #: scan's rows, and a `SummaryBuffer`'s steps, at once.
     rowwise_host_value: ClassVar[bool] = False
     #: Whether writers may remake `host_value()` from fetched fields by a recipe
     #: made once per structure (False: every read calls it afresh, e.g. a callback).

@@ -28,7 +28,7 @@ from ._base import (
     fetch_host,
     is_writing_process,
 )
-from ._buffer import SummaryBuffer, buffer_rows, start_fetch
+from ._buffer import SummaryBuffer, buffer_rows, emptied, start_fetch
 from ._read import Prefetched, Summaries, prefetch
 
 
@@ -365,13 +365,13 @@ class AsyncWriter(AbstractWriter):
             fetched = buffer_rows(fetch)
             for host in buffer_hosts(self.writer, fetched):
                 self._submit(host)
-            self._buffer_done = (token, len(fetched.rows))
+            self._buffer_done = (token, len(fetched.steps))
             check_lost(fetched, where=where)
             self._raise_if_failed(where)
         else:
             self._queue.put((_BUFFER, fetch))
             self._buffer_done = (token, 0)
-        return buffer.cleared()
+        return emptied(buffer, fetch)
 
     def fetch(self, step: Step, summaries: Summaries) -> HostSummaries:
         """Fetch with the wrapped writer (`AbstractWriter.fetch`)."""

@@ -9,9 +9,10 @@ from typing import SupportsIndex, TypeAlias, TypeVar
 
 import jax
 
-from ._buffer import BufferRows, SummaryBuffer, buffer_rows, start_fetch
+from ._buffer import BufferRows, SummaryBuffer, buffer_rows, emptied, start_fetch
+from ._columns import buffer_values, prefetched_rows
 from ._host import HostValue
-from ._read import Prefetched, Summaries, host_values, prefetched_rows
+from ._read import Prefetched, Summaries, host_values
 
 
 #: A step number: a Python or NumPy integer (anything with `__index__`).
@@ -132,7 +133,8 @@ class AbstractWriter(abc.ABC):
                 steps).
         """
         where = f"{type(self).__name__}.write_buffer"
-        fetched = buffer_rows(start_fetch(buffer, where=where))
+        fetch = start_fetch(buffer, where=where)
+        fetched = buffer_rows(fetch)
         done, token = self._buffer_done, buffer.count
         skip = done[1] if done is not None and done[0] is token else 0
         hosts = buffer_hosts(self, fetched)
@@ -142,7 +144,7 @@ class AbstractWriter(abc.ABC):
                 self._buffer_done = (token, k + 1)
         self._buffer_done = (token, len(hosts))
         check_lost(fetched, where=where)
-        return buffer.cleared()
+        return emptied(buffer, fetch)
 
     #: `(buffer.count, steps written)` of the last buffer `write_buffer` wrote.
     _buffer_done: tuple[object, int] | None = None
@@ -210,10 +212,19 @@ def buffer_hosts(writer: AbstractWriter, fetched: BufferRows) -> list[HostSummar
             writer.fetch(step, layout.treedef.unflatten(leaves))
             for step, leaves, layout in fetched.rows
         ]
-    return [
-        fetch_host(writer, step, prefetched)
-        for step, prefetched in prefetched_rows(fetched)
-    ]
+    where = f"{type(writer).__name__}.write"
+    columns = buffer_values(fetched, where=where)
+    if columns is None:  # a structure without a recipe yet, or a row that fails
+        return [
+            fetch_host(writer, step, prefetched)
+            for step, prefetched in prefetched_rows(fetched)
+        ]
+    hosts: list[HostSummaries] = []
+    for step, values in zip(fetched.steps, columns, strict=True):
+        host = HostSummaries(check_step(step, where=where), values)
+        writer.check(host)
+        hosts.append(host)
+    return hosts
 
 
 def check_lost(fetched: BufferRows, *, where: str) -> None:
@@ -223,10 +234,10 @@ def check_lost(fetched: BufferRows, *, where: str) -> None:
         ValueError: naming the number of steps lost.
     """
     if fetched.lost:
-        last = fetched.rows[-1][0]
+        last = fetched.steps[-1]
         raise ValueError(
             f"`{where}`: {fetched.lost} step(s) were added to the full buffer of "
-            f"{len(fetched.rows)} rows and lost (each overwrote the last row, which "
+            f"{len(fetched.steps)} rows and lost (each overwrote the last row, which "
             f"holds step {last}). Write the buffer every `buffer.size` steps: `if "
             "(step + 1) % buffer.size == 0: buffer = writer.write_buffer(buffer)`."
         )

@@ -268,13 +268,17 @@ class SummaryBuffer(eqx.Module):
 
     def cleared(self) -> "SummaryBuffer":
         """Return the buffer emptied (`count` 0), with the same row arrays."""
-        # Rebuilt from its leaves: `write_buffer` calls this on the training thread
-        # every `size` steps, and a Module's `__init__` is slower than an unflatten.
-        leaves, treedef = jax.tree_util.tree_flatten(self)
-        assert leaves[-1] is self.count  # the last field
-        return jax.tree_util.tree_unflatten(
-            treedef, [*leaves[:-1], jnp.zeros((), jnp.int32)]
-        )
+        return _with_count(self, jnp.zeros((), jnp.int32))
+
+
+def _with_count(buffer: SummaryBuffer, count: Array) -> SummaryBuffer:
+    """`buffer` with another `count` (the same row arrays)."""
+    # Rebuilt from its leaves: `write_buffer` empties the buffer on the training
+    # thread every `size` steps, and a Module's `__init__` is slower than an
+    # unflatten.
+    leaves, treedef = jax.tree_util.tree_flatten(buffer)
+    assert leaves[-1] is buffer.count  # the last field
+    return jax.tree_util.tree_unflatten(treedef, [*leaves[:-1], count])
 
 
 class BufferFetch(NamedTuple):
@@ -286,12 +290,14 @@ class BufferFetch(NamedTuple):
         started: the fetch of `[count, steps, slots, *rows]`, or None where
             `host` holds them already (several processes).
         host: the fetched arrays, or None.
+        zero: the emptied buffer's count (made by the copy), or None.
     """
 
     layouts: tuple[_Layout, ...]
     size: int
     started: Started | None
     host: list[Any] | None
+    zero: Array | None = None
 
 
 def _arrays(buffer: SummaryBuffer, where: str) -> list[jax.Array]:
@@ -331,22 +337,68 @@ def start_fetch(buffer: object, *, where: str) -> BufferFetch:
         buffer.layouts,
         tuple(x.sharding for x in arrays),
     )
+    started, zeros = start_owned(arrays, signature, zeros=(0,))  # 0: the count
     return BufferFetch(
-        buffer.layouts, buffer.size, start_owned(arrays, signature), None
+        buffer.layouts, buffer.size, started, None, zeros[0] if zeros else None
     )
 
 
+def emptied(buffer: SummaryBuffer, fetch: BufferFetch) -> SummaryBuffer:
+    """`buffer.cleared()`, with the zero count made by its fetch where there is one.
+
+    (The calling thread then dispatches nothing but the buffer's copy.)
+    """
+    return buffer.cleared() if fetch.zero is None else _with_count(buffer, fetch.zero)
+
+
 class BufferRows(NamedTuple):
-    """A fetched buffer: each step's summaries (NumPy leaves), in the added order.
+    """A fetched buffer: the steps it holds, in the added order, as NumPy columns.
 
     Attributes:
-        rows: `(step, leaves, layout)` per step held: the leaves of its summaries
-            (`layout.treedef.unflatten(leaves)`: the summaries).
+        steps: each row's step.
+        slots: each row's structure (an index into `layouts`).
+        layouts: the buffer's structures.
+        tables: per structure, its array leaves `[size, ...]` (row `i` of a
+            structure's table is meaningful where `slots[i]` is that structure).
         lost: the number of steps added after the buffer was full.
     """
 
-    rows: list[tuple[int, list[Any], _Layout]]
+    steps: list[int]
+    slots: list[int]
+    layouts: tuple[_Layout, ...]
+    tables: list[list[np.ndarray]]
     lost: int
+
+    @property
+    def rows(self) -> list[tuple[int, list[Any], _Layout]]:
+        """`(step, leaves, layout)` per row: the leaves of its summaries (views).
+
+        `layout.treedef.unflatten(leaves)` is the row's summaries.
+        """
+        return [
+            (
+                step,
+                self.layouts[k].row_leaves([x[i, ...] for x in self.tables[k]]),
+                self.layouts[k],
+            )
+            for i, (step, k) in enumerate(zip(self.steps, self.slots, strict=True))
+        ]
+
+    def columns(self, k: int) -> tuple[list[int], list[Any]]:
+        """The rows of structure `k`: their positions and its leaves' columns.
+
+        Each leaf as `layout.leaves` lists it: an array leaf stacked `[n, ...]`
+        over the `n` rows (a view where they are the first `n`), a static leaf as
+        it is (`_Layout.arrays` says which).
+        """
+        positions = [i for i, s in enumerate(self.slots) if s == k]
+        n = len(positions)
+        if positions == list(range(n)):
+            arrays = [x[:n] for x in self.tables[k]]
+        else:
+            index = np.asarray(positions)
+            arrays = [x[index] for x in self.tables[k]]
+        return positions, self.layouts[k].row_leaves(arrays)
 
 
 def buffer_rows(fetch: BufferFetch) -> BufferRows:
@@ -366,9 +418,6 @@ def buffer_rows(fetch: BufferFetch) -> BufferRows:
         tables.append([np.asarray(x) for x in host[start:stop]])
         start = stop
     n = min(count, fetch.size)
-    rows: list[tuple[int, list[Any], _Layout]] = []
-    for i, k in enumerate(slots[:n].tolist()):
-        layout = fetch.layouts[k]
-        leaves = layout.row_leaves([x[i, ...] for x in tables[k]])
-        rows.append((int(steps[i]), leaves, layout))
-    return BufferRows(rows, count - n)
+    return BufferRows(
+        steps[:n].tolist(), slots[:n].tolist(), fetch.layouts, tables, count - n
+    )

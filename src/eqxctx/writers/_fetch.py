@@ -39,6 +39,8 @@ class _Plan(NamedTuple):
         alone: the array positions fetched one by one (with `owned`, copied by
             `fn` too: its outputs after the batched ones, in this order).
         owned: whether `fn` copies every array (`start_owned`).
+        zeros: the number of `fn`'s last outputs that are zeros (`start_owned`),
+            not copies.
     """
 
     batched: tuple[int, ...]
@@ -46,6 +48,7 @@ class _Plan(NamedTuple):
     splits: tuple[tuple[tuple[int, int, int, tuple[int, ...], DType], ...], ...]
     alone: tuple[int, ...]
     owned: bool = False
+    zeros: int = 0
 
 
 #: The shape, dtype and sharding of each array of a write.
@@ -98,13 +101,18 @@ def raw_bits(platform: str) -> dict[DType, DType]:
 
 
 def _make_plan(
-    arrays: list[jax.Array], *, max_size: int | None = None, owned: bool = False
+    arrays: list[jax.Array],
+    *,
+    max_size: int | None = None,
+    owned: bool = False,
+    zeros: tuple[int, ...] = (),
 ) -> _Plan | None:
     """The plan for `arrays`, or None where batching saves nothing (< 2 arrays).
 
     `max_size`: the largest array batched (default `MAX_BATCHED_SIZE`). With
     `owned`, a plan is always made, with no size limit, and its function copies
-    the arrays it does not batch.
+    the arrays it does not batch, then returns `zeros_like` of each array of
+    `zeros` (positions in `arrays`).
     """
     if max_size is None:
         max_size = MAX_BATCHED_SIZE
@@ -131,11 +139,19 @@ def _make_plan(
 
     alone = tuple(i for i in range(len(arrays)) if i not in order)
     copied = [len(batched) + j for j in range(len(alone))] if owned else []
+    inputs = batched + alone if owned else batched
+    position = {i: j for j, i in enumerate(inputs)}
+    zeroed = [position[i] for i in zeros]
 
     def concatenate(xs: list[jax.Array]) -> list[jax.Array]:
-        return [
-            jnp.concatenate([raw(xs[k], dtype) for k in slot]) for slot, dtype in slots
-        ] + [jnp.copy(xs[k]) for k in copied]
+        return (
+            [
+                jnp.concatenate([raw(xs[k], dtype) for k in slot])
+                for slot, dtype in slots
+            ]
+            + [jnp.copy(xs[k]) for k in copied]
+            + [jnp.zeros_like(xs[k]) for k in zeroed]
+        )
 
     splits = []
     for group in groups.values():
@@ -146,8 +162,8 @@ def _make_plan(
             items.append((i, start, stop, shape, np.dtype(arrays[i].dtype)))
             start = stop
         splits.append(tuple(items))
-    inputs = batched + alone if owned else batched
-    return _Plan(inputs, jax.jit(concatenate), tuple(splits), alone, owned)
+    fn = jax.jit(concatenate)
+    return _Plan(inputs, fn, tuple(splits), alone, owned, len(zeroed))
 
 
 def _plan(arrays: list[jax.Array], signature: Hashable | None) -> _Plan | None:
@@ -227,7 +243,9 @@ def start(leaves: list[object], signature: Hashable | None = None) -> Started:
 _owned_plans: dict[Hashable, _Plan | None] = {}
 
 
-def start_owned(arrays: list[jax.Array], signature: Hashable) -> Started:
+def start_owned(
+    arrays: list[jax.Array], signature: Hashable, *, zeros: tuple[int, ...] = ()
+) -> tuple[Started, list[jax.Array]]:
     """Start copying `arrays` to the host through copies that the fetch owns.
 
     One jitted call copies the arrays on the device (one flat array per width of
@@ -235,32 +253,46 @@ def start_owned(arrays: list[jax.Array], signature: Hashable) -> Started:
     the copies of its outputs to the host. `finish` reads those outputs with one
     `jax.device_get`, so the caller may donate or delete `arrays` as soon as this
     returns (a buffer carried through a donating step). `signature`: a hashable
-    key for the shapes, dtypes and shardings of `arrays`.
+    key for the shapes, dtypes and shardings of `arrays`. The same call makes
+    `jnp.zeros_like(arrays[k])` for each `k` of `zeros` (the count of an emptied
+    buffer: no device computation of its own).
+
+    Returns:
+        The started fetch, and the zeros.
 
     Never raises: an error is raised by `finish` (where starting failed, the
     arrays are read by `jax.device_get` here, before they can be donated).
     """
     leaves: list[object] = list(arrays)
     try:
-        if signature not in _owned_plans:
+        key = (signature, zeros)
+        if key not in _owned_plans:
             if len(_owned_plans) >= MAX_PLANS:
                 _owned_plans.clear()
-            _owned_plans[signature] = _make_plan(arrays, max_size=2**62, owned=True)
-        plan = _owned_plans[signature]
+            _owned_plans[key] = _make_plan(
+                arrays, max_size=2**62, owned=True, zeros=zeros
+            )
+        plan = _owned_plans[key]
         if plan is None:
             raise RuntimeError  # (not made: read below)
         outs = plan.fn([arrays[k] for k in plan.batched])
+        made = outs[len(outs) - plan.zeros :]
+        outs = outs[: len(outs) - plan.zeros]
     except Exception:  # anything unusual: read now, JAX's own errors at `finish`
         try:
-            return Started(jax.device_get(leaves), [], None, None, False)
+            made = [jnp.zeros_like(arrays[k]) for k in zeros]
+        except Exception:  # (the caller makes its own)
+            made = []
+        try:
+            return Started(jax.device_get(leaves), [], None, None, False), made
         except Exception:
-            return Started(leaves, list(range(len(leaves))), None, None, True)
+            return Started(leaves, list(range(len(leaves))), None, None, True), made
     try:
         for x in outs:
             x.copy_to_host_async()
     except Exception:  # e.g. refused by a transfer guard: `finish`'s explicit
         pass  # `jax.device_get` of the copies reads them all the same
-    return Started(leaves, list(range(len(leaves))), plan, outs, False)
+    return Started(leaves, list(range(len(leaves))), plan, outs, False), made
 
 
 def _split(plan: _Plan, flats: list[np.ndarray], n: int) -> list[np.ndarray | None]:

@@ -6,7 +6,7 @@ from the full read of the first write of a structure and replayed for the next o
 """
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeAlias
+from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import jax
 import numpy as np
@@ -43,6 +43,19 @@ class Rows:
 Part: TypeAlias = dict[str, HostValue] | Rows
 
 
+@runtime_checkable
+class Block(Protocol):
+    """Rows read together (`_columns.RowBlock`), as `HostValues.row` uses them."""
+
+    def row_parts(self, i: int) -> "list[Part]":
+        """The parts of row `i`'s `HostValues`."""
+        ...
+
+    def paths(self) -> frozenset[str]:
+        """Every path of a row."""
+        ...
+
+
 class HostValues(Mapping[str, HostValue]):
     """A read-only `{path: value}` mapping; per-iteration rows stay stacked until read.
 
@@ -51,18 +64,35 @@ class HostValues(Mapping[str, HostValue]):
     may format together; the dict of every value is built only when one is read.
     """
 
-    __slots__ = ("_dict", "layout", "parts")
+    __slots__ = ("_dict", "_parts", "layout", "row")
 
     # `list[Part]`: beartype samples a list's items with `random`, which hypothesis
     # forbids inside strategies; host values are made by writers, never in one.
-    def __init__(self, parts: list[Part], layout: object = None):
-        #: The parts, in order: dicts of single values and `Rows`.
-        self.parts = parts
+    def __init__(
+        self,
+        parts: list[Part] | None,
+        layout: object = None,
+        row: "tuple[Block, int] | None" = None,
+    ):
+        self._parts = parts  # (None: made from `row` when first read)
         self._dict: dict[str, HostValue] | None = None
         #: The `Recipe` these values were replayed from, or None: the same object
         #: for every write of one structure (same parts, paths and dtypes), so
         #: writers may key their own formatting caches by it.
         self.layout = layout
+        #: `(block, i)`: these are row `i` of a buffer's rows read column-wise
+        #: (`_columns.replay_rows`), which a writer may format together; or None.
+        self.row = row
+
+    @property
+    def parts(self) -> list[Part]:
+        """The parts, in order: dicts of single values and `Rows`."""
+        parts = self._parts
+        if parts is None:
+            assert self.row is not None
+            block, i = self.row
+            parts = self._parts = block.row_parts(i)
+        return parts
 
     def _full(self) -> dict[str, HostValue]:
         full = self._dict
@@ -96,6 +126,8 @@ class HostValues(Mapping[str, HostValue]):
     def __contains__(self, key: object) -> bool:
         if self._dict is not None:
             return key in self._dict
+        if self._parts is None and self.row is not None:
+            return key in self.row[0].paths()
         for part in self.parts:
             if isinstance(part, Rows):
                 # Row paths are `{prefix}{i}/...`: a name without "/" (a writer's
@@ -141,7 +173,7 @@ class Notes:
 _Op: TypeAlias = int | tuple[Callable[..., Any], tuple[int, ...], object]
 
 
-class _Refused(Exception):
+class Refused(Exception):
     """A replayed value differs from what the recipe recorded: read in full."""
 
 
@@ -172,7 +204,7 @@ class Recipe:
                 fn(*[host[k] for k in ks])
             for rows, paths, ops in self.parts:
                 values = [
-                    host[op] if type(op) is int else _made(op, host)  # pyright: ignore[reportArgumentType]
+                    host[op] if type(op) is int else make_value(op, host)  # pyright: ignore[reportArgumentType]
                     for op in ops
                 ]
                 parts.append(
@@ -180,16 +212,18 @@ class Recipe:
                     if rows
                     else dict(zip(paths, values, strict=True))
                 )
-        except (ValueError, _Refused):  # read in full, which names the path
+        except (ValueError, Refused):  # read in full, which names the path
             return None
         return HostValues(parts, self)
 
 
-def _made(op: tuple[Callable[..., Any], tuple[int, ...], object], host: Any) -> Any:
+def make_value(
+    op: tuple[Callable[..., Any], tuple[int, ...], object], host: Any
+) -> Any:
     fn, ks, dtype = op
     value = fn(*[host[k] for k in ks])
     if dtype is not None and value.dtype != dtype:
-        raise _Refused
+        raise Refused
     return value
 
 

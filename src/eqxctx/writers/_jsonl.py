@@ -3,7 +3,7 @@
 import io
 import os
 from collections.abc import Mapping
-from typing import Literal, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 import numpy as np
 import orjson
@@ -11,6 +11,7 @@ import orjson
 from eqxctx._records import Audio, Histogram, Image
 
 from ._base import AbstractWriter, HostSummaries, is_writing_process
+from ._columns import RowBlock
 from ._host import HostValue, HostValues, Part, Rows
 
 
@@ -110,9 +111,70 @@ def json_line(host: HostSummaries) -> bytes:
 
     orjson's text of `json_record(host)`: no spaces; float32 values with their
     shortest decimal (float16 and bfloat16 ones with float32's), float64 ones with
-    Python's `repr` digits; NaN and infinities as `null`.
+    Python's `repr` digits; NaN and infinities as `null`. A row of a buffer read
+    column-wise (`HostValues.row`) takes its values from the block's columns, read
+    once for all its rows (the same record).
     """
-    return orjson.dumps(json_record(host), option=_OPTIONS)
+    values = host.values
+    row = values.row if type(values) is HostValues else None
+    block, i = row if row is not None else (None, 0)
+    if not isinstance(block, RowBlock):
+        return orjson.dumps(json_record(host), option=_OPTIONS)
+    formatted = block.cache.get(_block_values)
+    if formatted is None:
+        formatted = block.cache[_block_values] = _block_values(block)
+    keys, rows = formatted
+    record = dict(zip(keys, (host.step, *rows[i]), strict=True))
+    return orjson.dumps(record, option=_OPTIONS)
+
+
+def _iterations(made: list[tuple[int, Any]]) -> int | None:
+    """The iterations of a block's `Rows` of scalars (columns `[n, iterations]`)."""
+    sizes = {
+        v.shape[1] if how == 0 and type(v) is np.ndarray and v.ndim == 2 else -1
+        for how, v in made
+    }
+    size = sizes.pop() if len(sizes) == 1 else -1
+    return None if size < 0 else size
+
+
+def _block_values(block: RowBlock) -> tuple[list[str], list[tuple[JsonValue, ...]]]:
+    """The keys of a block's records and each row's values, as `json_record`'s.
+
+    A column of scalars `[n]` (a scan's `[n, iterations]`) becomes its NumPy
+    scalars in one `list` call; other values are converted row by row.
+    """
+    keys = ["step"]
+    columns: list[list[JsonValue]] = []  # per key after "step": each row's value
+    n = block.n
+    for (is_rows, paths), made in zip(block.parts, block.made, strict=True):
+        keys.extend(paths)
+        if not is_rows:
+            for how, v in made:
+                if how == 0 and type(v) is np.ndarray and v.ndim == 1:
+                    columns.append(list(_column(v)))
+                elif how == 1:
+                    columns.append([record_value(v)] * n)
+                else:
+                    columns.append(
+                        [record_value(block.value(how, v, i)) for i in range(n)]
+                    )
+            continue
+        size = _iterations(made)
+        if size is not None and len(paths) == len(made) * size:
+            # Rows of scalars: each row's paths are iteration-major (`Rows`).
+            flat = [list(_column(v).reshape(-1)) for _, v in made]
+            columns.extend(
+                flat[j][it::size] for it in range(size) for j in range(len(made))
+            )
+            continue
+        records: list[dict[str, JsonValue]] = []
+        for i in range(n):
+            record: dict[str, JsonValue] = {}
+            _put(record, Rows(paths, [block.value(how, v, i) for how, v in made]))
+            records.append(record)
+        columns.extend([r[p] for r in records] for p in paths)
+    return keys, list(zip(*columns, strict=True)) if columns else [()] * n
 
 
 class JsonlWriter(AbstractWriter):

@@ -22,7 +22,6 @@ from eqxctx._summary_tree import summary_tree
 from eqxctx._transfer import to_host
 from eqxctx._typing import ArrayTree, Leaf, SummaryTree, TreeDef
 
-from ._buffer import BufferRows
 from ._fetch import Started, device_get_leaves, finish, start
 from ._host import HostValue, HostValues, Notes, Part, Recipe, Rows, make_recipe
 
@@ -200,7 +199,7 @@ def _distinct(host: list[Leaf]) -> list[Leaf]:
     return out
 
 
-class _Flat(NamedTuple):
+class Flat(NamedTuple):
     """One process's view of summaries to fetch: trees, leaves and recipe key."""
 
     trees: object
@@ -209,16 +208,16 @@ class _Flat(NamedTuple):
     key: object
 
 
-def _flatten(summaries: object) -> _Flat:
+def _flatten(summaries: object) -> Flat:
     trees = summary_trees(summaries)
     leaves, treedef = jax.tree_util.tree_flatten(trees)
-    return _Flat(trees, leaves, treedef, _recipe_key(treedef, leaves, trees))
+    return Flat(trees, leaves, treedef, recipe_key(treedef, leaves, trees))
 
 
 class Prefetched(NamedTuple):
     """Summaries whose copies to the host have started; `host_values` takes one."""
 
-    flat: _Flat
+    flat: Flat
     started: Started
 
 
@@ -238,33 +237,20 @@ def prefetch(summaries: Summaries) -> Summaries | Prefetched:
     return Prefetched(flat, start(flat.leaves, flat.key))
 
 
-def prefetched_rows(fetched: BufferRows) -> list[tuple[int, Prefetched]]:
-    """Each step of a fetched buffer as `(step, Prefetched)`.
-
-    The steps of one structure share its flattening and recipe key, found once.
-    """
-    flats: dict[int, tuple[object, TreeDef, object]] = {}
-    out: list[tuple[int, Prefetched]] = []
-    for step, leaves, layout in fetched.rows:
-        known = flats.get(id(layout))
-        if known is None:
-            tree = layout.treedef.unflatten(leaves)
-            treedef = jax.tree_util.tree_structure(tree)
-            key = _recipe_key(treedef, leaves, tree)
-            known = flats[id(layout)] = (tree, treedef, key)
-        flat = _Flat(known[0], leaves, known[1], known[2])
-        out.append((step, Prefetched(flat, Started(leaves, [], None, None, False))))
-    return out
-
-
 #: The most structures whose recipes are kept; past it the cache starts again.
 MAX_RECIPES = 64
 _UNSEEN = object()
-#: `_recipe_key` -> the structure's recipe, or None (read in full every time).
+#: `recipe_key` -> the structure's recipe, or None (read in full every time).
 _RECIPES: dict[object, Recipe | None] = {}
 
 
-def _recipe_key(treedef: object, leaves: list[Leaf], trees: object) -> object:
+def known_recipe(key: object) -> Recipe | None:
+    """The recipe recorded for `key` (`recipe_key`), or None (none, or read in full)."""
+    recipe = _RECIPES.get(key) if key is not None else None
+    return recipe if type(recipe) is Recipe else None
+
+
+def recipe_key(treedef: object, leaves: list[Leaf], trees: object) -> object:
     """What a read depends on but its values, or None if it cannot be a key.
 
     The treedef; each leaf's type, with shape and dtype for arrays and the sharding
@@ -436,30 +422,44 @@ def _note(notes: Notes, leaf: Leaf, values: list[HostValue]) -> None:
         return
     leaves, treedef = jax.tree_util.tree_flatten(leaf)
     if cls.validate is not Summary.validate:
-        notes.checks.append((functools.partial(_check, treedef), leaves))
-    remake = _Remake(treedef)
+        notes.checks.append((_Check(treedef, cls.rowwise_host_value), leaves))
+    remake = _Remake(treedef, cls.rowwise_host_value)
     for j, value in enumerate(values):
         if not any(value is x for x in leaves):  # else replayed as that leaf
             notes.made(value, functools.partial(remake, j), *leaves)
 
 
-def _check(treedef: TreeDef, *leaves: object) -> None:
-    """`validate()` the summary of `leaves` (a replay; raises `ValueError`)."""
-    summary = treedef.unflatten(leaves)
-    type(summary).validate(summary)
+class _Check:
+    """`validate()` the summary of some leaves (a replay; raises `ValueError`).
+
+    `rowwise`: the kind's `rowwise_host_value`; a recipe replayed over a buffer's
+    rows validates such a kind once, stacked (`_columns.replay_rows`).
+    """
+
+    __slots__ = ("rowwise", "treedef")
+
+    def __init__(self, treedef: TreeDef, rowwise: bool):
+        self.treedef = treedef
+        self.rowwise = rowwise
+
+    def __call__(self, *leaves: object) -> None:
+        summary = self.treedef.unflatten(leaves)
+        type(summary).validate(summary)
 
 
 class _Remake:
     """Value `j` of a summary's host values, from its fetched leaves (a replay).
 
     The last summary's values are kept, so that a summary of several values (a
-    `MomentsSummary`'s six) is read once per replay.
+    `MomentsSummary`'s six) is read once per replay. `rowwise`: the kind's
+    `rowwise_host_value` (`_columns.replay_rows` then reads a buffer's rows at once).
     """
 
-    __slots__ = ("last", "treedef")
+    __slots__ = ("last", "rowwise", "treedef")
 
-    def __init__(self, treedef: TreeDef):
+    def __init__(self, treedef: TreeDef, rowwise: bool):
         self.treedef = treedef
+        self.rowwise = rowwise
         self.last: tuple[tuple[object, ...], list[HostValue]] | None = None
 
     def __call__(self, j: int, *leaves: object) -> HostValue:
