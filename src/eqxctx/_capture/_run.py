@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from eqxctx._collection import OutputCollection
 
+from ._refs import transformed
 from ._session import Session
 from ._tap import Tap
 
@@ -72,22 +73,27 @@ def capture(
     Branches and loops: a recording point in a `jax.lax.cond` branch records when
     the branch runs and raises `EquinoxRuntimeError` when it does not (never
     zeros); one in a loop that does not map the model's arrays (a `fori_loop`
-    with fixed bounds, a generation loop) raises at run time as well; a point
-    whose output flows through a `jax.lax.while_loop` cannot record (`ValueError`:
-    JAX has no backward pass through while loops). Interventions need no
-    recording and work in every branch and loop. Modules that thread a context
-    (`module(x, ctx) -> (y, ctx)`) record and change `y`; the context passes
-    through, and the returned collection merges into it (`ctx.merge`).
+    with fixed bounds, a generation loop) raises at run time as well.
+    Interventions need no recording and work in every branch and loop. Modules
+    that thread a context (`module(x, ctx) -> (y, ctx)`) record and change `y`;
+    the context passes through, and the returned collection merges into it
+    (`ctx.merge`).
 
-    `fn` is traced twice: once abstractly (`eqx.filter_eval_shape`: which points
-    run where, and the shapes of what they record), once for real. Recording
-    differentiates `fn` with respect to zero "sink" arrays put in the wrappers (see
-    `docs/instrumenting.md`); XLA keeps only the recorded values. With no tap
-    selecting a point, `fn(model, ...)` runs unchanged.
+    `fn` is traced twice: once abstractly (`eqx.filter_make_jaxpr`: which points
+    run where, and the shapes of what they record), once for real. Records leave
+    `fn` through `jax.ref` writes inside its scans (the ref path) or as the
+    cotangents of zero "sink" arrays in a backward pass (the sink path), chosen
+    by one rule before the recording pass: refs unless `capture`'s inputs are
+    differentiated or vmapped, a recording point runs under a `jax.vmap` inside
+    `fn`, or `fn` holds a `jax.checkpoint` (`docs/instrumenting.md`, "refs or
+    sinks"). On the sink path a point whose output does not reach `fn`'s
+    floating-point result raises, and one whose output flows through a
+    `jax.lax.while_loop` cannot record (`ValueError`). With no tap selecting a
+    point, `fn(model, ...)` runs unchanged.
 
     Args:
-        fn: `fn(model, *args, **kwargs) -> out`; `out` any PyTree. Recording needs
-            the recorded points to reach a floating-point array of `out`.
+        fn: `fn(model, *args, **kwargs) -> out`; `out` any PyTree. On the sink
+            path, the recorded points must reach a floating-point array of `out`.
         model: the model (any PyTree of modules); it is not changed.
         *args: passed to `fn` after the model.
         taps: a `Tap` or a sequence of `Tap`s; a point selected by two raises.
@@ -103,8 +109,9 @@ def capture(
         ValueError: a selection that matches no point (listing the points); a point
             selected by two taps, never called, or recorded at two call sites; a
             per-layer intervention value without the stack's leading axes;
-            `Tap(layers=...)` past the point's number of layers; a
-            recording point whose output flows through a `jax.lax.while_loop`.
+            `Tap(layers=...)` past the point's number of layers; on the sink
+            path, a recording point whose output flows through a
+            `jax.lax.while_loop`.
         TypeError: bad taps; a recorded point whose output has no floating-point
             array; a summary function returning something other than an array or
             `Summary`.
@@ -112,7 +119,8 @@ def capture(
             recording point that did not run exactly once per layer (per example).
 
     References:
-        Flax NNX `nnx.capture`; TransformerLens `run_with_cache`; `jax.custom_vjp`.
+        Flax NNX `nnx.capture`; TransformerLens `run_with_cache`; `jax.new_ref`;
+        `jax.custom_vjp`.
 
     Examples:
         >>> mlp = eqx.nn.MLP(2, 1, 8, 2, key=jax.random.key(0))
@@ -132,6 +140,10 @@ def capture(
         )
     if not session.sinks:  # (with no point chosen, `wrap` returns `model`)
         return fn(session.wrap(model, {}), *args, **kwargs), OutputCollection.empty()
+    if session.refs and not transformed((model, args, kwargs)):
+        buffers = session.buffers()
+        out = fn(session.wrap(model, {}, buffers), *args, **kwargs)
+        return out, session.ref_collection(buffers)
     static_box: list[Any] = []
 
     def differentiable(sinks: dict[str, Any]) -> tuple[Any, Any]:
