@@ -80,10 +80,11 @@ def test_scanned_stack_records_through_refs(paths: list[str]) -> None:
     assert paths == ["refs", "refs"]
 
 
-def _while_loops(fn: Callable[..., Any], *args: Any) -> int:
+def _count(op: str, fn: Callable[..., Any], *args: Any) -> int:
+    """How many `op` instructions the optimized program of `fn` holds."""
     params, static = eqx.partition(args, eqx.is_array)
     text = jax.jit(lambda p: fn(*eqx.combine(p, static))).lower(params).compile()
-    return len(re.findall(r"\bwhile\(", text.as_text() or ""))
+    return len(re.findall(rf"\b{op}\(", text.as_text() or ""))
 
 
 def test_ref_path_keeps_one_loop() -> None:
@@ -97,13 +98,33 @@ def test_ref_path_keeps_one_loop() -> None:
     def captured(m: GPT, t: jax.Array) -> Any:
         return capture(_forward, m, t, taps=tap)
 
-    assert _while_loops(_forward, model, TOKENS) == 1
-    assert _while_loops(captured, model, TOKENS) == 1
+    assert _count("while", _forward, model, TOKENS) == 1
+    assert _count("while", captured, model, TOKENS) == 1
+    # The point runs once per layer by construction (under the stack's scan only):
+    # no call count and no run-time check (a `conditional` holding its callback).
+    assert _count("conditional", captured, model, TOKENS) == 0
     _refs.USE_REFS = False
     try:
-        assert _while_loops(captured, model, TOKENS) == 2
+        assert _count("while", captured, model, TOKENS) == 2
+        assert _count("conditional", captured, model, TOKENS) == 1
     finally:
         _refs.USE_REFS = True
+
+
+def test_a_point_under_a_cond_keeps_its_run_time_check() -> None:
+    mlp = eqx.nn.MLP(2, 2, 4, 1, key=KEY)
+
+    def fn(m: eqx.nn.MLP, x: jax.Array, pred: jax.Array) -> jax.Array:
+        return jax.lax.cond(pred, lambda: m.layers[1](m.layers[0](x)), lambda: x)
+
+    tap = Tap("layers[0]", output=True)
+    run = eqx.filter_jit(capture)
+    _, coll = run(fn, mlp, jnp.ones(2), jnp.array(True), taps=tap)
+    close(coll.flatten("module_outputs")["layers_0/output"], mlp.layers[0](jnp.ones(2)))
+    with pytest.raises(
+        (eqx.EquinoxRuntimeError, ValueError), match="did not run exactly once"
+    ):  # (JAX 0.8's CPU callback in a cond wraps Equinox's error in a ValueError)
+        run(fn, mlp, jnp.ones(2), jnp.array(False), taps=tap)
 
 
 # (a) `make test-min` runs the oldest JAX allowed; where `jax.new_ref` is missing,

@@ -15,6 +15,12 @@ indexed writes under vmap). So the rule, decided before the recording pass, is:
 refs when `jax.new_ref` exists, no input of `capture` is differentiated or vmapped
 (`transformed`), no recording point runs under a `jax.vmap` inside fn (the shape
 pass's log) and fn has no `jax.checkpoint` (`has_checkpoint`); sinks otherwise.
+
+A point that records must run exactly once per layer; a call counter and a run-time
+check (`eqx.error_if`) make sure of it. Where the shape pass's jaxpr shows that the
+point's one call sits under nothing but the scans over its stack (`enclosing`: the
+primitives around a `checkpoint_name` tag on its output), it runs once per layer by
+construction, and the ref path keeps neither, as a hand-written scan would not.
 """
 
 import dataclasses
@@ -25,6 +31,7 @@ import jax
 import jax.core
 import jax.numpy as jnp
 import jax.ref
+from jax.ad_checkpoint import checkpoint_name
 from jax.custom_batching import custom_vmap
 from jaxtyping import Array
 
@@ -43,16 +50,17 @@ class Buffers:
     """One point's ref buffers (static in its wrapper, compared by identity)."""
 
     values: tuple[Any, ...]  # `jax.Ref`s, `[n, *leaf]` or `[*leaf]`
-    calls: Any  # an int32 `jax.Ref`, `[n]` or `[]`
+    calls: Any  # an int32 `jax.Ref`, `[n]` or `[]`; None: runs once by construction
 
     @classmethod
-    def make(cls, n: int | None, specs: list[Any]) -> "Buffers":
+    def make(cls, n: int | None, specs: list[Any], counted: bool) -> "Buffers":
         """Zero buffers for records of `specs` (leaves with shape and dtype)."""
         lead = () if n is None else (n,)
         values = tuple(
             jax.new_ref(jnp.zeros((*lead, *s.shape), s.dtype)) for s in specs
         )
-        return cls(values, jax.new_ref(jnp.zeros(lead, jnp.int32)))
+        calls = jax.new_ref(jnp.zeros(lead, jnp.int32)) if counted else None
+        return cls(values, calls)
 
     def write(self, values: list[Array], layer: Array | None) -> None:
         """Write one call's records (at flat layer `layer` of a stack)."""
@@ -61,19 +69,19 @@ class Buffers:
                 ref[...] = value
             else:
                 ref[layer] = value
-        if layer is None:
-            jax.ref.addupdate(self.calls, (), jnp.ones((), jnp.int32))
-        else:
-            jax.ref.addupdate(self.calls, layer, jnp.ones((), jnp.int32))
+        if self.calls is not None:
+            index = () if layer is None else layer
+            jax.ref.addupdate(self.calls, index, jnp.ones((), jnp.int32))
 
-    def read(self, prefix: tuple[int, ...]) -> tuple[list[Array], Array]:
+    def read(self, prefix: tuple[int, ...]) -> tuple[list[Array], Array | None]:
         """The records and the call counts, stacked `[*prefix, *leaf]`."""
 
         def shaped(ref: Any) -> Array:
             value = jax.ref.freeze(ref)
             return jnp.reshape(value, (*prefix, *value.shape[1 if prefix else 0 :]))
 
-        return [shaped(r) for r in self.values], shaped(self.calls)
+        calls = None if self.calls is None else shaped(self.calls)
+        return [shaped(r) for r in self.values], calls
 
 
 def _numeric(x: object) -> bool:
@@ -145,3 +153,42 @@ def has_checkpoint(jaxpr: Any) -> bool:
             if any(has_checkpoint(v) for v in eqn.params.values()):
                 return True
     return False
+
+
+_TAG = "eqxctx.capture:"
+# Primitives that call their body once, where they run.
+_ONCE = frozenset(
+    {"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call"}
+)
+
+
+def tag(x: Array, name: str) -> Array:
+    """`x`, tagged in a jaxpr as the output of the point `name` (shape pass)."""
+    return checkpoint_name(x, _TAG + name)
+
+
+def enclosing(jaxpr: Any, around: tuple[str, ...] = ()) -> dict[str, list[Any]]:
+    """`{point: [the primitives around each tagged call, outermost first]}`."""
+    out: dict[str, list[Any]] = {}
+    for inner in _jaxprs(jaxpr):
+        for eqn in inner.eqns:
+            name = eqn.params.get("name")
+            if isinstance(name, str) and name.startswith(_TAG):
+                out.setdefault(name.removeprefix(_TAG), []).append(around)
+            for v in eqn.params.values():
+                for k, chains in enclosing(v, (*around, eqn.primitive.name)).items():
+                    out.setdefault(k, []).extend(chains)
+    return out
+
+
+def once_per_layer(chains: list[Any], depth: int) -> bool:
+    """Whether one call under `chains` runs once per layer of a `depth`-deep stack.
+
+    True when the call sits under `depth` scans (those over the stack, which the
+    shape pass saw slice the point's arrays) and nothing else that repeats or
+    skips it (a `cond`, a `while`, another scan, an unknown higher-order primitive).
+    """
+    if len(chains) != 1:
+        return False
+    kept = [p for p in chains[0] if p not in _ONCE]
+    return kept == ["scan"] * depth

@@ -18,7 +18,7 @@ from eqxctx._sinks import from_sink, sink_layout
 
 from ._interventions import Intervention
 from ._points import HookPoint, get_node, select
-from ._refs import Buffers, available, has_checkpoint
+from ._refs import Buffers, available, enclosing, has_checkpoint, once_per_layer
 from ._tap import Call, Plan, Recorder, Tap, Tapped
 
 
@@ -153,6 +153,7 @@ class Session:
         # The sinks of the recording pass: (records + calls, gradient records).
         self.sinks: dict[str, tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]] = {}
         self.refs = False  # whether the ref path may record (see `_refs`)
+        self.once: dict[str, bool] = {}
         if not chosen:
             return
 
@@ -205,6 +206,11 @@ class Session:
             and not any(found[n].log for n in self.sinks)
             and not has_checkpoint(jaxpr)
         )
+        chains = enclosing(jaxpr) if self.refs else {}
+        self.once = {  # runs once per layer by construction (no run-time count)
+            n: once_per_layer(chains.get(n, []), len(self.prefixes[n]))
+            for n in self.sinks
+        }
 
     @property
     def gradients(self) -> bool:
@@ -217,7 +223,8 @@ class Session:
         for name in self.sinks:
             prefix = self.prefixes[name]
             specs = jax.tree_util.tree_leaves(self.found[name].records)
-            out[name] = Buffers.make(math.prod(prefix) if prefix else None, specs)
+            n = math.prod(prefix) if prefix else None
+            out[name] = Buffers.make(n, specs, counted=not self.once[name])
         return out
 
     def wrap(
@@ -248,7 +255,9 @@ class Session:
 
     def collection(self, cts: dict[str, Any]) -> OutputCollection:
         """The collection, from the sinks' cotangents (the sink path)."""
-        records: dict[str, tuple[list[jax.Array], list[jax.Array], jax.Array]] = {}
+        records: dict[
+            str, tuple[list[jax.Array], list[jax.Array], jax.Array | None]
+        ] = {}
         for n in self.sinks:
             (*values, calls), gradients = cts[n]
             call = self.found[n]
@@ -261,14 +270,17 @@ class Session:
 
     def ref_collection(self, buffers: dict[str, Buffers]) -> OutputCollection:
         """The collection, from the ref buffers' final values (the ref path)."""
-        records: dict[str, tuple[list[jax.Array], list[jax.Array], jax.Array]] = {}
+        records: dict[
+            str, tuple[list[jax.Array], list[jax.Array], jax.Array | None]
+        ] = {}
         for n, b in buffers.items():
             values, calls = b.read(self.prefixes[n])
             records[n] = (values, [], calls)
         return self._collection(records)
 
     def _collection(
-        self, records: dict[str, tuple[list[jax.Array], list[jax.Array], jax.Array]]
+        self,
+        records: dict[str, tuple[list[jax.Array], list[jax.Array], jax.Array | None]],
     ) -> OutputCollection:
         """The collection from each point's (records, gradient records, calls)."""
         entries: dict[str, OutputCollection] = {}
@@ -292,7 +304,7 @@ def _entries(
     prefix: tuple[int, ...],
     values: list[jax.Array],
     gradients: list[jax.Array],
-    calls: jax.Array,
+    calls: jax.Array | None,
     child_name_prefix: str,
 ) -> OutputCollection:
     """One point's collection, from its records (flat leaves) and call counts."""
@@ -300,7 +312,9 @@ def _entries(
         **_unflatten(call.records, values),
         **_unflatten(call.gradients, gradients),
     }
-    recorded = eqx.error_if(recorded, calls != 1, _CALLS_MESSAGE + f" Point: {name!r}.")
+    if calls is not None:  # (None: the point runs once per layer by construction)
+        message = _CALLS_MESSAGE + f" Point: {name!r}."
+        recorded = eqx.error_if(recorded, calls != 1, message)
     outputs = {k: v for k, v in recorded.items() if not k.startswith("summary:")}
     summaries = {
         k.removeprefix("summary:"): v

@@ -38,7 +38,7 @@ from eqxctx._summary import Summary, is_array_leaf
 
 from ._interventions import Intervention, apply_function
 from ._points import Selection, leaf_suffix
-from ._refs import Buffers
+from ._refs import Buffers, tag
 
 
 class Tap(eqx.Module):
@@ -471,10 +471,12 @@ class Tapped(eqx.Module):
                 "`jax.vmap` with `in_axes=0`)."
             )
         log: dict[int, tuple[int, bool]] = {}
-        leaves = jax.tree_util.tree_leaves(y)
+        leaves, treedef = jax.tree_util.tree_flatten(y)
         i = _carrier_index(leaves)
         if i is not None:
             _probe(marker, leaves[i], log)
+            leaves[i] = tag(leaves[i], plan.name)  # (found by `_refs.enclosing`)
+            y = treedef.unflatten(leaves)
         spec = eqx.filter_eval_shape(lambda y: records(plan.tap, y, plan.name), y)
         grad_spec = eqx.filter_eval_shape(
             lambda y: gradient_records(plan.tap, y, plan.name), y
