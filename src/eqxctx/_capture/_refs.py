@@ -14,7 +14,10 @@ under a `jax.vmap` or `jax.grad` of `capture` itself (`jax.lax.cond` transposes,
 indexed writes under vmap). So the rule, decided before the recording pass, is:
 refs when `jax.new_ref` exists, no input of `capture` is differentiated or vmapped
 (`transformed`), no recording point runs under a `jax.vmap` inside fn (the shape
-pass's log) and fn has no `jax.checkpoint` (`has_checkpoint`); sinks otherwise.
+pass's log), fn has no `jax.checkpoint` (`has_checkpoint`) and no tap records in
+the backward pass; sinks otherwise. `capture_value_and_grad` makes its buffers
+inside the function it differentiates: JAX refuses a differentiated value written
+into a ref made outside.
 
 A point that records must run exactly once per layer; a call counter and a run-time
 check (`eqx.error_if`) make sure of it. Where the shape pass's jaxpr shows that the

@@ -143,7 +143,7 @@ def capture(
     if session.refs and not transformed((model, args, kwargs)):
         buffers = session.buffers()
         out = fn(session.wrap(model, {}, buffers), *args, **kwargs)
-        return out, session.ref_collection(buffers)
+        return out, session.ref_collection(session.read(buffers))
     static_box: list[Any] = []
 
     def differentiable(sinks: dict[str, Any]) -> tuple[Any, Any]:
@@ -184,7 +184,9 @@ def capture_value_and_grad(
     `eqxctx.value_and_grad`. A point inside a `jax.vmap` in `fn` that does not map
     the model (examples) gets the cotangent of each example's output, and its
     gradient summaries merge over the examples (`Summary.accumulate`, `+` for
-    arrays) as its forward summaries do.
+    arrays) as its forward summaries do. Forward records take `capture`'s ref path
+    by its rule, unless a tap records in the backward pass (then every record
+    leaves through sinks).
 
     Args:
         fn: `fn(model, *args, **kwargs) -> loss`, a scalar floating-point array.
@@ -218,6 +220,20 @@ def capture_value_and_grad(
     """
     where = "eqxctx.capture_value_and_grad"
     session = Session(fn, model, args, kwargs, _taps(taps), child_name_prefix, where)
+
+    if session.refs and not transformed((model, args, kwargs)):
+        # The ref path: the buffers are made inside the differentiated function
+        # (JAX refuses a differentiated value written into a ref made outside it),
+        # and the records leave it as auxiliary data, differentiable as in `capture`.
+        def ref_loss(m: M) -> tuple[jax.Array, Any]:
+            buffers = session.buffers()
+            loss = fn(session.wrap(m, {}, buffers), *args, **kwargs)
+            _check_loss(loss, where)
+            return loss, session.read(buffers)
+
+        vg = eqx.filter_value_and_grad(ref_loss, has_aux=True)
+        (loss, reads), grads = vg(model)
+        return (loss, session.ref_collection(reads)), grads
 
     def loss_fn(inputs: tuple[M, dict[str, Any]]) -> jax.Array:
         m, sinks = inputs

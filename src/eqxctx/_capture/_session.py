@@ -268,15 +268,17 @@ class Session:
             )
         return self._collection(records)
 
-    def ref_collection(self, buffers: dict[str, Buffers]) -> OutputCollection:
+    def read(
+        self, buffers: dict[str, Buffers]
+    ) -> dict[str, tuple[list[jax.Array], jax.Array | None]]:
+        """The ref buffers' final values: each point's records and call counts."""
+        return {n: b.read(self.prefixes[n]) for n, b in buffers.items()}
+
+    def ref_collection(
+        self, reads: dict[str, tuple[list[jax.Array], jax.Array | None]]
+    ) -> OutputCollection:
         """The collection, from the ref buffers' final values (the ref path)."""
-        records: dict[
-            str, tuple[list[jax.Array], list[jax.Array], jax.Array | None]
-        ] = {}
-        for n, b in buffers.items():
-            values, calls = b.read(self.prefixes[n])
-            records[n] = (values, [], calls)
-        return self._collection(records)
+        return self._collection({n: (v, [], c) for n, (v, c) in reads.items()})
 
     def _collection(
         self,

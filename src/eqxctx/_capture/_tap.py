@@ -429,9 +429,8 @@ class Tapped(eqx.Module):
                 new = jax.tree.map(lambda a, b: jnp.where(keep, a, b), new, y)
             y = new
         if plan.buffers is not None:  # the ref path: write where it runs
-            plan.buffers.write(
-                jax.tree_util.tree_leaves(records(tap, y, plan.name)), self.layer
-            )
+            values = jax.tree_util.tree_leaves(records(tap, y, plan.name))
+            plan.buffers.write(values, self.layer)
             return y
         if not self.sinks:
             return y
