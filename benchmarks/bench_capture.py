@@ -13,8 +13,9 @@ writes: plain Equinox, no eqxctx.
    `capture` recorded before the ref path, and "jax.ref prototype" is the block
    wrapped by hand to write the same values into refs.
 2. *Nothing selected*: `capture(..., taps=())` vs the bare model (same program?).
-3. *Training step*: `capture_value_and_grad` with the same tap vs
-   `eqx.filter_value_and_grad` of the hand-written scan returning them as aux.
+3. *Training step*: `capture_value_and_grad` with the same tap (ref path; "sink
+   path" forced as above) vs `eqx.filter_value_and_grad` of the hand-written scan
+   returning them as aux.
 4. *Training step, nothing selected*: `capture_value_and_grad(..., taps=())` vs
    `eqx.filter_value_and_grad` of the bare model.
 
@@ -117,15 +118,19 @@ def ref_scan(model: Stack, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Arra
 TAP = eqxctx.Tap("blocks", output=True, summaries={"rms": rms})
 
 
-def capture_sinks(m: Stack, x: jax.Array) -> Any:
-    """`capture` with its sink path forced (the private switch, while tracing)."""
-    from eqxctx._capture import _refs
+def on_sinks(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` with capture's sink path forced (the private switch, while tracing)."""
 
-    _refs.USE_REFS = False
-    try:
-        return eqxctx.capture(forward, m, x, taps=TAP)
-    finally:
-        _refs.USE_REFS = True
+    def run(m: Stack, x: jax.Array) -> Any:
+        from eqxctx._capture import _refs
+
+        _refs.USE_REFS = False
+        try:
+            return fn(m, x)
+        finally:
+            _refs.USE_REFS = True
+
+    return run
 
 
 def forward(m: Stack, x: jax.Array) -> jax.Array:
@@ -144,11 +149,14 @@ def hand_loss(m: Stack, x: jax.Array) -> Any:
 VARIANTS: dict[str, Callable[[], Callable[..., Any]]] = {
     "capture": lambda: lambda m, x: eqxctx.capture(forward, m, x, taps=TAP),
     "hand": lambda: lambda m, x: hand_scan(m, x),
-    "sinks": lambda: capture_sinks,
+    "sinks": lambda: on_sinks(lambda m, x: eqxctx.capture(forward, m, x, taps=TAP)),
     "ref": lambda: lambda m, x: ref_scan(m, x),
     "capture_none": lambda: lambda m, x: eqxctx.capture(forward, m, x, taps=())[0],
     "bare": lambda: lambda m, x: m(x),
     "step": lambda: lambda m, x: eqxctx.capture_value_and_grad(loss, m, x, taps=TAP),
+    "step_sinks": lambda: on_sinks(
+        lambda m, x: eqxctx.capture_value_and_grad(loss, m, x, taps=TAP)
+    ),
     "hand_step": lambda: (
         lambda m, x: eqx.filter_value_and_grad(hand_loss, has_aux=True)(m, x)
     ),
@@ -225,10 +233,13 @@ def check(model: Stack, x: jax.Array) -> None:
         assert jnp.allclose(got_rms, rmss, rtol=1e-5)
     for a, b in zip(ref_scan(model, x), (y2, outs, rmss), strict=True):
         assert jnp.allclose(a, b, rtol=1e-5, atol=1e-5)
-    (v, _), g = VARIANTS["step"]()(model, x)
     (v2, _), g2 = VARIANTS["hand_step"]()(model, x)
-    assert jnp.allclose(v, v2, rtol=1e-5)
-    assert eqx.tree_equal(g, g2, rtol=1e-4, atol=1e-6)
+    for variant in ("step", "step_sinks"):
+        (v, coll), g = VARIANTS[variant]()(model, x)
+        assert jnp.allclose(v, v2, rtol=1e-5)
+        assert eqx.tree_equal(g, g2, rtol=1e-4, atol=1e-6)
+        got = coll.flatten("module_outputs")["blocks/layer/output"]
+        assert jnp.allclose(got, outs, rtol=1e-5, atol=1e-5)
 
 
 def main() -> None:
@@ -256,6 +267,11 @@ def main() -> None:
         ("forward: jax.ref prototype / hand-written scan", "ref", "hand"),
         ("nothing selected: capture / bare model", "capture_none", "bare"),
         ("training step: capture_value_and_grad / by hand", "step", "hand_step"),
+        (
+            "step, sink path: capture_value_and_grad / by hand",
+            "step_sinks",
+            "hand_step",
+        ),
         (
             "step, nothing selected: ... / filter_value_and_grad",
             "step_none",
