@@ -305,3 +305,25 @@ def test_step_records_are_differentiable_through_the_sink_path(
     except AttributeError:
         return
     assert eqx.tree_equal(hidden, grads, rtol=1e-4, atol=1e-6)
+
+
+def test_capture_per_step_of_a_scan_and_through_an_inner_jit(
+    paths: list[str],
+) -> None:
+    # The buffers are made where `capture` runs (here in a scan body over steps),
+    # and a `jax.jit` inside fn writes into them from its own trace.
+    model = _gpt()
+    tokens = jnp.stack([TOKENS, (TOKENS + 2) % 11])
+
+    def inner_jit(m: GPT, t: jax.Array) -> jax.Array:
+        return eqx.filter_jit(_forward)(m, t)
+
+    def step(carry: None, t: jax.Array) -> tuple[None, jax.Array]:
+        _, coll = capture(inner_jit, model, t, taps=TAP)
+        return carry, coll.flatten("module_outputs")["blocks/attn/layer/output"]
+
+    _, outs = jax.jit(lambda: jax.lax.scan(step, None, tokens))()
+    for b in range(2):
+        want = np.stack([layer["attn"] for layer in gpt_reference(model, tokens[b])[1]])
+        close(outs[b], want)
+    assert paths == ["refs"]
