@@ -7,10 +7,15 @@ writes: plain Equinox, no eqxctx.
 
 1. *Forward*: `capture` with one tap at the stacked block (its output per layer and
    the RMS of it per layer) vs a hand-written `jax.lax.scan` over the same blocks
-   whose body also returns the block's output and its RMS.
+   whose body also returns the block's output and its RMS. `capture` takes its ref
+   path here (`jax.ref` writes inside the model's scan); the row "sink path" forces
+   the sink path (the private switch `eqxctx._capture._refs.USE_REFS`), as
+   `capture` recorded before the ref path, and "jax.ref prototype" is the block
+   wrapped by hand to write the same values into refs.
 2. *Nothing selected*: `capture(..., taps=())` vs the bare model (same program?).
-3. *Training step*: `capture_value_and_grad` with the same tap vs
-   `eqx.filter_value_and_grad` of the hand-written scan returning them as aux.
+3. *Training step*: `capture_value_and_grad` with the same tap (ref path; "sink
+   path" forced as above) vs `eqx.filter_value_and_grad` of the hand-written scan
+   returning them as aux.
 4. *Training step, nothing selected*: `capture_value_and_grad(..., taps=())` vs
    `eqx.filter_value_and_grad` of the bare model.
 
@@ -113,6 +118,21 @@ def ref_scan(model: Stack, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Arra
 TAP = eqxctx.Tap("blocks", output=True, summaries={"rms": rms})
 
 
+def on_sinks(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` with capture's sink path forced (the private switch, while tracing)."""
+
+    def run(m: Stack, x: jax.Array) -> Any:
+        from eqxctx._capture import _refs
+
+        _refs.USE_REFS = False
+        try:
+            return fn(m, x)
+        finally:
+            _refs.USE_REFS = True
+
+    return run
+
+
 def forward(m: Stack, x: jax.Array) -> jax.Array:
     return m(x)
 
@@ -129,10 +149,14 @@ def hand_loss(m: Stack, x: jax.Array) -> Any:
 VARIANTS: dict[str, Callable[[], Callable[..., Any]]] = {
     "capture": lambda: lambda m, x: eqxctx.capture(forward, m, x, taps=TAP),
     "hand": lambda: lambda m, x: hand_scan(m, x),
+    "sinks": lambda: on_sinks(lambda m, x: eqxctx.capture(forward, m, x, taps=TAP)),
     "ref": lambda: lambda m, x: ref_scan(m, x),
     "capture_none": lambda: lambda m, x: eqxctx.capture(forward, m, x, taps=())[0],
     "bare": lambda: lambda m, x: m(x),
     "step": lambda: lambda m, x: eqxctx.capture_value_and_grad(loss, m, x, taps=TAP),
+    "step_sinks": lambda: on_sinks(
+        lambda m, x: eqxctx.capture_value_and_grad(loss, m, x, taps=TAP)
+    ),
     "hand_step": lambda: (
         lambda m, x: eqx.filter_value_and_grad(hand_loss, has_aux=True)(m, x)
     ),
@@ -198,19 +222,24 @@ def median_ratio(
 
 def check(model: Stack, x: jax.Array) -> None:
     """The variants compute the same values."""
-    (y, coll), (y2, outs, rmss) = VARIANTS["capture"]()(model, x), hand_scan(model, x)
-    assert jnp.allclose(y, y2, rtol=1e-5, atol=1e-5)
-    got = coll.flatten("module_outputs")["blocks/layer/output"]
-    assert jnp.allclose(got, outs, rtol=1e-5, atol=1e-5)
-    sums = coll.flatten("summaries")
-    got_rms = jnp.stack([sums[f"blocks/layer{i}/rms"] for i in range(LAYERS)])
-    assert jnp.allclose(got_rms, rmss, rtol=1e-5)
+    y2, outs, rmss = hand_scan(model, x)
+    for variant in ("capture", "sinks"):
+        y, coll = VARIANTS[variant]()(model, x)
+        assert jnp.allclose(y, y2, rtol=1e-5, atol=1e-5)
+        got = coll.flatten("module_outputs")["blocks/layer/output"]
+        assert jnp.allclose(got, outs, rtol=1e-5, atol=1e-5)
+        sums = coll.flatten("summaries")
+        got_rms = jnp.stack([sums[f"blocks/layer{i}/rms"] for i in range(LAYERS)])
+        assert jnp.allclose(got_rms, rmss, rtol=1e-5)
     for a, b in zip(ref_scan(model, x), (y2, outs, rmss), strict=True):
         assert jnp.allclose(a, b, rtol=1e-5, atol=1e-5)
-    (v, _), g = VARIANTS["step"]()(model, x)
     (v2, _), g2 = VARIANTS["hand_step"]()(model, x)
-    assert jnp.allclose(v, v2, rtol=1e-5)
-    assert eqx.tree_equal(g, g2, rtol=1e-4, atol=1e-6)
+    for variant in ("step", "step_sinks"):
+        (v, coll), g = VARIANTS[variant]()(model, x)
+        assert jnp.allclose(v, v2, rtol=1e-5)
+        assert eqx.tree_equal(g, g2, rtol=1e-4, atol=1e-6)
+        got = coll.flatten("module_outputs")["blocks/layer/output"]
+        assert jnp.allclose(got, outs, rtol=1e-5, atol=1e-5)
 
 
 def main() -> None:
@@ -234,9 +263,15 @@ def main() -> None:
     print("|---|--:|--:|--:|--:|--:|:--:|")
     for label, a, b in (
         ("forward: capture / hand-written scan", "capture", "hand"),
+        ("forward, sink path: capture / hand-written scan", "sinks", "hand"),
         ("forward: jax.ref prototype / hand-written scan", "ref", "hand"),
         ("nothing selected: capture / bare model", "capture_none", "bare"),
         ("training step: capture_value_and_grad / by hand", "step", "hand_step"),
+        (
+            "step, sink path: capture_value_and_grad / by hand",
+            "step_sinks",
+            "hand_step",
+        ),
         (
             "step, nothing selected: ... / filter_value_and_grad",
             "step_none",

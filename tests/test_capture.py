@@ -1,7 +1,9 @@
 """capture / hook_points on unmodified Equinox models (issue 38)."""
 
+import contextlib
 import functools
 import inspect
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,32 @@ SOURCE = Path(__file__).read_text().splitlines()
 # hits the compilation cache (the tests' cost is compilation, on shared CPU cores).
 run_capture = eqx.filter_jit(capture)
 run_value_and_grad = eqx.filter_jit(eqxctx.capture_value_and_grad)
+# Issue 38 (jax.ref): capture records through `jax.ref` writes where its rule allows
+# (the ref path) and through sink cotangents elsewhere. Tests marked `PATHS` run with
+# the rule (`refs=True`) and with the sink path forced (`refs=False`, the private
+# switch `_refs.USE_REFS`), each with its own jitted entry (its own cache).
+PATHS = pytest.mark.parametrize("refs", [True, False], ids=["refs", "sinks"])
+RUN = {True: run_capture, False: eqx.filter_jit(capture)}
+
+
+@contextlib.contextmanager
+def on_path(refs: bool) -> Generator[None]:
+    """Let the rule choose the ref path (True) or force the sink path (False)."""
+    from eqxctx._capture import _refs
+
+    before = _refs.USE_REFS
+    _refs.USE_REFS = refs
+    try:
+        yield
+    finally:
+        _refs.USE_REFS = before
+
+
+@pytest.fixture(autouse=True)
+def _capture_path(request: pytest.FixtureRequest) -> Generator[None]:
+    callspec = getattr(request.node, "callspec", None)
+    with on_path(callspec.params.get("refs", True) if callspec else True):
+        yield
 
 
 def close(a: object, b: object, rtol: float = 1e-5) -> None:
@@ -106,8 +134,9 @@ def _mlp(scan: bool) -> eqx.nn.MLP:
     return eqx.nn.MLP(3, 2, 8, 4, key=KEY)
 
 
+@PATHS
 @pytest.mark.parametrize("scan", SCAN)
-def test_mlp_outputs_and_summaries_equal_unrolled(scan: bool) -> None:
+def test_mlp_outputs_and_summaries_equal_unrolled(scan: bool, refs: bool) -> None:
     mlp = _mlp(scan)
     x = jnp.arange(3.0)
     tap = Tap(eqx.nn.Linear, output=True, summaries={"rms": rms})
@@ -179,10 +208,11 @@ GPT_TAP = Tap(
 )
 
 
-def test_gpt_scanned_stack_equals_python_loop() -> None:
+@PATHS
+def test_gpt_scanned_stack_equals_python_loop(refs: bool) -> None:
     # Under eqx.filter_jit (the model's arrays traced); the MLP tests run eagerly.
     model = _gpt()
-    out, coll = run_capture(_forward, model, TOKENS, taps=GPT_TAP)
+    out, coll = RUN[refs](_forward, model, TOKENS, taps=GPT_TAP)
     _check_gpt(out, coll, model)
 
 
@@ -223,25 +253,27 @@ def test_vmap_over_capture_stacks_per_example() -> None:
             )
 
 
-def test_vmap_inside_fn_keeps_examples_apart() -> None:
+@PATHS
+def test_vmap_inside_fn_keeps_examples_apart(refs: bool) -> None:
     model = _gpt()
     tokens = jnp.stack([TOKENS, (TOKENS + 3) % 11, (TOKENS + 5) % 11])
     tap = Tap("blocks.attn", output=True, summaries={"moments": eqxctx.MomentsSummary})
-    _out, coll = run_capture(_vmapped, model, tokens, taps=tap)
+    _out, coll = RUN[refs](_vmapped, model, tokens, taps=tap)
     outs = coll.flatten("module_outputs")["blocks/attn/layer/output"]
     assert outs.shape == (3, 3, 5, 8)  # [layer, example, seq, dim]
-    refs = [gpt_reference(model, t)[1] for t in tokens]
+    want = [gpt_reference(model, t)[1] for t in tokens]
     for i in range(3):
         for b in range(3):
-            close(outs[i, b], refs[b][i]["attn"])
+            close(outs[i, b], want[b][i]["attn"])
         moments = coll.flatten("summaries")[f"blocks/attn/layer{i}/moments"]
-        values = np.stack([refs[b][i]["attn"] for b in range(3)])
+        values = np.stack([want[b][i]["attn"] for b in range(3)])
         assert int(moments.count) == values.size
         close(moments.mean, values.mean())
         close(moments.m2 / moments.count, values.var(), rtol=1e-4)
 
 
-def test_checkpointed_stack() -> None:
+@PATHS
+def test_checkpointed_stack(refs: bool) -> None:
     model = _gpt()
 
     def forward(m: GPT, tokens: jax.Array) -> jax.Array:
@@ -255,7 +287,7 @@ def test_checkpointed_stack() -> None:
         x, _ = jax.lax.scan(body, x, dynamic)
         return jax.vmap(m.head)(x)
 
-    out, coll = run_capture(forward, model, TOKENS, taps=GPT_TAP)
+    out, coll = RUN[refs](forward, model, TOKENS, taps=GPT_TAP)
     _check_gpt(out, coll, model)
 
 
@@ -315,15 +347,22 @@ def test_point_never_called_raises() -> None:
         )
 
 
-def test_point_whose_output_is_unused_raises_at_run_time() -> None:
+@PATHS
+def test_point_whose_output_is_unused(refs: bool) -> None:
     mlp = eqx.nn.MLP(2, 1, 4, 1, key=KEY)
 
     def fn(m: eqx.nn.MLP, x: jax.Array) -> jax.Array:
         m.layers[1](x[:4] if False else jnp.ones(4))  # computed, then dropped
         return m.layers[0](x)
 
-    with pytest.raises(eqx.EquinoxRuntimeError, match="did not run exactly once"):
-        capture(fn, mlp, jnp.ones(2), taps=Tap("layers[1]", output=True))
+    tap = Tap("layers[1]", output=True)
+    if not refs:  # the sink path: no record reaches fn's result
+        with pytest.raises(eqx.EquinoxRuntimeError, match="did not run exactly once"):
+            capture(fn, mlp, jnp.ones(2), taps=tap)
+        return
+    # The ref path (issue 38, jax.ref): the write ran, so the point records.
+    _, coll = capture(fn, mlp, jnp.ones(2), taps=tap)
+    close(coll.flatten("module_outputs")["layers_1/output"], mlp.layers[1](jnp.ones(4)))
 
 
 def test_selected_by_two_taps_raises() -> None:
@@ -341,6 +380,7 @@ def test_selected_by_two_taps_raises() -> None:
 
 
 # Each example compiles a model: an eighth of the profile's examples (3 in `ci`).
+@PATHS
 @settings(max_examples=max(2, settings().max_examples // 8))
 @given(
     depth=st.integers(1, 4),
@@ -354,7 +394,7 @@ def test_selected_by_two_taps_raises() -> None:
 )
 @example(depth=3, chosen={"blocks.attn", "head"}, ablate=1)  # a middle layer
 def test_random_depths_and_selections_equal_the_loop(
-    depth: int, chosen: set[str], ablate: int
+    depth: int, chosen: set[str], ablate: int, refs: bool
 ) -> None:
     model = GPT(11, 8, 2, depth, key=KEY)
     # Recorded outputs, and layer `ablate`'s attention zeroed (by its projection).
@@ -365,9 +405,9 @@ def test_random_depths_and_selections_equal_the_loop(
     ]
     if ablate >= depth:  # issue 38 item 2: was a silent no-op
         with pytest.raises(ValueError, match=rf"index {ablate}.* {depth} layer"):
-            run_capture(_forward, model, TOKENS, taps=taps)
+            RUN[refs](_forward, model, TOKENS, taps=taps)
         return
-    out, coll = run_capture(_forward, model, TOKENS, taps=taps)
+    out, coll = RUN[refs](_forward, model, TOKENS, taps=taps)
     ref, per_layer = gpt_reference(model, TOKENS, ablate_attn=ablate)  # eager: fast
     close(out, ref)
     outs = coll.flatten("module_outputs")
@@ -389,10 +429,13 @@ def test_random_depths_and_selections_equal_the_loop(
 # --- interventions -----------------------------------------------------------------
 
 
-def test_zero_ablate_one_layer_of_a_scanned_stack_equals_hand_edited_model() -> None:
+@PATHS
+def test_zero_ablate_one_layer_of_a_scanned_stack_equals_hand_edited_model(
+    refs: bool,
+) -> None:
     model = _gpt()
     tap = Tap("blocks.attn", intervene=eqxctx.zero_ablate(), layers=[1])
-    out, coll = run_capture(_forward, model, TOKENS, taps=tap)
+    out, coll = RUN[refs](_forward, model, TOKENS, taps=tap)
     assert coll.is_empty()
     # Reference: layer 1's attention output projection (no bias) zeroed by hand.
     proj = model.blocks.attn.output_proj
@@ -415,9 +458,10 @@ def test_add_vector_at_one_point_equals_hand_edited_model() -> None:
     close(y, edited(x))
 
 
-def test_cache_then_patch_back_is_bit_identical() -> None:
+@PATHS
+def test_cache_then_patch_back_is_bit_identical(refs: bool) -> None:
     model = _gpt()
-    run = run_capture
+    run = RUN[refs]
     out, coll = run(_forward, model, TOKENS, taps=Tap("blocks.mlp", output=True))
     cached = coll.flatten("module_outputs")["blocks/mlp/layer/output"]
     patch = eqxctx.replace_with(cached, per_layer=True)
@@ -425,10 +469,11 @@ def test_cache_then_patch_back_is_bit_identical() -> None:
     np.testing.assert_array_equal(np.asarray(patched), np.asarray(out))
 
 
-def test_patch_from_another_input_changes_only_downstream() -> None:
+@PATHS
+def test_patch_from_another_input_changes_only_downstream(refs: bool) -> None:
     model = _gpt()
     other = (TOKENS + 4) % 11
-    run = run_capture
+    run = RUN[refs]
     _, coll = run(_forward, model, other, taps=Tap("blocks", output=True))
     cached = coll.flatten("module_outputs")["blocks/layer/output"]
     # Patching the last block's output with the other input's gives its logits.
@@ -439,16 +484,17 @@ def test_patch_from_another_input_changes_only_downstream() -> None:
     close(patched, model(other))
 
 
-def test_apply_function_sees_the_layer_index() -> None:
+@PATHS
+def test_apply_function_sees_the_layer_index(refs: bool) -> None:
     model = _gpt()
     tap = Tap(
         "blocks.attn",
         intervene=lambda y, layer: y * (layer + 1).astype(y.dtype),
         output=True,
     )
-    _, coll = run_capture(_forward, model, TOKENS, taps=tap)
+    _, coll = RUN[refs](_forward, model, TOKENS, taps=tap)
     ref_tap = Tap("blocks.attn", output=True)
-    ref_coll = run_capture(_forward, model, TOKENS, taps=ref_tap)[1]
+    ref_coll = RUN[refs](_forward, model, TOKENS, taps=ref_tap)[1]
     got = coll.flatten("module_outputs")["blocks/attn/layer/output"]
     first = ref_coll.flatten("module_outputs")["blocks/attn/layer/output"]
     close(got[0], first[0])  # layer 0 is scaled by 1; later layers see changed inputs
@@ -641,7 +687,8 @@ def _ctx_model(depth: int = 3) -> CtxModel:
     )
 
 
-def test_model_that_threads_ctx_merges_into_its_collection() -> None:
+@PATHS
+def test_model_that_threads_ctx_merges_into_its_collection(refs: bool) -> None:
     model = _ctx_model()
     x = jnp.arange(4.0) / 4
 
@@ -649,7 +696,7 @@ def test_model_that_threads_ctx_merges_into_its_collection() -> None:
         return eqxctx.functional(m, prng_key=None, is_training=False, args=(x,))
 
     tap = Tap(["blocks", "blocks.linear"], output=True, summaries={"rms": rms})
-    (y, own), captured = run_capture(fn, model, x, taps=tap)
+    (y, own), captured = RUN[refs](fn, model, x, taps=tap)
     ref_y, ref_own = fn(model, x)
     close(y, ref_y)
     assert eqx.tree_equal(own, ref_own)  # the model's own entries are untouched
@@ -662,7 +709,8 @@ def test_model_that_threads_ctx_merges_into_its_collection() -> None:
     close(outs["blocks/layer/output"][-1], ref_y)
 
 
-def test_capture_inside_a_context_method_merges_into_ctx() -> None:
+@PATHS
+def test_capture_inside_a_context_method_merges_into_ctx(refs: bool) -> None:
     model = _ctx_model()
     x = jnp.arange(4.0) / 4
 
@@ -781,14 +829,15 @@ def test_capture_in_a_method_runner_method() -> None:
         close(got, jnp.sum(jax.vmap(rms)(attn)))  # merged over examples by `+`
 
 
-def test_point_in_a_cond_branch() -> None:
+@PATHS
+def test_point_in_a_cond_branch(refs: bool) -> None:
     mlp = eqx.nn.MLP(2, 2, 4, 1, key=KEY)
 
     def fn(m: eqx.nn.MLP, x: jax.Array, pred: jax.Array) -> jax.Array:
         return jax.lax.cond(pred, lambda: m.layers[1](m.layers[0](x)), lambda: x)
 
     tap = Tap("layers[0]", output=True)
-    run = run_capture
+    run = RUN[refs]
     x = jnp.ones(2)
     _, coll = run(fn, mlp, x, jnp.array(True), taps=tap)
     close(coll.flatten("module_outputs")["layers_0/output"], mlp.layers[0](x))
@@ -817,13 +866,21 @@ def _loop(m: eqx.nn.MLP, x: jax.Array, n: jax.Array) -> jax.Array:
     return jax.lax.while_loop(lambda c: c[0] < n, body, (jnp.array(0), x))[1]
 
 
-def test_while_body_records_raise_and_interventions_work() -> None:
+@PATHS
+def test_while_body_records_and_interventions(refs: bool) -> None:
     mlp = eqx.nn.MLP(2, 2, 4, 1, key=KEY)
     x, n = jnp.ones(2), jnp.array(3)
-    with pytest.raises(ValueError, match=r"while_loop`.*inside the loop body"):
-        capture(_loop, mlp, x, n, taps=Tap("layers[0]", output=True))
+    tap = Tap("layers[0]", output=True)
+    if refs:  # the ref path records a point that ran once, and raises otherwise
+        with pytest.raises(eqx.EquinoxRuntimeError, match="did not run exactly once"):
+            RUN[refs](_loop, mlp, x, n, taps=tap)
+        _, coll = RUN[refs](_loop, mlp, x, jnp.array(1), taps=tap)
+        close(coll.flatten("module_outputs")["layers_0/output"], mlp.layers[0](x))
+    else:  # the sink path has no backward pass through a while loop
+        with pytest.raises(ValueError, match=r"while_loop`.*inside the loop body"):
+            capture(_loop, mlp, x, n, taps=tap)
     tap = Tap("layers[0]", intervene=eqxctx.add_vector(jnp.ones(4)))
-    y, coll = run_capture(_loop, mlp, x, n, taps=tap)
+    y, coll = RUN[refs](_loop, mlp, x, n, taps=tap)
     assert coll.is_empty()
     bias = mlp.layers[0].bias
     assert bias is not None
@@ -831,23 +888,29 @@ def test_while_body_records_raise_and_interventions_work() -> None:
     close(y, _loop(edited, x, n))
 
 
-def test_point_in_a_fixed_length_loop_that_does_not_map_the_model_raises() -> None:
+@PATHS
+def test_point_in_a_fixed_length_loop_that_does_not_map_the_model_raises(
+    refs: bool,
+) -> None:
     mlp = eqx.nn.MLP(2, 2, 4, 1, key=KEY)
 
     def fn(m: eqx.nn.MLP, x: jax.Array) -> jax.Array:
         return jax.lax.fori_loop(0, 3, lambda i, h: _forward(m, h), x)
 
     with pytest.raises(eqx.EquinoxRuntimeError, match=r"more\s+than once in a loop"):
-        run_capture(fn, mlp, jnp.ones(2), taps=Tap("layers[0]", output=True))
+        RUN[refs](fn, mlp, jnp.ones(2), taps=Tap("layers[0]", output=True))
 
 
 # Found by a new-user review: integer records (a MomentsSummary's count words) went
 # through float32 sinks and lost their low bits above 2**24.
+@PATHS
 @pytest.mark.parametrize(
     ("dtype", "value"),
     [(jnp.uint32, 2**32 - 3), (jnp.uint32, 2**24 + 3), (jnp.int32, -(2**31) + 5)],
 )
-def test_integer_records_are_exact_past_2_24(dtype: Any, value: int) -> None:
+def test_integer_records_are_exact_past_2_24(
+    dtype: Any, value: int, refs: bool
+) -> None:
     model = eqx.nn.MLP(2, 2, 4, 2, key=jax.random.key(0))
     want = np.asarray(value, dtype) + np.arange(3, dtype=dtype)
     tap = Tap(
@@ -907,11 +970,12 @@ def _pairs(depth: int = 3) -> _PairStack:
     )
 
 
-def test_tuple_output_records_every_array_leaf() -> None:
+@PATHS
+def test_tuple_output_records_every_array_leaf(refs: bool) -> None:
     # issue 38 item 1: a point returning `(y, aux)` failed in `OutputCollection`.
     model = _pairs()
     x = jnp.arange(4.0) / 4
-    _, coll = run_capture(_forward, model, x, taps=Tap("pairs", output=True))
+    _, coll = RUN[refs](_forward, model, x, taps=Tap("pairs", output=True))
     outs = coll.flatten("module_outputs")
     assert set(outs) == {
         "pairs/layer/output_0",
@@ -943,7 +1007,8 @@ def test_layer_index_out_of_range_raises() -> None:
         Tap("layers[1]", output=True, layers=[0])
 
 
-def test_gradients_flow_through_recorded_values() -> None:
+@PATHS
+def test_gradients_flow_through_recorded_values(refs: bool) -> None:
     # issue 38 item 3: a loss of a recorded value had zero gradients.
     model = _pairs()
     x = jnp.arange(4.0) / 4

@@ -2,8 +2,9 @@
 
 `_points`: hook points and selections; `_interventions`: what a point can do to its
 output; `_tap`: `Tap` and the wrapper module put in place of a selected point, with
-its on-device recording; `_session`: one capture's shape pass, sinks and layout;
-`_run`: `capture` and `capture_value_and_grad`.
+its on-device recording; `_refs`: the `jax.ref` buffers of the ref path and the
+rule that chooses it; `_session`: one capture's shape pass, sinks, buffers and
+layout; `_run`: `capture` and `capture_value_and_grad`.
 """
 
 from ._interventions import (

@@ -12,6 +12,7 @@ from eqxctx._bodies import note_result
 from eqxctx._collection import OutputCollection
 from eqxctx._context import Context
 
+from ._refs import transformed
 from ._session import Session
 from ._tap import Tap
 
@@ -74,26 +75,31 @@ def capture(
     Branches and loops: a recording point in a `jax.lax.cond` branch records when
     the branch runs and raises `EquinoxRuntimeError` when it does not (never
     zeros); one in a loop that does not map the model's arrays (a `fori_loop`
-    with fixed bounds, a generation loop) raises at run time as well; a point
-    whose output flows through a `jax.lax.while_loop` cannot record (`ValueError`:
-    JAX has no backward pass through while loops). Interventions need no
-    recording and work in every branch and loop. Modules that thread a context
-    (`module(x, ctx) -> (y, ctx)`) record and change `y`; the context passes
-    through, and the returned collection merges into it (`ctx.merge`). When
-    `args` or `kwargs` hold a context, the collection is checked as a
-    combinator's: the calling body must return it merged (`LostOutputError`
-    otherwise, naming the line of the `capture` call; `ctx.discard()` drops it on
-    purpose), and outputs the model adds to that context are checked as usual.
+    with fixed bounds, a generation loop) raises at run time as well.
+    Interventions need no recording and work in every branch and loop. Modules
+    that thread a context (`module(x, ctx) -> (y, ctx)`) record and change `y`;
+    the context passes through, and the returned collection merges into it
+    (`ctx.merge`). When `args` or `kwargs` hold a context, the collection is
+    checked as a combinator's: the calling body must return it merged
+    (`LostOutputError` otherwise, naming the line of the `capture` call;
+    `ctx.discard()` drops it on purpose), and outputs the model adds to that
+    context are checked as usual.
 
-    `fn` is traced twice: once abstractly (`eqx.filter_eval_shape`: which points
-    run where, and the shapes of what they record), once for real. Recording
-    differentiates `fn` with respect to zero "sink" arrays put in the wrappers (see
-    `docs/instrumenting.md`); XLA keeps only the recorded values. With no tap
-    selecting a point, `fn(model, ...)` runs unchanged.
+    `fn` is traced twice: once abstractly (`eqx.filter_make_jaxpr`: which points
+    run where, and the shapes of what they record), once for real. Records leave
+    `fn` through `jax.ref` writes inside its scans (the ref path) or as the
+    cotangents of zero "sink" arrays in a backward pass (the sink path), chosen
+    by one rule before the recording pass: refs unless `capture`'s inputs are
+    differentiated or vmapped, a recording point runs under a `jax.vmap` inside
+    `fn`, or `fn` holds a `jax.checkpoint` (`docs/instrumenting.md`, "refs or
+    sinks"). On the sink path a point whose output does not reach `fn`'s
+    floating-point result raises, and one whose output flows through a
+    `jax.lax.while_loop` cannot record (`ValueError`). With no tap selecting a
+    point, `fn(model, ...)` runs unchanged.
 
     Args:
-        fn: `fn(model, *args, **kwargs) -> out`; `out` any PyTree. Recording needs
-            the recorded points to reach a floating-point array of `out`.
+        fn: `fn(model, *args, **kwargs) -> out`; `out` any PyTree. On the sink
+            path, the recorded points must reach a floating-point array of `out`.
         model: the model (any PyTree of modules); it is not changed.
         *args: passed to `fn` after the model.
         taps: a `Tap` or a sequence of `Tap`s; a point selected by two raises.
@@ -109,8 +115,9 @@ def capture(
         ValueError: a selection that matches no point (listing the points); a point
             selected by two taps, never called, or recorded at two call sites; a
             per-layer intervention value without the stack's leading axes;
-            `Tap(layers=...)` past the point's number of layers; a
-            recording point whose output flows through a `jax.lax.while_loop`.
+            `Tap(layers=...)` past the point's number of layers; on the sink
+            path, a recording point whose output flows through a
+            `jax.lax.while_loop`.
         TypeError: bad taps; a recorded point whose output has no floating-point
             array; a summary function returning something other than an array or
             `Summary`.
@@ -121,7 +128,8 @@ def capture(
             reached the context it returns.
 
     References:
-        Flax NNX `nnx.capture`; TransformerLens `run_with_cache`; `jax.custom_vjp`.
+        Flax NNX `nnx.capture`; TransformerLens `run_with_cache`; `jax.new_ref`;
+        `jax.custom_vjp`.
 
     Examples:
         >>> mlp = eqx.nn.MLP(2, 1, 8, 2, key=jax.random.key(0))
@@ -141,6 +149,10 @@ def capture(
         )
     if not session.sinks:  # (with no point chosen, `wrap` returns `model`)
         return fn(session.wrap(model, {}), *args, **kwargs), OutputCollection.empty()
+    if session.refs and not transformed((model, args, kwargs)):
+        buffers = session.buffers()
+        out = fn(session.wrap(model, {}, buffers), *args, **kwargs)
+        return out, session.ref_collection(session.read(buffers))
     static_box: list[Any] = []
 
     def differentiable(sinks: dict[str, Any]) -> tuple[Any, Any]:
@@ -181,7 +193,9 @@ def capture_value_and_grad(
     `eqxctx.value_and_grad`. A point inside a `jax.vmap` in `fn` that does not map
     the model (examples) gets the cotangent of each example's output, and its
     gradient summaries merge over the examples (`Summary.accumulate`, `+` for
-    arrays) as its forward summaries do.
+    arrays) as its forward summaries do. Forward records take `capture`'s ref path
+    by its rule, unless a tap records in the backward pass (then every record
+    leaves through sinks).
 
     Args:
         fn: `fn(model, *args, **kwargs) -> loss`, a scalar floating-point array.
@@ -216,6 +230,20 @@ def capture_value_and_grad(
     """
     where = "eqxctx.capture_value_and_grad"
     session = Session(fn, model, args, kwargs, _taps(taps), child_name_prefix, where)
+
+    if session.refs and not transformed((model, args, kwargs)):
+        # The ref path: the buffers are made inside the differentiated function
+        # (JAX refuses a differentiated value written into a ref made outside it),
+        # and the records leave it as auxiliary data, differentiable as in `capture`.
+        def ref_loss(m: M) -> tuple[jax.Array, Any]:
+            buffers = session.buffers()
+            loss = fn(session.wrap(m, {}, buffers), *args, **kwargs)
+            _check_loss(loss, where)
+            return loss, session.read(buffers)
+
+        vg = eqx.filter_value_and_grad(ref_loss, has_aux=True)
+        (loss, reads), grads = vg(model)
+        return (loss, session.ref_collection(reads)), grads
 
     def loss_fn(inputs: tuple[M, dict[str, Any]]) -> jax.Array:
         m, sinks = inputs

@@ -18,15 +18,17 @@ from eqxctx._sinks import from_sink, sink_layout
 
 from ._interventions import Intervention
 from ._points import HookPoint, get_node, select
+from ._refs import Buffers, available, enclosing, has_checkpoint, once_per_layer
 from ._tap import Call, Plan, Recorder, Tap, Tapped
 
 
 R = TypeVar("R")
 _CALLS_MESSAGE = (
     "`eqxctx.capture`: a hook point that records did not run exactly once (per "
-    "layer of its stack, per example of a `jax.vmap` inside fn). It runs 0 times if "
-    "its output does not reach fn's floating-point result (an unused value, a "
-    "`jax.lax.cond` branch not taken, a result computed through `argmax`), and more "
+    "layer of its stack, per example of a `jax.vmap` inside fn). It runs 0 times in "
+    "a `jax.lax.cond` branch not taken (and, where capture records through sinks, "
+    "if its output does not reach fn's floating-point result: an unused value, a "
+    "result computed through `argmax`), and more "
     "than once in a loop or `jax.vmap` that does not map the model's arrays (a "
     "generation loop: call `capture` inside the loop instead)."
 )
@@ -150,6 +152,8 @@ class Session:
         self.chosen = chosen
         # The sinks of the recording pass: (records + calls, gradient records).
         self.sinks: dict[str, tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]] = {}
+        self.refs = False  # whether the ref path may record (see `_refs`)
+        self.once: dict[str, bool] = {}
         if not chosen:
             return
 
@@ -163,7 +167,9 @@ class Session:
             return lambda module: Tapped(module, (marker,), (), None, None, plan)
 
         shaped = _wrap(model, {p: shape_wrapper(n, t) for n, (p, t) in chosen.items()})
-        eqx.filter_eval_shape(lambda m, a, k: fn(m, *a, **k), shaped, args, kwargs)
+        jaxpr, _, _ = eqx.filter_make_jaxpr(lambda m, a, k: fn(m, *a, **k))(
+            shaped, args, kwargs
+        )
         self.found = found = {
             n: _one_call(p, t, recorder.calls.get(n, []))
             for n, (p, t) in chosen.items()
@@ -193,36 +199,104 @@ class Session:
 
                 forward = [*zeros(call.records), jnp.zeros(lead, jnp.float32)]
                 self.sinks[name] = (tuple(forward), tuple(zeros(call.gradients)))
+        # The ref path's rule (see `_refs`), less what only `capture` can see.
+        self.refs = (
+            available()
+            and not self.gradients
+            and not any(found[n].log for n in self.sinks)
+            and not has_checkpoint(jaxpr)
+        )
+        chains = enclosing(jaxpr) if self.refs else {}
+        self.once = {  # runs once per layer by construction (no run-time count)
+            n: once_per_layer(chains.get(n, []), len(self.prefixes[n]))
+            for n in self.sinks
+        }
 
     @property
     def gradients(self) -> bool:
         """Whether a tap records in the backward pass."""
         return any(t.gradients for _, t in self.chosen.values())
 
-    def wrap(self, model: R, sinks: dict[str, Any]) -> R:
-        """Return `model` with the chosen points wrapped for the recording pass."""
+    def buffers(self) -> dict[str, Buffers]:
+        """New zero ref buffers for the recording points (the ref path)."""
+        out: dict[str, Buffers] = {}
+        for name in self.sinks:
+            prefix = self.prefixes[name]
+            specs = jax.tree_util.tree_leaves(self.found[name].records)
+            n = math.prod(prefix) if prefix else None
+            out[name] = Buffers.make(n, specs, counted=not self.once[name])
+        return out
+
+    def wrap(
+        self,
+        model: R,
+        sinks: dict[str, Any],
+        buffers: dict[str, Buffers] | None = None,
+    ) -> R:
+        """Return `model` with the chosen points wrapped for the recording pass.
+
+        Records go to `sinks` (the sink path) or, where given, to `buffers` (the
+        ref path).
+        """
+        buffers = buffers or {}
 
         def make(name: str, tap: Tap) -> Callable[[Any], Tapped]:
             prefix = self.prefixes[name]
             vmaps = self.found[name].vmaps
             intervention = _prepare(tap.intervene, prefix, vmaps, name)
             layer = None
-            if intervention is not None and prefix:
+            if (intervention is not None or name in buffers) and prefix:
                 layer = jnp.arange(math.prod(prefix), dtype=jnp.int32).reshape(prefix)
-            plan = Plan(name, tap, None, vmapped=bool(vmaps))
+            plan = Plan(name, tap, None, vmapped=bool(vmaps), buffers=buffers.get(name))
             forward, backward = sinks.get(name, ((), ()))
             return lambda m: Tapped(m, forward, backward, intervention, layer, plan)
 
         return _wrap(model, {p: make(n, t) for n, (p, t) in self.chosen.items()})
 
     def collection(self, cts: dict[str, Any]) -> OutputCollection:
-        """The collection, from the sinks' cotangents."""
-        entries = {
-            self.chosen[n][0].path: _entries(
-                n, self.found[n], self.prefixes[n], cts[n], self.child_name_prefix
+        """The collection, from the sinks' cotangents (the sink path)."""
+        records: dict[
+            str, tuple[list[jax.Array], list[jax.Array], jax.Array | None]
+        ] = {}
+        for n in self.sinks:
+            (*values, calls), gradients = cts[n]
+            call = self.found[n]
+            records[n] = (
+                _decode(call.records, values),
+                _decode(call.gradients, gradients),
+                calls,
             )
-            for n in self.sinks
-        }
+        return self._collection(records)
+
+    def read(
+        self, buffers: dict[str, Buffers]
+    ) -> dict[str, tuple[list[jax.Array], jax.Array | None]]:
+        """The ref buffers' final values: each point's records and call counts."""
+        return {n: b.read(self.prefixes[n]) for n, b in buffers.items()}
+
+    def ref_collection(
+        self, reads: dict[str, tuple[list[jax.Array], jax.Array | None]]
+    ) -> OutputCollection:
+        """The collection, from the ref buffers' final values (the ref path)."""
+        return self._collection({n: (v, [], c) for n, (v, c) in reads.items()})
+
+    def _collection(
+        self,
+        records: dict[str, tuple[list[jax.Array], list[jax.Array], jax.Array | None]],
+    ) -> OutputCollection:
+        """The collection from each point's (records, gradient records, calls)."""
+        entries: dict[str, OutputCollection] = {}
+        for n in self.sinks:
+            values, gradients, calls = records[n]
+            entries[self.chosen[n][0].path] = _entries(
+                n,
+                self.found[n],
+                self.prefixes[n],
+                values,
+                gradients,
+                calls,
+                self.child_name_prefix,
+            )
         return _nest(entries)
 
 
@@ -230,16 +304,19 @@ def _entries(
     name: str,
     call: Call,
     prefix: tuple[int, ...],
-    cts: tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]],
+    values: list[jax.Array],
+    gradients: list[jax.Array],
+    calls: jax.Array | None,
     child_name_prefix: str,
 ) -> OutputCollection:
-    """One point's collection, from its sinks' cotangents."""
-    (*values, calls), gradients = cts
+    """One point's collection, from its records (flat leaves) and call counts."""
     recorded: dict[str, Any] = {
         **_unflatten(call.records, values),
         **_unflatten(call.gradients, gradients),
     }
-    recorded = eqx.error_if(recorded, calls != 1, _CALLS_MESSAGE + f" Point: {name!r}.")
+    if calls is not None:  # (None: the point runs once per layer by construction)
+        message = _CALLS_MESSAGE + f" Point: {name!r}."
+        recorded = eqx.error_if(recorded, calls != 1, message)
     outputs = {k: v for k, v in recorded.items() if not k.startswith("summary:")}
     summaries = {
         k.removeprefix("summary:"): v
@@ -269,11 +346,13 @@ def _entries(
     )
 
 
+def _decode(spec: Any, values: Sequence[jax.Array]) -> list[jax.Array]:
+    specs = jax.tree_util.tree_leaves(spec)
+    return [from_sink(v, s.dtype) for v, s in zip(values, specs, strict=True)]
+
+
 def _unflatten(spec: Any, values: Sequence[jax.Array]) -> dict[str, Any]:
-    specs, treedef = jax.tree_util.tree_flatten(spec)
-    return treedef.unflatten(
-        [from_sink(v, s.dtype) for v, s in zip(values, specs, strict=True)]
-    )
+    return jax.tree_util.tree_structure(spec).unflatten(values)
 
 
 def _nest(entries: dict[str, OutputCollection]) -> OutputCollection:

@@ -1,9 +1,11 @@
 """`Tap` (what to do at selected points) and the wrapper module that does it.
 
 A selected point's module is replaced (`eqx.tree_at`) by a `Tapped` module that calls
-it, applies the tap's intervention and records. Recording works inside transformations
-the user wrote (a `jax.lax.scan` over a `filter_vmap`-stacked stack, `jax.vmap`,
-`jax.checkpoint`): the wrapper holds zero *sink* arrays, stacked like the wrapped
+it, applies the tap's intervention and records. On the ref path (`_refs`) it writes
+its records into `jax.ref` buffers at its layer index. On the sink path, recording
+works inside every transformation the user wrote (a `jax.lax.scan` over a
+`filter_vmap`-stacked stack, `jax.vmap`, `jax.checkpoint`): the wrapper holds zero
+*sink* arrays, stacked like the wrapped
 module's arrays, and passes its output through `_emit`, a `jax.custom_vjp` identity
 whose backward pass returns the recorded values (computed in the forward pass) as the
 sinks' cotangents; `capture` differentiates with respect to the sinks with zero output
@@ -36,6 +38,7 @@ from eqxctx._summary import Summary, is_array_leaf
 
 from ._interventions import Intervention, apply_function
 from ._points import Selection, leaf_suffix
+from ._refs import Buffers, tag
 
 
 class Tap(eqx.Module):
@@ -208,6 +211,7 @@ class Plan:
     recorder: Recorder | None  # set in the shape pass
     vmapped: bool = False  # claim one vmap level in the recording pass
     treedef: Any = None  # of the flat records, recording pass
+    buffers: Buffers | None = None  # the ref path's buffers (see `_refs`)
 
 
 def records(tap: Tap, y: Any, name: str) -> dict[str, Any]:
@@ -424,6 +428,10 @@ class Tapped(eqx.Module):
                 keep = jnp.isin(layer, jnp.asarray(tap.layers, jnp.int32))
                 new = jax.tree.map(lambda a, b: jnp.where(keep, a, b), new, y)
             y = new
+        if plan.buffers is not None:  # the ref path: write where it runs
+            values = jax.tree_util.tree_leaves(records(tap, y, plan.name))
+            plan.buffers.write(values, self.layer)
+            return y
         if not self.sinks:
             return y
         values = jax.tree_util.tree_leaves(records(tap, y, plan.name))
@@ -462,10 +470,12 @@ class Tapped(eqx.Module):
                 "`jax.vmap` with `in_axes=0`)."
             )
         log: dict[int, tuple[int, bool]] = {}
-        leaves = jax.tree_util.tree_leaves(y)
+        leaves, treedef = jax.tree_util.tree_flatten(y)
         i = _carrier_index(leaves)
         if i is not None:
             _probe(marker, leaves[i], log)
+            leaves[i] = tag(leaves[i], plan.name)  # (found by `_refs.enclosing`)
+            y = treedef.unflatten(leaves)
         spec = eqx.filter_eval_shape(lambda y: records(plan.tap, y, plan.name), y)
         grad_spec = eqx.filter_eval_shape(
             lambda y: gradient_records(plan.tap, y, plan.name), y
