@@ -199,8 +199,6 @@ def test_modules_import_only_from_their_layer_or_above() -> None:
     assert not wrong, "\n".join(wrong)
 
 
-
-
 def test_no_module_over_500_lines() -> None:
     # issue 36: one job per module, none over ~500 lines (docstrings included).
     long = {

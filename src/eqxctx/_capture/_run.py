@@ -152,7 +152,8 @@ def capture(
     if session.refs and not transformed((model, args, kwargs)):
         buffers = session.buffers()
         out = fn(session.wrap(model, {}, buffers), *args, **kwargs)
-        return out, session.ref_collection(session.read(buffers))
+        collection = session.ref_collection(session.read(buffers))
+        return out, _noted(collection, args, kwargs)
     static_box: list[Any] = []
 
     def differentiable(sinks: dict[str, Any]) -> tuple[Any, Any]:
@@ -243,7 +244,7 @@ def capture_value_and_grad(
 
         vg = eqx.filter_value_and_grad(ref_loss, has_aux=True)
         (loss, reads), grads = vg(model)
-        return (loss, session.ref_collection(reads)), grads
+        return (loss, _noted(session.ref_collection(reads), args, kwargs)), grads
 
     def loss_fn(inputs: tuple[M, dict[str, Any]]) -> jax.Array:
         m, sinks = inputs
