@@ -242,19 +242,28 @@ def test_wandb_skips_a_lower_step_checked_before(
     assert "y" not in rows[1]
 
 
+@pytest.mark.parametrize("waits_in", ["write_host", "fetch"])
 def test_wandb_train_writer_goes_on_after_an_eval_step(
-    offline: Path, caplog: pytest.LogCaptureFixture
+    offline: Path, caplog: pytest.LogCaptureFixture, waits_in: str
 ) -> None:
     # A train `AsyncWriter` and an eval writer on one run: an eval step logged
     # while train steps wait in the queue skips those lower train steps (with a
-    # warning) and never stops the train writer.
+    # warning) and never stops the train writer. "fetch": the background thread
+    # had not yet fetched (and checked) step 1 when the eval step was logged, as
+    # happened under load (the full suite, this session): the check raised.
     run = wandb.init(project="eqxctx-test", mode="offline", dir=str(offline))
     gate = threading.Event()
 
     class Slow(WandbWriter):
         def write_host(self, host: Any) -> None:
-            gate.wait()
+            if waits_in == "write_host":
+                gate.wait()
             super().write_host(host)
+
+        def fetch(self, step: Any, summaries: Any) -> Any:
+            if waits_in == "fetch":
+                gate.wait()
+            return super().fetch(step, summaries)
 
     train, evaluation = AsyncWriter(Slow(run)), WandbWriter(run)
     for step in range(1, 4):

@@ -19,6 +19,7 @@ from eqxctx._mapping import FrozenMapping
 from eqxctx._summary import Summary
 
 from ._base import (
+    BACKGROUND_THREAD,
     AbstractWriter,
     HostSummaries,
     Step,
@@ -215,7 +216,7 @@ class AsyncWriter(AbstractWriter):
         self._reported = False
         self._closed = False
         self._thread = threading.Thread(
-            target=self._work, name="eqxctx-AsyncWriter", daemon=True
+            target=self._work, name=BACKGROUND_THREAD, daemon=True
         )
         self._thread.start()
         # Registered per writer, so that it runs before the exit handlers of what

@@ -243,6 +243,11 @@ def check_lost(fetched: BufferRows, *, where: str) -> None:
         )
 
 
+#: The name of an `AsyncWriter`'s background thread (a check there runs after later
+#: calls may have logged; see `WandbWriter.check`).
+BACKGROUND_THREAD = "eqxctx-AsyncWriter"
+
+
 def fetch_host(
     writer: AbstractWriter, step: Step, summaries: Summaries | Prefetched
 ) -> HostSummaries:

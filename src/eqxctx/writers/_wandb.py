@@ -14,7 +14,12 @@ import numpy as np
 
 from eqxctx._records import Audio, Histogram, Image
 
-from ._base import AbstractWriter, HostSummaries, is_writing_process
+from ._base import (
+    BACKGROUND_THREAD,
+    AbstractWriter,
+    HostSummaries,
+    is_writing_process,
+)
 from ._host import HostValue
 from ._jsonl import nonempty_span
 from ._tensorboard import images_nhwc, wav_bytes
@@ -192,12 +197,17 @@ class WandbWriter(AbstractWriter):
             ValueError: after `close()`, for a step lower than one logged to the run
                 before by this writer or another `WandbWriter` on it, or equal to
                 one committed by `flush()`/`close()` (W&B would drop it; checked on
-                process 0, which logs), or for a path starting with "_".
+                process 0, which logs), or for a path starting with "_". On an
+                `AsyncWriter`'s background thread (`background_fetch=True`) the
+                order is not checked here: another writer on the run may have
+                logged a higher step after this one was queued, and `write_host`
+                skips such a step with a warning.
         """
         where = "WandbWriter.write"
         if self._closed:
             raise ValueError(f"`{where}`: the writer is closed.")
-        self._check_order(host.step, where=where)
+        if threading.current_thread().name != BACKGROUND_THREAD:
+            self._check_order(host.step, where=where)
         for path in host.values:
             if path.startswith("_"):
                 raise ValueError(
