@@ -29,6 +29,11 @@ optimized module; temp bytes are `memory_analysis().temp_size_in_bytes`. Needs F
     .venv-bench/bin/python benchmarks/bench_capture_nnx.py [--quick]
 """
 
+# Flax is only in .venv-bench (`make .venv-bench`): there pyright checks this file with
+# Flax's types; CI's .venv has no Flax, and these three rules would flag its names.
+# pyright: reportMissingImports=false, reportUntypedBaseClass=false
+# pyright: reportUntypedFunctionDecorator=false
+
 import argparse
 import time
 from collections.abc import Callable
@@ -114,8 +119,8 @@ def forward(model: Stack, x: jax.Array) -> jax.Array:
 def sown(model: Stack, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`nnx.capture` of the sowing model: the stacked outputs and RMS per layer."""
     y, state = nnx.capture(forward, nnx.Intermediate)(model, x)
-    (outs,) = state["blocks"]["output"].get_value()
-    (rmss,) = state["blocks"]["rms"].get_value()
+    got = nnx.to_pure_dict(state)["blocks"]  # each value: a tuple, one per call
+    (outs,), (rmss,) = got["output"], got["rms"]
     return y, outs, rmss
 
 
@@ -126,7 +131,7 @@ def method_outputs(
     y, state = nnx.capture(forward, nnx.Intermediate, method_outputs=nnx.Intermediate)(
         model, x
     )
-    (outs,) = state["blocks"]["__call__"].get_value()
+    (outs,) = nnx.to_pure_dict(state)["blocks"]["__call__"]
     return y, outs, jax.vmap(rms)(outs)
 
 
