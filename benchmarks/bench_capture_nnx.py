@@ -26,11 +26,12 @@ rounds of the two variants built side by side; HLO instructions are counted in t
 optimized module; temp bytes are `memory_analysis().temp_size_in_bytes`. Needs Flax
 (`make .venv-bench`):
 
-    .venv-bench/bin/python benchmarks/bench_capture_nnx.py [--quick]
+    .venv-bench/bin/python benchmarks/bench_capture_nnx.py [--quick | --rounds N]
 """
 
-# Flax is only in .venv-bench (`make .venv-bench`): there pyright checks this file with
-# Flax's types; CI's .venv has no Flax, and these three rules would flag its names.
+# Flax is only in .venv-bench; CI's pyright runs on .venv (pyproject's `venv`), where
+# these rules would flag Flax's names (Unknown there). With Flax on pyright's path
+# (e.g. `extraPaths` to .venv-bench's site-packages) the file checks clean, strict.
 # pyright: reportMissingImports=false, reportUntypedBaseClass=false
 # pyright: reportUntypedFunctionDecorator=false
 
