@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-min test-latest lint docs serve-docs check
+.PHONY: demo test test-min test-latest lint docs serve-docs check .venv-bench
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,19 @@ else
 	$(LATEST_VENV)/bin/python -m pytest --hypothesis-profile=ci -p no:cacheprovider \
 		$(LATEST_TESTS) $(ARGS)
 endif
+
+# A benchmark venv: the dev venv's requirements plus Flax, for
+# benchmarks/bench_capture_nnx.py (nnx.capture beside eqxctx.capture). Not used by
+# CI or `make test`: `make .venv-bench`, then .venv-bench/bin/python benchmarks/...
+BENCH_VENV := .venv-bench
+$(BENCH_VENV)/bin/.installed: pyproject.toml
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install --quiet --upgrade "pip>=25.1"
+	$(BENCH_VENV)/bin/python -m pip install --quiet -e ".[demo,tensorboard,wandb]" \
+		--group dev "flax>=0.12.8"
+	touch $@
+
+.venv-bench: $(BENCH_VENV)/bin/.installed
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff format --check .
