@@ -257,7 +257,7 @@ def bench_host(setup: Setup, repeats: int = 21) -> tuple[float, float]:
 
     `(JsonlWriter's, all the host work on the calling thread; AsyncWriter's, the
     calling thread's part: starting the buffer's copy and queueing it)`. The same
-    full buffer is written each time, with a new `count` array (a buffer not
+    full buffer is written each time, with a new `marks` array (a buffer not
     written before).
     """
     m, s = setup.model, setup.opt
@@ -269,7 +269,7 @@ def bench_host(setup: Setup, repeats: int = 21) -> tuple[float, float]:
     jax.block_until_ready(buffer)
 
     def full() -> SummaryBuffer:  # the buffer, as not written yet
-        return eqx.tree_at(lambda b: b.count, buffer, jnp.asarray(N, jnp.int32))
+        return eqx.tree_at(lambda b: b.marks, buffer, buffer.marks.at[N, 0].set(N))
 
     times: list[list[float]] = [[], []]
     with tempfile.TemporaryDirectory() as logdir:
@@ -302,7 +302,7 @@ def device_bytes(arrays: list[Any]) -> int | None:
 def bench_memory(setup: Setup) -> tuple[int | None, int | None, int, int]:
     """`(buffer, one step's summaries)` from `memory_analysis()`; the same in nbytes.
 
-    The buffer's arrays: its rows and its three bookkeeping arrays (each row's step
+    The buffer's arrays: its packed rows and its bookkeeping (each row's step
     and structure, the count); one step's summaries: the arrays `plain_step`
     returns as summaries (`jax.eval_shape`'s).
     """

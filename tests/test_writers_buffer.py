@@ -351,9 +351,9 @@ def test_one_transfer_per_width_for_a_whole_buffer(
             # 32 (or 5) steps. A step has 78 32-bit values (loss 2, raw 6, count 1,
             # const 1, min 6, max 1, sum 1, moments 8 (its two counts as two words
             # each), hist 10 (5 counts, two words each), image 24, audio 8,
-            # callback 1, the scan's 3 x 3) and one bool; with the 32 steps, 32
-            # slots and the count: 32 * 78 + 65.
-            assert sorted(fetched) == [("bool", (32,)), ("uint32", (32 * 78 + 65,))]
+            # callback 1, the scan's 3 x 3) and one bool; with the marks (the 32
+            # steps and slots, the count and a spare word): 32 * 78 + 66.
+            assert sorted(fetched) == [("bool", (32,)), ("uint32", (32 * 78 + 66,))]
     assert len((tmp_path / "s.jsonl").read_text().splitlines()) == 37
 
 
@@ -402,8 +402,9 @@ def test_the_buffer_holds_n_times_one_steps_summaries() -> None:
     buffer = SummaryBuffer.create(32, one)
     nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(buffer.rows))
     assert nbytes == 32 * (3 * 4 + 4)
-    extra = buffer.steps.nbytes + buffer.slots.nbytes + buffer.count.nbytes
-    assert extra == 32 * 4 * 2 + 4
+    assert [x.shape for x in buffer.packed[0]] == [(32, 3), (32, 1)]
+    assert len(jax.tree_util.tree_leaves(buffer)) == 3  # two dtypes, the marks
+    assert buffer.marks.nbytes == (32 + 1) * 2 * 4  # step and structure; count
 
 
 @eqx.filter_jit
@@ -482,15 +483,15 @@ def test_the_step_passes_one_array_per_dtype_per_structure() -> None:
     dtypes = _dtypes(out)  # float32, int32, uint32 (counts' words) and bool
     assert len(dtypes) == 4
     assert len(jax.tree_util.tree_leaves(out)) == 25  # (28 buffers before)
-    # one array per dtype, then each row's step, each row's structure, the count
-    assert len(jax.tree_util.tree_leaves(buffer)) == 4 + 3
+    # one array per dtype, then the marks (each row's step and structure, the count)
+    assert len(jax.tree_util.tree_leaves(buffer)) == 4 + 1
     lowered = step.lower(buffer, jnp.int32(1))
     args, _ = jax.tree_util.tree_flatten(lowered.args_info)
-    assert len(args) == 4 + 3 + 1  # the buffer's arrays and the step
-    assert sum(a.donated for a in args) == 4 + 3
-    assert len(jax.tree_util.tree_leaves(lowered.out_info[0])) == 4 + 3
-    # One dynamic-update-slice per packed array, each row's step and structure
-    # (the summaries' own: the scan's stacked rows).
+    assert len(args) == 4 + 1 + 1  # the buffer's arrays and the step
+    assert sum(a.donated for a in args) == 4 + 1
+    assert len(jax.tree_util.tree_leaves(lowered.out_info[0])) == 4 + 1
+    # One dynamic-update-slice per packed array, two of the marks (the row's
+    # step and structure, the count); the summaries' own: the scan's rows.
     name = "dynamic_update_slice"
     buffered = _count(jax.make_jaxpr(step)(buffer, jnp.int32(1)).jaxpr, name)
     plain = _count(jax.make_jaxpr(lambda i: _summaries(i, None))(1).jaxpr, name)
@@ -506,7 +507,7 @@ def test_levels_get_one_array_per_dtype_each() -> None:
     full = {"train": _summaries(jnp.int32(0), 1)}
     assert len(buffer.layouts) == 2
     assert [len(p) for p in buffer.packed] == [len(_dtypes(cheap)), len(_dtypes(full))]
-    assert len(jax.tree_util.tree_leaves(buffer)) == len(_dtypes(cheap)) + 4 + 3
+    assert len(jax.tree_util.tree_leaves(buffer)) == len(_dtypes(cheap)) + 4 + 1
 
 
 _KINDS = (
@@ -530,7 +531,9 @@ def _mixed(i: jax.Array, level: int) -> dict[str, Any]:
     out["fraction"] = 0.5
     out["yes"] = True
     if level:
-        out["extra"] = eqxctx.MaxSummary(jnp.arange(3, dtype=jnp.int16) + i.astype(jnp.int16))
+        out["extra"] = eqxctx.MaxSummary(
+            jnp.arange(3, dtype=jnp.int16) + i.astype(jnp.int16)
+        )
     return out
 
 
@@ -549,7 +552,7 @@ def test_packed_rows_read_back_every_dtype_bit_for_bit() -> None:
     # bfloat16 and float8 leaves (v, s) alone; the other dtypes packed: per
     # structure 10 dtypes (the full one's int16 leaf joins them) and 4 leaves.
     assert [len(p) for p in buffer.packed] == [10 + 4, 10 + 4]
-    assert len(jax.tree_util.tree_leaves(buffer)) == 2 * (10 + 4) + 3
+    assert len(jax.tree_util.tree_leaves(buffer)) == 2 * (10 + 4) + 1
     fetched = buffer_rows(start_fetch(buffer, where="test"))
     assert fetched.steps == steps
     assert fetched.slots == [0, 1, 0, 1, 0]
@@ -562,8 +565,7 @@ def test_packed_rows_read_back_every_dtype_bit_for_bit() -> None:
     for k in range(2):
         positions, columns = fetched.columns(k)
         stacked = [
-            np.stack([outs[i][j] for i in positions])
-            for j in range(len(columns))
+            np.stack([outs[i][j] for i in positions]) for j in range(len(columns))
         ]
         for got, want in zip(columns, stacked, strict=True):
             assert got.shape == want.shape
@@ -588,7 +590,7 @@ def test_packed_rows_hold_64_bit_dtypes() -> None:
         buffer = SummaryBuffer.create(4)
         for s, summaries in enumerate(rows):
             buffer = buffer.add(2**40 + s, summaries)
-        assert len(jax.tree_util.tree_leaves(buffer)) == 4 + 3  # (5 leaves)
+        assert len(jax.tree_util.tree_leaves(buffer)) == 4 + 1  # (5 leaves)
         fetched = buffer_rows(start_fetch(buffer, where="test"))
     assert fetched.steps == [2**40, 2**40 + 1, 2**40 + 2]
     for (_, leaves, _), want in zip(fetched.rows, rows, strict=True):

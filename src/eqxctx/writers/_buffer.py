@@ -246,7 +246,8 @@ class SummaryBuffer(eqx.Module):
     once more; `create(size, like)` reserves the rows of known structures up front.
     Python numbers among the summaries are stored as arrays, as `jax.jit` returns
     them (a float as float32). Memory: `size` times the bytes of one step's
-    summaries per structure, plus three int32 arrays of `size`. A structure's
+    summaries per structure, plus the bookkeeping (`marks`: `2 * (size + 1)`
+    int32, int64 with `jax_enable_x64`). A structure's
     rows are packed into one `[size, K]` array per dtype (`K`: the number of
     elements of that dtype in one step's summaries; bfloat16, 8-bit float and
     other unusual leaves one `[size, *shape]` array each), so the jitted step gets
@@ -262,18 +263,22 @@ class SummaryBuffer(eqx.Module):
         packed: per structure, its arrays: one `[size, K]` array per dtype
             (each row: the step's leaves of that dtype raveled and concatenated,
             in the order of the summaries' leaves), traced.
-        steps: `int32[size]` (int64 with `jax_enable_x64`), each row's step.
-        slots: `int32[size]`, the structure (index into `layouts`) of each row.
+        marks: `int32[size + 1, 2]` (int64 with `jax_enable_x64`): row `i <
+            size` holds row `i`'s step and structure (index into `layouts`),
+            row `size` the count; read them as `steps`, `slots` and `count`.
+            One array, so that the bookkeeping is one input and output of the
+            step.
+        steps: `int32[size]` (int64 with `jax_enable_x64`), each row's step
+            (a property: a slice of `marks`).
+        slots: `int32[size]`, the structure of each row (a property).
         count: `int32[]`, the number of steps added since the buffer was created
-            or emptied (rows `0 .. min(count, size) - 1` hold steps).
+            or emptied (rows `0 .. min(count, size) - 1` hold steps; a property).
     """
 
     size: int = eqx.field(static=True)
     layouts: tuple[_Layout, ...] = eqx.field(static=True)
     packed: tuple[tuple[Array, ...], ...]
-    steps: Int[Array, " size"]
-    slots: Int[Array, " size"]
-    count: Int[Array, ""]
+    marks: Int[Array, "size_plus_1 2"]
 
     @classmethod
     def create(cls, size: object, *like: object) -> "SummaryBuffer":
@@ -310,9 +315,7 @@ class SummaryBuffer(eqx.Module):
             n,
             tuple(layouts),
             tuple(_zeros(layout, n) for layout in layouts),
-            jnp.zeros(n, _step_dtype()),
-            jnp.zeros(n, jnp.int32),
-            jnp.zeros((), jnp.int32),
+            jnp.zeros((n + 1, 2), _step_dtype()),
         )
 
     def add(self, step: ArrayLike, summaries: object) -> "SummaryBuffer":
@@ -353,20 +356,22 @@ class SummaryBuffer(eqx.Module):
             k = len(layouts)
             layouts += (layout,)
             packed += (_zeros(layout, self.size),)
-        i = jnp.minimum(self.count, self.size - 1)
+        marks = self.marks
+        count = marks[self.size, 0]
+        i = jnp.minimum(count, self.size - 1)
         arrays = [x for x in leaves if _is_array(x)]
         update = jax.lax.dynamic_update_index_in_dim
         row = tuple(
             update(p, _row(pack, arrays), i, 0)
             for p, pack in zip(packed[k], layout.packs, strict=True)
         )
+        dtype = marks.dtype
+        mark = jnp.stack([step_array.astype(dtype), jnp.asarray(k, dtype)])
+        marks = update(marks, mark, i, 0)  # row i's step and structure
+        counted = (count + 1).reshape(1, 1)
+        marks = jax.lax.dynamic_update_slice(marks, counted, (self.size, 0))
         return SummaryBuffer(
-            self.size,
-            layouts,
-            (*packed[:k], row, *packed[k + 1 :]),
-            update(self.steps, step_array.astype(self.steps.dtype), i, 0),
-            update(self.slots, jnp.asarray(k, jnp.int32), i, 0),
-            self.count + 1,
+            self.size, layouts, (*packed[:k], row, *packed[k + 1 :]), marks
         )
 
     @property
@@ -380,19 +385,34 @@ class SummaryBuffer(eqx.Module):
             for layout, arrays in zip(self.layouts, self.packed, strict=True)
         )
 
+    @property
+    def steps(self) -> Int[Array, " size"]:
+        """Each row's step (`int32[size]`, int64 with `jax_enable_x64`)."""
+        return self.marks[: self.size, 0]
+
+    @property
+    def slots(self) -> Int[Array, " size"]:
+        """Each row's structure, an index into `layouts` (`int32[size]`)."""
+        return self.marks[: self.size, 1].astype(jnp.int32)
+
+    @property
+    def count(self) -> Int[Array, ""]:
+        """The number of steps added since the buffer was created or emptied."""
+        return self.marks[self.size, 0].astype(jnp.int32)
+
     def cleared(self) -> "SummaryBuffer":
         """Return the buffer emptied (`count` 0), with the same row arrays."""
-        return _with_count(self, jnp.zeros((), jnp.int32))
+        return _with_marks(self, jnp.zeros_like(self.marks))
 
 
-def _with_count(buffer: SummaryBuffer, count: Array) -> SummaryBuffer:
-    """`buffer` with another `count` (the same row arrays)."""
+def _with_marks(buffer: SummaryBuffer, marks: Array) -> SummaryBuffer:
+    """`buffer` with other `marks` (the same row arrays)."""
     # Rebuilt from its leaves: `write_buffer` empties the buffer on the training
     # thread every `size` steps, and a Module's `__init__` is slower than an
     # unflatten.
     leaves, treedef = jax.tree_util.tree_flatten(buffer)
-    assert leaves[-1] is buffer.count  # the last field
-    return jax.tree_util.tree_unflatten(treedef, [*leaves[:-1], count])
+    assert leaves[-1] is buffer.marks  # the last field
+    return jax.tree_util.tree_unflatten(treedef, [*leaves[:-1], marks])
 
 
 class BufferFetch(NamedTuple):
@@ -401,10 +421,10 @@ class BufferFetch(NamedTuple):
     Attributes:
         layouts: the buffer's structures.
         size: its number of rows.
-        started: the fetch of `[count, steps, slots, *packed]`, or None where
+        started: the fetch of `[marks, *packed]`, or None where
             `host` holds them already (several processes).
         host: the fetched arrays, or None.
-        zero: the emptied buffer's count (made by the copy), or None.
+        zero: the emptied buffer's marks (zeros made by the copy), or None.
     """
 
     layouts: tuple[_Layout, ...]
@@ -415,7 +435,7 @@ class BufferFetch(NamedTuple):
 
 
 def _arrays(buffer: SummaryBuffer, where: str) -> list[jax.Array]:
-    arrays = [buffer.count, buffer.steps, buffer.slots]
+    arrays = [buffer.marks]
     arrays += [x for packed in buffer.packed for x in packed]
     for x in arrays:
         if isinstance(x, Tracer):
@@ -451,18 +471,18 @@ def start_fetch(buffer: object, *, where: str) -> BufferFetch:
         buffer.layouts,
         tuple(x.sharding for x in arrays),
     )
-    started, zeros = start_owned(arrays, signature, zeros=(0,))  # 0: the count
+    started, zeros = start_owned(arrays, signature, zeros=(0,))  # 0: the marks
     return BufferFetch(
         buffer.layouts, buffer.size, started, None, zeros[0] if zeros else None
     )
 
 
 def emptied(buffer: SummaryBuffer, fetch: BufferFetch) -> SummaryBuffer:
-    """`buffer.cleared()`, with the zero count made by its fetch where there is one.
+    """`buffer.cleared()`, with the zero marks made by its fetch where there are.
 
     (The calling thread then dispatches nothing but the buffer's copy.)
     """
-    return buffer.cleared() if fetch.zero is None else _with_count(buffer, fetch.zero)
+    return buffer.cleared() if fetch.zero is None else _with_marks(buffer, fetch.zero)
 
 
 class BufferRows(NamedTuple):
@@ -524,10 +544,11 @@ def buffer_rows(fetch: BufferFetch) -> BufferRows:
     """
     host = fetch.host if fetch.started is None else finish(fetch.started)
     assert host is not None
-    count = int(np.asarray(host[0]))
-    steps, slots = np.asarray(host[1]), np.asarray(host[2])
+    marks = np.asarray(host[0])
+    count = int(marks[fetch.size, 0])
+    steps, slots = marks[: fetch.size, 0], marks[: fetch.size, 1]
     tables: list[list[np.ndarray]] = []
-    start = 3
+    start = 1
     for layout in fetch.layouts:
         stop = start + len(layout.packs)
         host_arrays = [np.asarray(x) for x in host[start:stop]]
