@@ -404,7 +404,8 @@ def test_the_buffer_holds_n_times_one_steps_summaries() -> None:
     assert nbytes == 32 * (3 * 4 + 4)
     assert [x.shape for x in buffer.packed[0]] == [(32, 3), (32, 1)]
     assert len(jax.tree_util.tree_leaves(buffer)) == 3  # two dtypes, the marks
-    assert buffer.marks.nbytes == (32 + 1) * 2 * 4  # step and structure; count
+    assert buffer.marks.shape == (2, 32 + 1)  # each row's step, structure; count
+    assert buffer.marks.nbytes == 2 * (32 + 1) * 4
 
 
 @eqx.filter_jit
@@ -569,6 +570,11 @@ def test_packed_rows_read_back_every_dtype_bit_for_bit() -> None:
         ]
         for got, want in zip(columns, stacked, strict=True):
             assert got.shape == want.shape
+            assert np.asarray(got).tobytes() == want.tobytes()
+        # `rows`: the same columns on the device, `[size, ...]`
+        on_device = buffer.rows[k]
+        assert len(on_device) == len(columns)
+        for got, want in zip(on_device, fetched.tables[k], strict=True):
             assert np.asarray(got).tobytes() == want.tobytes()
 
 

@@ -200,9 +200,7 @@ def _row(pack: _Pack, arrays: list[Any]) -> Array:
     if not pack.packed:
         return jnp.asarray(arrays[pack.members[0][0]], pack.dtype)
     parts = [jnp.ravel(jnp.asarray(arrays[j], pack.dtype)) for j, *_ in pack.members]
-    if len(parts) == 1:
-        return parts[0]
-    return jnp.concatenate(parts) if parts else jnp.zeros((0,), pack.dtype)
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
 def _step_dtype() -> DType:
@@ -263,11 +261,13 @@ class SummaryBuffer(eqx.Module):
         packed: per structure, its arrays: one `[size, K]` array per dtype
             (each row: the step's leaves of that dtype raveled and concatenated,
             in the order of the summaries' leaves), traced.
-        marks: `int32[size + 1, 2]` (int64 with `jax_enable_x64`): row `i <
+        rows: per structure, its array leaves stacked `[size, *shape]` (a
+            property: slices of `packed`).
+        marks: `int32[2, size + 1]` (int64 with `jax_enable_x64`): column `i <
             size` holds row `i`'s step and structure (index into `layouts`),
-            row `size` the count; read them as `steps`, `slots` and `count`.
-            One array, so that the bookkeeping is one input and output of the
-            step.
+            `marks[0, size]` the count; read them as `steps`, `slots` and
+            `count`. One array, so that the bookkeeping is one input and output
+            of the step (its short axis first: a TPU pads the last axis to 128).
         steps: `int32[size]` (int64 with `jax_enable_x64`), each row's step
             (a property: a slice of `marks`).
         slots: `int32[size]`, the structure of each row (a property).
@@ -278,7 +278,7 @@ class SummaryBuffer(eqx.Module):
     size: int = eqx.field(static=True)
     layouts: tuple[_Layout, ...] = eqx.field(static=True)
     packed: tuple[tuple[Array, ...], ...]
-    marks: Int[Array, "size_plus_1 2"]
+    marks: Int[Array, "2 size_plus_1"]
 
     @classmethod
     def create(cls, size: object, *like: object) -> "SummaryBuffer":
@@ -315,7 +315,7 @@ class SummaryBuffer(eqx.Module):
             n,
             tuple(layouts),
             tuple(_zeros(layout, n) for layout in layouts),
-            jnp.zeros((n + 1, 2), _step_dtype()),
+            jnp.zeros((2, n + 1), _step_dtype()),
         )
 
     def add(self, step: ArrayLike, summaries: object) -> "SummaryBuffer":
@@ -357,7 +357,7 @@ class SummaryBuffer(eqx.Module):
             layouts += (layout,)
             packed += (_zeros(layout, self.size),)
         marks = self.marks
-        count = marks[self.size, 0]
+        count = marks[0, self.size]
         i = jnp.minimum(count, self.size - 1)
         arrays = [x for x in leaves if _is_array(x)]
         update = jax.lax.dynamic_update_index_in_dim
@@ -367,9 +367,9 @@ class SummaryBuffer(eqx.Module):
         )
         dtype = marks.dtype
         mark = jnp.stack([step_array.astype(dtype), jnp.asarray(k, dtype)])
-        marks = update(marks, mark, i, 0)  # row i's step and structure
+        marks = update(marks, mark, i, 1)  # row i's step and structure
         counted = (count + 1).reshape(1, 1)
-        marks = jax.lax.dynamic_update_slice(marks, counted, (self.size, 0))
+        marks = jax.lax.dynamic_update_slice(marks, counted, (0, self.size))
         return SummaryBuffer(
             self.size, layouts, (*packed[:k], row, *packed[k + 1 :]), marks
         )
@@ -388,17 +388,17 @@ class SummaryBuffer(eqx.Module):
     @property
     def steps(self) -> Int[Array, " size"]:
         """Each row's step (`int32[size]`, int64 with `jax_enable_x64`)."""
-        return self.marks[: self.size, 0]
+        return self.marks[0, : self.size]
 
     @property
     def slots(self) -> Int[Array, " size"]:
         """Each row's structure, an index into `layouts` (`int32[size]`)."""
-        return self.marks[: self.size, 1].astype(jnp.int32)
+        return self.marks[1, : self.size].astype(jnp.int32)
 
     @property
     def count(self) -> Int[Array, ""]:
         """The number of steps added since the buffer was created or emptied."""
-        return self.marks[self.size, 0].astype(jnp.int32)
+        return self.marks[0, self.size].astype(jnp.int32)
 
     def cleared(self) -> "SummaryBuffer":
         """Return the buffer emptied (`count` 0), with the same row arrays."""
@@ -545,8 +545,8 @@ def buffer_rows(fetch: BufferFetch) -> BufferRows:
     host = fetch.host if fetch.started is None else finish(fetch.started)
     assert host is not None
     marks = np.asarray(host[0])
-    count = int(marks[fetch.size, 0])
-    steps, slots = marks[: fetch.size, 0], marks[: fetch.size, 1]
+    count = int(marks[0, fetch.size])
+    steps, slots = marks[0, : fetch.size], marks[1, : fetch.size]
     tables: list[list[np.ndarray]] = []
     start = 1
     for layout in fetch.layouts:
