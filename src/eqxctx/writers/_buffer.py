@@ -11,9 +11,10 @@ were added.
 A structure's rows are packed: one `[N, K]` array per dtype, `K` the total size of
 that dtype's leaves, so that a step's summaries are a handful of the jitted step's
 inputs and outputs, each written by one concatenation and one dynamic-update-slice
-(the demo's 19 leaves were 19 more donated buffers, whose dispatch cost the host
-more per step than the summaries' compute; issue 39). The host reads each leaf's
-`[N, ...]` column as a NumPy view of its packed array.
+(issue 39: the demo's 19 leaves were 19 more inputs and outputs to dispatch at
+every step; a step only adding them took 88 µs a call, now 18, on a 2-core CPU:
+`benchmarks/README.md`). The host reads each leaf's `[N, ...]` column as a NumPy
+view of its packed array.
 """
 
 from collections.abc import Hashable, Mapping
@@ -238,19 +239,18 @@ class SummaryBuffer(eqx.Module):
     Python int static and would compile the step once per value.
 
     Each structure of summaries has its own rows, so steps of different summary
-    levels (a cheap step and a full one) share a buffer;
-    the rows keep the order in which steps were added. A structure first added
-    inside a jitted step changes the buffer's structure, so that step is traced
-    once more; `create(size, like)` reserves the rows of known structures up front.
-    Python numbers among the summaries are stored as arrays, as `jax.jit` returns
-    them (a float as float32). Memory: `size` times the bytes of one step's
-    summaries per structure, plus the bookkeeping (`marks`: `2 * (size + 1)`
-    int32, int64 with `jax_enable_x64`). A structure's
-    rows are packed into one `[size, K]` array per dtype (`K`: the number of
-    elements of that dtype in one step's summaries; bfloat16, 8-bit float and
-    other unusual leaves one `[size, *shape]` array each), so the jitted step gets
-    a few more inputs and outputs, not one per summary leaf, each updated by one
-    dynamic-update-slice.
+    levels (a cheap step and a full one) share a buffer; the rows keep the order
+    in which steps were added. A structure first added inside a jitted step
+    changes the buffer's structure, so that step is traced once more;
+    `create(size, like)` reserves the rows of known structures up front. Python
+    numbers among the summaries are stored as arrays, as `jax.jit` returns them
+    (a float as float32). A structure's rows are packed into one `[size, K]`
+    array per dtype (`K`: the number of elements of that dtype in one step's
+    summaries; bfloat16, 8-bit float and other unusual leaves one `[size,
+    *shape]` array each), so the jitted step gets a few more inputs and outputs,
+    not one per summary leaf, each updated by one dynamic-update-slice. Memory:
+    `size` times the bytes of one step's summaries per structure, plus the
+    bookkeeping (`marks`: `2 * (size + 1)` int32, int64 with `jax_enable_x64`).
 
     Adding to a full buffer overwrites its last row; the writer then writes what
     the buffer holds and raises a `ValueError` saying how many steps were lost.
