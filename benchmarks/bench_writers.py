@@ -31,13 +31,19 @@ XLA's `memory_analysis()` of a program taking the buffer's arrays, against N tim
 that of one step's summaries. A third gives the host work of one `write_buffer` of
 N steps (the median thread CPU of 21 calls, the writer alone): all of it
 (`JsonlWriter.write_buffer`, on the calling thread), and the calling thread's part
-with `AsyncWriter` (the rest runs on its thread). Usage:
+with `AsyncWriter` (the rest runs on its thread). A fourth gives the buffer inside the
+step: its arrays (each one more input and output of the step; a structure's rows are
+packed into one array per dtype), the optimized HLO instructions of the step with the
+buffer and of the step returning its summaries, and the time per call of a donating
+step that only makes one step's summaries and adds them to the buffer against one
+returning them (the minimum of 7 x 256 calls: mostly dispatch). Usage:
 
     python benchmarks/bench_writers.py [--quick] [--rounds N] [--steps N]
         [--sizes WIDTHxBATCH ...] [--tensorboard] [--out FILE.md]
 """
 
 import argparse
+import re
 import statistics
 import tempfile
 import time
@@ -257,7 +263,7 @@ def bench_host(setup: Setup, repeats: int = 21) -> tuple[float, float]:
 
     `(JsonlWriter's, all the host work on the calling thread; AsyncWriter's, the
     calling thread's part: starting the buffer's copy and queueing it)`. The same
-    full buffer is written each time, with a new `count` array (a buffer not
+    full buffer is written each time, with a new `marks` array (a buffer not
     written before).
     """
     m, s = setup.model, setup.opt
@@ -269,7 +275,7 @@ def bench_host(setup: Setup, repeats: int = 21) -> tuple[float, float]:
     jax.block_until_ready(buffer)
 
     def full() -> SummaryBuffer:  # the buffer, as not written yet
-        return eqx.tree_at(lambda b: b.count, buffer, jnp.asarray(N, jnp.int32))
+        return eqx.tree_at(lambda b: b.marks, buffer, buffer.marks.at[N, 0].set(N))
 
     times: list[list[float]] = [[], []]
     with tempfile.TemporaryDirectory() as logdir:
@@ -302,7 +308,7 @@ def device_bytes(arrays: list[Any]) -> int | None:
 def bench_memory(setup: Setup) -> tuple[int | None, int | None, int, int]:
     """`(buffer, one step's summaries)` from `memory_analysis()`; the same in nbytes.
 
-    The buffer's arrays: its rows and its three bookkeeping arrays (each row's step
+    The buffer's arrays: its packed rows and its bookkeeping (each row's step
     and structure, the count); one step's summaries: the arrays `plain_step`
     returns as summaries (`jax.eval_shape`'s).
     """
@@ -314,6 +320,69 @@ def bench_memory(setup: Setup) -> tuple[int | None, int | None, int, int]:
         device_bytes(one),
         sum(x.nbytes for x in leaves),
         sum(x.nbytes for x in one),
+    )
+
+
+_INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?[\w.\-]+ = ", re.MULTILINE)
+
+
+def _instructions(fn: Any, *args: Any) -> int:
+    """The instructions of `fn`'s optimized HLO (an `eqx.filter_jit` function)."""
+    return len(_INSTRUCTION.findall(fn.lower(*args).compile().compiled.as_text()))
+
+
+class StepCost(NamedTuple):
+    """The buffer inside the step (`bench_step`)."""
+
+    arrays: int
+    leaves: int
+    hlo_buffered: int
+    hlo_plain: int
+    add: float
+    give: float
+
+
+def bench_step(setup: Setup, calls: int = 256, rounds: int = 7) -> StepCost:
+    """The buffer's arrays and HLO in the step, and the host cost of a step's add.
+
+    `add`: seconds per call of a donating `jax.jit` step that makes one step's
+    summaries (constants of the step number) and adds them to the buffer, the
+    minimum over `rounds` of `calls` calls; `give`: the same step returning the
+    summaries instead (what `plain_step` does). Each array of the buffer is one
+    more input and output to dispatch.
+    """
+    like = {"train": setup.like}
+
+    def summaries(i: jax.Array) -> Any:
+        return jax.tree.map(lambda s: jnp.full(s.shape, i, s.dtype), like)
+
+    add = jax.jit(lambda b, i: b.add(i, summaries(i)), donate_argnums=0)
+    give = jax.jit(summaries)
+    numbers = setup.steps[:1] * calls
+    times: list[list[float]] = [[], []]
+    for _ in range(rounds):
+        buffer = add(SummaryBuffer.create(N, like), numbers[0])
+        jax.block_until_ready(buffer)
+        start = time.perf_counter()
+        for i in numbers:
+            buffer = add(buffer, i)
+        jax.block_until_ready(buffer)
+        times[0].append(time.perf_counter() - start)
+        out = give(numbers[0])
+        start = time.perf_counter()
+        for i in numbers:
+            out = give(i)
+        jax.block_until_ready(out)
+        times[1].append(time.perf_counter() - start)
+    buffer = SummaryBuffer.create(N, like)
+    m, o, b, k, n = setup.model, setup.opt, setup.batches[0], setup.keys[0], numbers[0]
+    return StepCost(
+        len(jax.tree_util.tree_leaves(buffer)),
+        len(jax.tree_util.tree_leaves(like)),
+        _instructions(buffered_step, m, o, buffer, b, k, n),
+        _instructions(plain_step, m, o, b, k),
+        min(times[0]) / calls,
+        min(times[1]) / calls,
     )
 
 
@@ -394,6 +463,7 @@ def main() -> None:
     emit("|---|---|--:|--:|--:|--:|")
     memory: list[tuple[str, tuple[int | None, int | None, int, int]]] = []
     host: list[tuple[str, tuple[float, float]]] = []
+    step_costs: list[tuple[str, StepCost]] = []
     all_variants = variants(args.tensorboard)
     for width, batch in sizes:
         setup = make_setup(steps, width, batch)
@@ -407,6 +477,7 @@ def main() -> None:
             )
         memory.append((label, bench_memory(setup)))
         host.append((label, bench_host(setup)))
+        step_costs.append((label, bench_step(setup)))
     emit(
         f"\n| model | buffer, `memory_analysis()` | {N} x one step's summaries, "
         "`memory_analysis()` | ratio | buffer, nbytes | "
@@ -429,6 +500,18 @@ def main() -> None:
     emit("|---|--:|--:|")
     for label, (sync, asynchronous) in host:
         emit(f"| {label} | {sync * 1e3:.2f} | {asynchronous * 1e3:.2f} |")
+    emit(
+        "\n| model | buffer's arrays (summary leaves) | HLO instructions: step with "
+        "the buffer | step returning its summaries | a step only adding one step's "
+        "summaries (µs per call) | only returning them | ratio |"
+    )
+    emit("|---|--:|--:|--:|--:|--:|--:|")
+    for label, c in step_costs:
+        emit(
+            f"| {label} | {c.arrays} ({c.leaves}) | {c.hlo_buffered:,} "
+            f"| {c.hlo_plain:,} | {c.add * 1e6:.1f} | {c.give * 1e6:.1f} "
+            f"| {c.add / c.give:.3f}x |"
+        )
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             f.write("\n".join(lines) + "\n")

@@ -298,9 +298,9 @@ def test_async_buffer_writes_the_same_files_with_a_donated_buffer(
             buffer, out = donating(buffer, jnp.int32(i))
             reference.write(i, out)
             if (i + 1) % 4 == 0:
-                before = buffer.rows[0][0]
+                before = buffer.packed[0][0]
                 buffer = writer.write_buffer(buffer)
-                assert buffer.rows[0][0] is before  # the same arrays, emptied
+                assert buffer.packed[0][0] is before  # the same arrays, emptied
         buffer = writer.write_buffer(buffer)
     reference.close()
     assert (tmp_path / "b.jsonl").read_bytes() == (tmp_path / "s.jsonl").read_bytes()
@@ -351,9 +351,9 @@ def test_one_transfer_per_width_for_a_whole_buffer(
             # 32 (or 5) steps. A step has 78 32-bit values (loss 2, raw 6, count 1,
             # const 1, min 6, max 1, sum 1, moments 8 (its two counts as two words
             # each), hist 10 (5 counts, two words each), image 24, audio 8,
-            # callback 1, the scan's 3 x 3) and one bool; with the 32 steps, 32
-            # slots and the count: 32 * 78 + 65.
-            assert sorted(fetched) == [("bool", (32,)), ("uint32", (32 * 78 + 65,))]
+            # callback 1, the scan's 3 x 3) and one bool; with the marks (the 32
+            # steps and slots, the count and a spare word): 32 * 78 + 66.
+            assert sorted(fetched) == [("bool", (32,)), ("uint32", (32 * 78 + 66,))]
     assert len((tmp_path / "s.jsonl").read_text().splitlines()) == 37
 
 
@@ -402,8 +402,10 @@ def test_the_buffer_holds_n_times_one_steps_summaries() -> None:
     buffer = SummaryBuffer.create(32, one)
     nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(buffer.rows))
     assert nbytes == 32 * (3 * 4 + 4)
-    extra = buffer.steps.nbytes + buffer.slots.nbytes + buffer.count.nbytes
-    assert extra == 32 * 4 * 2 + 4
+    assert [x.shape for x in buffer.packed[0]] == [(32, 3), (32, 1)]
+    assert len(jax.tree_util.tree_leaves(buffer)) == 3  # two dtypes, the marks
+    assert buffer.marks.shape == (2, 32 + 1)  # each row's step, structure; count
+    assert buffer.marks.nbytes == 2 * (32 + 1) * 4
 
 
 @eqx.filter_jit
@@ -454,3 +456,151 @@ def test_write_buffer_dispatches_only_the_buffers_copy(
     assert [line.split(",")[0] for line in lines] == [
         f'{{"step":{s}' for s in range(12)
     ]
+
+
+def _dtypes(tree: object) -> set[np.dtype[Any]]:
+    return {jnp.asarray(x).dtype for x in jax.tree_util.tree_leaves(tree)}
+
+
+def _count(jaxpr: Any, name: str) -> int:
+    """The equations of primitive `name` in `jaxpr` and the jaxprs inside it."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        total += eqn.primitive.name == name
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else [param]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    total += _count(inner, name)
+    return total
+
+
+def test_the_step_passes_one_array_per_dtype_per_structure() -> None:
+    # issue 39 (pack): each summary leaf was one more donated input, output and
+    # dynamic-update-slice of the step (22 buffers for the demo's 19 leaves).
+    step = jax.jit(_make_step(None), donate_argnums=0)
+    buffer = SummaryBuffer.create(8)
+    buffer, out = step(buffer, jnp.int32(0))  # the structure's rows made
+    dtypes = _dtypes(out)  # float32, int32, uint32 (counts' words) and bool
+    assert len(dtypes) == 4
+    assert len(jax.tree_util.tree_leaves(out)) == 25  # (28 buffers before)
+    # one array per dtype, then the marks (each row's step and structure, the count)
+    assert len(jax.tree_util.tree_leaves(buffer)) == 4 + 1
+    lowered = step.lower(buffer, jnp.int32(1))
+    args, _ = jax.tree_util.tree_flatten(lowered.args_info)
+    assert len(args) == 4 + 1 + 1  # the buffer's arrays and the step
+    assert sum(a.donated for a in args) == 4 + 1
+    assert len(jax.tree_util.tree_leaves(lowered.out_info[0])) == 4 + 1
+    # One dynamic-update-slice per packed array, two of the marks (the row's
+    # step and structure, the count); the summaries' own: the scan's rows.
+    name = "dynamic_update_slice"
+    buffered = _count(jax.make_jaxpr(step)(buffer, jnp.int32(1)).jaxpr, name)
+    plain = _count(jax.make_jaxpr(lambda i: _summaries(i, None))(1).jaxpr, name)
+    assert buffered - plain == 4 + 2
+
+
+def test_levels_get_one_array_per_dtype_each() -> None:
+    # issue 39 (pack): a structure's rows are one `[size, K]` array per dtype.
+    buffer = SummaryBuffer.create(4)
+    for step in range(4):
+        buffer, _ = _make_step(step % 2)(buffer, jnp.int32(step))
+    cheap = {"train": _summaries(jnp.int32(0), 0)}
+    full = {"train": _summaries(jnp.int32(0), 1)}
+    assert len(buffer.layouts) == 2
+    assert [len(p) for p in buffer.packed] == [len(_dtypes(cheap)), len(_dtypes(full))]
+    assert len(jax.tree_util.tree_leaves(buffer)) == len(_dtypes(cheap)) + 4 + 1
+
+
+_KINDS = (
+    np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.float16, jnp.bfloat16,
+    np.int32, np.uint32, np.float32, np.complex64, jnp.float8_e4m3fn,
+)  # fmt: skip
+
+
+def _mixed(i: jax.Array, level: int) -> dict[str, Any]:
+    """Leaves of every dtype and shape: scalars, vectors, zero-size, 3-d, numbers."""
+    x = i.astype(jnp.float32)
+    out: dict[str, Any] = {}
+    for k, dtype in enumerate(_KINDS):
+        values = jnp.sin(x * 3.7 + k + jnp.arange(6.0)) * 50.0
+        if dtype == np.bool_:
+            values = values > 0
+        out[f"v{k}"] = values.astype(dtype).reshape(1, 2, 3)
+        out[f"s{k}"] = values[0].astype(dtype)
+    out["empty"] = jnp.zeros((0, 3), jnp.float32)
+    out["number"] = 7
+    out["fraction"] = 0.5
+    out["yes"] = True
+    if level:
+        out["extra"] = eqxctx.MaxSummary(
+            jnp.arange(3, dtype=jnp.int16) + i.astype(jnp.int16)
+        )
+    return out
+
+
+def test_packed_rows_read_back_every_dtype_bit_for_bit() -> None:
+    # issue 39 (pack): each dtype's leaves share an array; read back as columns.
+    from eqxctx.writers._buffer import buffer_rows, start_fetch
+
+    steps = [0, 1, 2, 3, 4]
+    buffer = SummaryBuffer.create(8)
+    outs = []
+    for s in steps:  # alternating structures, a partial buffer
+        summaries = _mixed(jnp.int32(s), s % 2)
+        buffer = buffer.add(s, summaries)
+        leaves = jax.tree_util.tree_leaves(summaries)
+        outs.append([np.asarray(jnp.asarray(x)) for x in leaves])
+    # bfloat16 and float8 leaves (v, s) alone; the other dtypes packed: per
+    # structure 10 dtypes (the full one's int16 leaf joins them) and 4 leaves.
+    assert [len(p) for p in buffer.packed] == [10 + 4, 10 + 4]
+    assert len(jax.tree_util.tree_leaves(buffer)) == 2 * (10 + 4) + 1
+    fetched = buffer_rows(start_fetch(buffer, where="test"))
+    assert fetched.steps == steps
+    assert fetched.slots == [0, 1, 0, 1, 0]
+    for (step, leaves, _), want in zip(fetched.rows, outs, strict=True):
+        assert len(leaves) == len(want)
+        for got, w in zip(leaves, want, strict=True):  # (numbers: JAX's dtype)
+            assert type(got) is np.ndarray
+            assert (got.dtype, got.shape) == (w.dtype, w.shape)
+            assert got.tobytes() == w.tobytes(), step
+    for k in range(2):
+        positions, columns = fetched.columns(k)
+        stacked = [
+            np.stack([outs[i][j] for i in positions]) for j in range(len(columns))
+        ]
+        for got, want in zip(columns, stacked, strict=True):
+            assert got.shape == want.shape
+            assert np.asarray(got).tobytes() == want.tobytes()
+        # `rows`: the same columns on the device, `[size, ...]`
+        on_device = buffer.rows[k]
+        assert len(on_device) == len(columns)
+        for got, want in zip(on_device, fetched.tables[k], strict=True):
+            assert np.asarray(got).tobytes() == want.tobytes()
+
+
+def test_packed_rows_hold_64_bit_dtypes() -> None:
+    # issue 39 (pack): with `jax_enable_x64`, 64-bit leaves (and int64 steps).
+    from eqxctx.writers._buffer import buffer_rows, start_fetch
+
+    with jax.enable_x64(True):
+        rows = [
+            {
+                "i": jnp.asarray([s, -(2**40) - s], jnp.int64),
+                "j": jnp.asarray(-s, jnp.int64),
+                "u": jnp.asarray(2**63 + s, jnp.uint64),
+                "f": jnp.asarray([np.pi * s, 1e300], jnp.float64),
+                "c": jnp.asarray(1j * s + 0.1, jnp.complex128),
+            }
+            for s in range(3)
+        ]
+        buffer = SummaryBuffer.create(4)
+        for s, summaries in enumerate(rows):
+            buffer = buffer.add(2**40 + s, summaries)
+        assert len(jax.tree_util.tree_leaves(buffer)) == 4 + 1  # (5 leaves)
+        fetched = buffer_rows(start_fetch(buffer, where="test"))
+    assert fetched.steps == [2**40, 2**40 + 1, 2**40 + 2]
+    for (_, leaves, _), want in zip(fetched.rows, rows, strict=True):
+        for got, w in zip(leaves, jax.tree_util.tree_leaves(want), strict=True):
+            w = np.asarray(w)
+            assert (got.dtype, got.shape) == (w.dtype, w.shape)
+            assert got.tobytes() == w.tobytes()

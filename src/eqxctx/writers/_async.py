@@ -358,7 +358,7 @@ class AsyncWriter(AbstractWriter):
         where = "AsyncWriter.write_buffer"
         several = self._begin(where)
         fetch = start_fetch(buffer, where=where)  # (checks the buffer)
-        done, token = self._buffer_done, buffer.count
+        done, token = self._buffer_done, buffer.marks
         if done is not None and done[0] is token:
             return buffer.cleared()  # queued before (e.g. an interrupted call)
         self._fetch_deferred()  # the steps before the buffer's

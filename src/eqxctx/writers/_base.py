@@ -135,7 +135,7 @@ class AbstractWriter(abc.ABC):
         where = f"{type(self).__name__}.write_buffer"
         fetch = start_fetch(buffer, where=where)
         fetched = buffer_rows(fetch)
-        done, token = self._buffer_done, buffer.count
+        done, token = self._buffer_done, buffer.marks
         skip = done[1] if done is not None and done[0] is token else 0
         hosts = buffer_hosts(self, fetched)
         if is_writing_process():
@@ -146,7 +146,7 @@ class AbstractWriter(abc.ABC):
         check_lost(fetched, where=where)
         return emptied(buffer, fetch)
 
-    #: `(buffer.count, steps written)` of the last buffer `write_buffer` wrote.
+    #: `(buffer.marks, steps written)` of the last buffer `write_buffer` wrote.
     _buffer_done: tuple[object, int] | None = None
 
     def fetch(self, step: Step, summaries: Summaries) -> HostSummaries:

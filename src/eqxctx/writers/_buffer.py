@@ -1,12 +1,20 @@
 """SummaryBuffer: the summaries of up to N steps, stacked on the device.
 
-A training step adds its summaries as one row of `[N, ...]` arrays (the way a scan
-stacks its per-iteration summaries), inside the jitted step; a writer fetches the
-whole buffer with one transfer per width of raw bits (`_fetch.start_owned`) and
-writes each row as the step it was. Each structure of summaries (a summary level's
-step and another level's) has its own rows; which structure and which step each row
+A training step adds its summaries as one row of its buffer (the way a scan stacks
+its per-iteration summaries), inside the jitted step; a writer fetches the whole
+buffer with one transfer per width of raw bits (`_fetch.start_owned`) and writes
+each row as the step it was. Each structure of summaries (a summary level's step
+and another level's) has its own rows; which structure and which step each row
 holds is recorded on the device too, so the rows are written in the order they
 were added.
+
+A structure's rows are packed: one `[N, K]` array per dtype, `K` the total size of
+that dtype's leaves, so that a step's summaries are a handful of the jitted step's
+inputs and outputs, each written by one concatenation and one dynamic-update-slice
+(issue 39: the demo's 19 leaves were 19 more inputs and outputs to dispatch at
+every step; a step only adding them took 88 µs a call, now 18, on a 2-core CPU:
+`benchmarks/README.md`). The host reads each leaf's `[N, ...]` column as a NumPy
+view of its packed array.
 """
 
 from collections.abc import Hashable, Mapping
@@ -29,16 +37,77 @@ from eqxctx._typing import ArrayTree, DType, Leaf, TreeDef
 from ._fetch import Started, finish, start_owned
 
 
+#: The dtypes whose leaves share one packed array per structure: XLA concatenates
+#: them exactly on every backend. bfloat16 and 8-bit floats (on a TPU, XLA flushed
+#: bfloat16 subnormals and canonicalized NaN payloads in a concatenation; see
+#: `_fetch._BITS`), sub-byte integers and extended dtypes (keys) keep one array
+#: per leaf, `[N, *shape]`.
+_PACKED = frozenset(
+    np.dtype(t)
+    for t in (
+        np.bool_, np.int8, np.int16, np.int32, np.int64,
+        np.uint8, np.uint16, np.uint32, np.uint64,
+        np.float16, np.float32, np.float64, np.complex64, np.complex128,
+    )
+)  # fmt: skip
+
+
+class _Pack(NamedTuple):
+    """One array of a structure's rows: the array leaves it holds.
+
+    Attributes:
+        dtype: the array's dtype (that of its leaves).
+        packed: True: a `[N, K]` array of the leaves raveled side by side; False:
+            one leaf stacked as it is, `[N, *shape]`.
+        members: `(j, start, stop, shape)` per leaf: its index among the
+            structure's array leaves, its columns `start:stop` (of a packed
+            array), its shape.
+    """
+
+    dtype: DType
+    packed: bool
+    members: tuple[tuple[int, int, int, tuple[int, ...]], ...]
+
+    @property
+    def width(self) -> int:
+        """K: the number of columns of a packed array."""
+        return self.members[-1][2] if self.members else 0
+
+
+def _packs(specs: list[tuple[tuple[int, ...], DType]]) -> tuple[_Pack, ...]:
+    """The arrays holding the array leaves of `specs` (`(shape, dtype)` each).
+
+    One per dtype of `_PACKED` and one per other leaf, in the order of their
+    first leaf.
+    """
+    groups: dict[object, list[int]] = {}
+    for j, (_, dtype) in enumerate(specs):
+        groups.setdefault(dtype if dtype in _PACKED else ("alone", j), []).append(j)
+    packs: list[_Pack] = []
+    for key, members in groups.items():
+        dtype = specs[members[0]][1]
+        start, items = 0, []
+        for j in members:
+            shape = specs[j][0]
+            stop = start + int(np.prod(shape, dtype=np.int64))
+            items.append((j, start, stop, shape))
+            start = stop
+        packs.append(_Pack(dtype, not isinstance(key, tuple), tuple(items)))
+    return tuple(packs)
+
+
 class _Layout(NamedTuple):
     """One structure of summaries: the treedef and, per leaf, what it is.
 
     `leaves[j]` is `(shape, dtype)` for an array or a Python number (stacked as a
-    row) or `(type, value)` for another (hashable) leaf, which is static.
+    row) or `(type, value)` for another (hashable) leaf, which is static. `packs`
+    says which of the structure's arrays holds each array leaf.
     """
 
     treedef: TreeDef
     leaves: tuple[tuple[Any, Any], ...]
     arrays: tuple[bool, ...]
+    packs: tuple[_Pack, ...]
 
     def row_leaves(self, rows: list[Any]) -> list[Any]:
         """The leaves of one row, in `treedef`'s order: its arrays, the static ones."""
@@ -51,6 +120,21 @@ class _Layout(NamedTuple):
     def rebuild(self, rows: list[Any]) -> ArrayTree:
         """The summaries of one row: the row's arrays and the static numbers."""
         return self.treedef.unflatten(self.row_leaves(rows))
+
+    def unpack(self, arrays: "list[Any] | tuple[Any, ...]", size: int) -> list[Any]:
+        """Each array leaf stacked `[size, *shape]`, from the structure's arrays.
+
+        Works on NumPy arrays (views: column slices of a packed array, reshaped)
+        and on JAX arrays (slices).
+        """
+        out: list[Any] = [None] * sum(self.arrays)
+        for pack, x in zip(self.packs, arrays, strict=True):
+            if not pack.packed:
+                out[pack.members[0][0]] = x
+                continue
+            for j, start, stop, shape in pack.members:
+                out[j] = x[:, start:stop].reshape(size, *shape)
+        return out
 
 
 def _is_array(x: object) -> bool:
@@ -98,15 +182,26 @@ def _layout(tree: object, where: str) -> tuple[_Layout, list[Leaf]]:
                 ) from None
             specs.append((type(x), x))
             arrays.append(False)
-    return _Layout(treedef, tuple(specs), tuple(arrays)), leaves
+    packs = _packs([spec for spec, a in zip(specs, arrays, strict=True) if a])
+    return _Layout(treedef, tuple(specs), tuple(arrays), packs), leaves
 
 
 def _zeros(layout: _Layout, size: int) -> tuple[Array, ...]:
     return tuple(
-        jnp.zeros((size, *shape), dtype)
-        for (shape, dtype), is_array in zip(layout.leaves, layout.arrays, strict=True)
-        if is_array
+        jnp.zeros(
+            (size, pack.width) if pack.packed else (size, *pack.members[0][3]),
+            pack.dtype,
+        )
+        for pack in layout.packs
     )
+
+
+def _row(pack: _Pack, arrays: list[Any]) -> Array:
+    """One row of `pack`'s array: its leaves (of one step) raveled side by side."""
+    if not pack.packed:
+        return jnp.asarray(arrays[pack.members[0][0]], pack.dtype)
+    parts = [jnp.ravel(jnp.asarray(arrays[j], pack.dtype)) for j, *_ in pack.members]
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
 def _step_dtype() -> DType:
@@ -143,14 +238,19 @@ class SummaryBuffer(eqx.Module):
     (`jnp.asarray(step)`, or a counter in the train state): `eqx.filter_jit` makes a
     Python int static and would compile the step once per value.
 
-    Each structure of summaries has its own rows (`[size, ...]` per array leaf), so
-    steps of different summary levels (a cheap step and a full one) share a buffer;
-    the rows keep the order in which steps were added. A structure first added
-    inside a jitted step changes the buffer's structure, so that step is traced
-    once more; `create(size, like)` reserves the rows of known structures up front.
-    Python numbers among the summaries are stored as arrays, as `jax.jit` returns
-    them (a float as float32). Memory: `size` times the bytes of one step's
-    summaries per structure, plus three int32 arrays of `size`.
+    Each structure of summaries has its own rows, so steps of different summary
+    levels (a cheap step and a full one) share a buffer; the rows keep the order
+    in which steps were added. A structure first added inside a jitted step
+    changes the buffer's structure, so that step is traced once more;
+    `create(size, like)` reserves the rows of known structures up front. Python
+    numbers among the summaries are stored as arrays, as `jax.jit` returns them
+    (a float as float32). A structure's rows are packed into one `[size, K]`
+    array per dtype (`K`: the number of elements of that dtype in one step's
+    summaries; bfloat16, 8-bit float and other unusual leaves one `[size,
+    *shape]` array each), so the jitted step gets a few more inputs and outputs,
+    not one per summary leaf, each updated by one dynamic-update-slice. Memory:
+    `size` times the bytes of one step's summaries per structure, plus the
+    bookkeeping (`marks`: `2 * (size + 1)` int32, int64 with `jax_enable_x64`).
 
     Adding to a full buffer overwrites its last row; the writer then writes what
     the buffer holds and raises a `ValueError` saying how many steps were lost.
@@ -158,19 +258,27 @@ class SummaryBuffer(eqx.Module):
     Attributes:
         size: the number of rows N (steps the buffer holds), static.
         layouts: the structures of summaries the buffer has rows for, static.
-        rows: per structure, its array leaves stacked `[size, ...]` (traced).
-        steps: `int32[size]` (int64 with `jax_enable_x64`), each row's step.
-        slots: `int32[size]`, the structure (index into `layouts`) of each row.
+        packed: per structure, its arrays: one `[size, K]` array per dtype
+            (each row: the step's leaves of that dtype raveled and concatenated,
+            in the order of the summaries' leaves), traced.
+        rows: per structure, its array leaves stacked `[size, *shape]` (a
+            property: slices of `packed`).
+        marks: `int32[2, size + 1]` (int64 with `jax_enable_x64`): column `i <
+            size` holds row `i`'s step and structure (index into `layouts`),
+            `marks[0, size]` the count; read them as `steps`, `slots` and
+            `count`. One array, so that the bookkeeping is one input and output
+            of the step (its short axis first: a TPU pads the last axis to 128).
+        steps: `int32[size]` (int64 with `jax_enable_x64`), each row's step
+            (a property: a slice of `marks`).
+        slots: `int32[size]`, the structure of each row (a property).
         count: `int32[]`, the number of steps added since the buffer was created
-            or emptied (rows `0 .. min(count, size) - 1` hold steps).
+            or emptied (rows `0 .. min(count, size) - 1` hold steps; a property).
     """
 
     size: int = eqx.field(static=True)
     layouts: tuple[_Layout, ...] = eqx.field(static=True)
-    rows: tuple[tuple[Array, ...], ...]
-    steps: Int[Array, " size"]
-    slots: Int[Array, " size"]
-    count: Int[Array, ""]
+    packed: tuple[tuple[Array, ...], ...]
+    marks: Int[Array, "2 size_plus_1"]
 
     @classmethod
     def create(cls, size: object, *like: object) -> "SummaryBuffer":
@@ -207,9 +315,7 @@ class SummaryBuffer(eqx.Module):
             n,
             tuple(layouts),
             tuple(_zeros(layout, n) for layout in layouts),
-            jnp.zeros(n, _step_dtype()),
-            jnp.zeros(n, jnp.int32),
-            jnp.zeros((), jnp.int32),
+            jnp.zeros((2, n + 1), _step_dtype()),
         )
 
     def add(self, step: ArrayLike, summaries: object) -> "SummaryBuffer":
@@ -243,42 +349,70 @@ class SummaryBuffer(eqx.Module):
                 f"{step_array.dtype}{list(step_array.shape)}."
             )
         layout, leaves = _layout(summary_tree(summaries, where=where), where)
-        layouts, rows = self.layouts, self.rows
+        layouts, packed = self.layouts, self.packed
         if layout in layouts:
             k = layouts.index(layout)
         else:
             k = len(layouts)
             layouts += (layout,)
-            rows += (_zeros(layout, self.size),)
-        i = jnp.minimum(self.count, self.size - 1)
+            packed += (_zeros(layout, self.size),)
+        marks = self.marks
+        count = marks[0, self.size]
+        i = jnp.minimum(count, self.size - 1)
         arrays = [x for x in leaves if _is_array(x)]
-        row = tuple(
-            jax.lax.dynamic_update_index_in_dim(r, jnp.asarray(x, r.dtype), i, 0)
-            for r, x in zip(rows[k], arrays, strict=True)
-        )
         update = jax.lax.dynamic_update_index_in_dim
-        return SummaryBuffer(
-            self.size,
-            layouts,
-            (*rows[:k], row, *rows[k + 1 :]),
-            update(self.steps, step_array.astype(self.steps.dtype), i, 0),
-            update(self.slots, jnp.asarray(k, jnp.int32), i, 0),
-            self.count + 1,
+        row = tuple(
+            update(p, _row(pack, arrays), i, 0)
+            for p, pack in zip(packed[k], layout.packs, strict=True)
         )
+        dtype = marks.dtype
+        mark = jnp.stack([step_array.astype(dtype), jnp.asarray(k, dtype)])
+        marks = update(marks, mark, i, 1)  # row i's step and structure
+        counted = (count + 1).reshape(1, 1)
+        marks = jax.lax.dynamic_update_slice(marks, counted, (0, self.size))
+        return SummaryBuffer(
+            self.size, layouts, (*packed[:k], row, *packed[k + 1 :]), marks
+        )
+
+    @property
+    def rows(self) -> tuple[tuple[Array, ...], ...]:
+        """Per structure, its array leaves stacked `[size, *shape]` (read only).
+
+        Slices of `packed`, in the order of the structure's array leaves.
+        """
+        return tuple(
+            tuple(layout.unpack(arrays, self.size))
+            for layout, arrays in zip(self.layouts, self.packed, strict=True)
+        )
+
+    @property
+    def steps(self) -> Int[Array, " size"]:
+        """Each row's step (`int32[size]`, int64 with `jax_enable_x64`)."""
+        return self.marks[0, : self.size]
+
+    @property
+    def slots(self) -> Int[Array, " size"]:
+        """Each row's structure, an index into `layouts` (`int32[size]`)."""
+        return self.marks[1, : self.size].astype(jnp.int32)
+
+    @property
+    def count(self) -> Int[Array, ""]:
+        """The number of steps added since the buffer was created or emptied."""
+        return self.marks[0, self.size].astype(jnp.int32)
 
     def cleared(self) -> "SummaryBuffer":
         """Return the buffer emptied (`count` 0), with the same row arrays."""
-        return _with_count(self, jnp.zeros((), jnp.int32))
+        return _with_marks(self, jnp.zeros_like(self.marks))
 
 
-def _with_count(buffer: SummaryBuffer, count: Array) -> SummaryBuffer:
-    """`buffer` with another `count` (the same row arrays)."""
+def _with_marks(buffer: SummaryBuffer, marks: Array) -> SummaryBuffer:
+    """`buffer` with other `marks` (the same row arrays)."""
     # Rebuilt from its leaves: `write_buffer` empties the buffer on the training
     # thread every `size` steps, and a Module's `__init__` is slower than an
     # unflatten.
     leaves, treedef = jax.tree_util.tree_flatten(buffer)
-    assert leaves[-1] is buffer.count  # the last field
-    return jax.tree_util.tree_unflatten(treedef, [*leaves[:-1], count])
+    assert leaves[-1] is buffer.marks  # the last field
+    return jax.tree_util.tree_unflatten(treedef, [*leaves[:-1], marks])
 
 
 class BufferFetch(NamedTuple):
@@ -287,10 +421,10 @@ class BufferFetch(NamedTuple):
     Attributes:
         layouts: the buffer's structures.
         size: its number of rows.
-        started: the fetch of `[count, steps, slots, *rows]`, or None where
+        started: the fetch of `[marks, *packed]`, or None where
             `host` holds them already (several processes).
         host: the fetched arrays, or None.
-        zero: the emptied buffer's count (made by the copy), or None.
+        zero: the emptied buffer's marks (zeros made by the copy), or None.
     """
 
     layouts: tuple[_Layout, ...]
@@ -301,8 +435,8 @@ class BufferFetch(NamedTuple):
 
 
 def _arrays(buffer: SummaryBuffer, where: str) -> list[jax.Array]:
-    arrays = [buffer.count, buffer.steps, buffer.slots]
-    arrays += [x for row in buffer.rows for x in row]
+    arrays = [buffer.marks]
+    arrays += [x for packed in buffer.packed for x in packed]
     for x in arrays:
         if isinstance(x, Tracer):
             raise TypeError(
@@ -337,18 +471,18 @@ def start_fetch(buffer: object, *, where: str) -> BufferFetch:
         buffer.layouts,
         tuple(x.sharding for x in arrays),
     )
-    started, zeros = start_owned(arrays, signature, zeros=(0,))  # 0: the count
+    started, zeros = start_owned(arrays, signature, zeros=(0,))  # 0: the marks
     return BufferFetch(
         buffer.layouts, buffer.size, started, None, zeros[0] if zeros else None
     )
 
 
 def emptied(buffer: SummaryBuffer, fetch: BufferFetch) -> SummaryBuffer:
-    """`buffer.cleared()`, with the zero count made by its fetch where there is one.
+    """`buffer.cleared()`, with the zero marks made by its fetch where there are.
 
     (The calling thread then dispatches nothing but the buffer's copy.)
     """
-    return buffer.cleared() if fetch.zero is None else _with_count(buffer, fetch.zero)
+    return buffer.cleared() if fetch.zero is None else _with_marks(buffer, fetch.zero)
 
 
 class BufferRows(NamedTuple):
@@ -358,8 +492,9 @@ class BufferRows(NamedTuple):
         steps: each row's step.
         slots: each row's structure (an index into `layouts`).
         layouts: the buffer's structures.
-        tables: per structure, its array leaves `[size, ...]` (row `i` of a
-            structure's table is meaningful where `slots[i]` is that structure).
+        tables: per structure, its array leaves `[size, ...]` (NumPy views of
+            its packed arrays; row `i` of a structure's table is meaningful
+            where `slots[i]` is that structure).
         lost: the number of steps added after the buffer was full.
     """
 
@@ -409,13 +544,15 @@ def buffer_rows(fetch: BufferFetch) -> BufferRows:
     """
     host = fetch.host if fetch.started is None else finish(fetch.started)
     assert host is not None
-    count = int(np.asarray(host[0]))
-    steps, slots = np.asarray(host[1]), np.asarray(host[2])
+    marks = np.asarray(host[0])
+    count = int(marks[0, fetch.size])
+    steps, slots = marks[0, : fetch.size], marks[1, : fetch.size]
     tables: list[list[np.ndarray]] = []
-    start = 3
+    start = 1
     for layout in fetch.layouts:
-        stop = start + sum(layout.arrays)
-        tables.append([np.asarray(x) for x in host[start:stop]])
+        stop = start + len(layout.packs)
+        host_arrays = [np.asarray(x) for x in host[start:stop]]
+        tables.append(layout.unpack(host_arrays, fetch.size))
         start = stop
     n = min(count, fetch.size)
     return BufferRows(
