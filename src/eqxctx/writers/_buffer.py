@@ -11,13 +11,11 @@ were added.
 A structure's rows are packed: one `[N, K]` array per dtype, `K` the total size of
 that dtype's leaves, so that a step's summaries are a handful of the jitted step's
 inputs and outputs, each written by one concatenation and one dynamic-update-slice
-(issue 39: the demo's 19 leaves were 19 more inputs and outputs to dispatch at
-every step; a step only adding them took 88 µs a call, now 18, on a 2-core CPU:
-`benchmarks/README.md`). The host reads each leaf's `[N, ...]` column as a NumPy
-view of its packed array.
+(`_layout.py`). The host reads each leaf's `[N, ...]` column as a NumPy view of its
+packed array.
 """
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -28,185 +26,19 @@ from jax.core import Tracer
 from jaxtyping import Array, ArrayLike, Int
 
 from eqxctx._checks import check_positive_int
-from eqxctx._collection import OutputCollection
-from eqxctx._mapping import FrozenMapping
 from eqxctx._summary_tree import summary_tree
 from eqxctx._transfer import to_host
-from eqxctx._typing import ArrayTree, DType, Leaf, TreeDef
 
 from ._fetch import Started, finish, start_owned
-
-
-#: The dtypes whose leaves share one packed array per structure: XLA concatenates
-#: them exactly on every backend. bfloat16 and 8-bit floats (on a TPU, XLA flushed
-#: bfloat16 subnormals and canonicalized NaN payloads in a concatenation; see
-#: `_fetch._BITS`), sub-byte integers and extended dtypes (keys) keep one array
-#: per leaf, `[N, *shape]`.
-_PACKED = frozenset(
-    np.dtype(t)
-    for t in (
-        np.bool_, np.int8, np.int16, np.int32, np.int64,
-        np.uint8, np.uint16, np.uint32, np.uint64,
-        np.float16, np.float32, np.float64, np.complex64, np.complex128,
-    )
-)  # fmt: skip
-
-
-class _Pack(NamedTuple):
-    """One array of a structure's rows: the array leaves it holds.
-
-    Attributes:
-        dtype: the array's dtype (that of its leaves).
-        packed: True: a `[N, K]` array of the leaves raveled side by side; False:
-            one leaf stacked as it is, `[N, *shape]`.
-        members: `(j, start, stop, shape)` per leaf: its index among the
-            structure's array leaves, its columns `start:stop` (of a packed
-            array), its shape.
-    """
-
-    dtype: DType
-    packed: bool
-    members: tuple[tuple[int, int, int, tuple[int, ...]], ...]
-
-    @property
-    def width(self) -> int:
-        """K: the number of columns of a packed array."""
-        return self.members[-1][2] if self.members else 0
-
-
-def _packs(specs: list[tuple[tuple[int, ...], DType]]) -> tuple[_Pack, ...]:
-    """The arrays holding the array leaves of `specs` (`(shape, dtype)` each).
-
-    One per dtype of `_PACKED` and one per other leaf, in the order of their
-    first leaf.
-    """
-    groups: dict[object, list[int]] = {}
-    for j, (_, dtype) in enumerate(specs):
-        groups.setdefault(dtype if dtype in _PACKED else ("alone", j), []).append(j)
-    packs: list[_Pack] = []
-    for key, members in groups.items():
-        dtype = specs[members[0]][1]
-        start, items = 0, []
-        for j in members:
-            shape = specs[j][0]
-            stop = start + int(np.prod(shape, dtype=np.int64))
-            items.append((j, start, stop, shape))
-            start = stop
-        packs.append(_Pack(dtype, not isinstance(key, tuple), tuple(items)))
-    return tuple(packs)
-
-
-class _Layout(NamedTuple):
-    """One structure of summaries: the treedef and, per leaf, what it is.
-
-    `leaves[j]` is `(shape, dtype)` for an array or a Python number (stacked as a
-    row) or `(type, value)` for another (hashable) leaf, which is static. `packs`
-    says which of the structure's arrays holds each array leaf.
-    """
-
-    treedef: TreeDef
-    leaves: tuple[tuple[Any, Any], ...]
-    arrays: tuple[bool, ...]
-    packs: tuple[_Pack, ...]
-
-    def row_leaves(self, rows: list[Any]) -> list[Any]:
-        """The leaves of one row, in `treedef`'s order: its arrays, the static ones."""
-        it = iter(rows)
-        return [
-            next(it) if is_array else value
-            for (_, value), is_array in zip(self.leaves, self.arrays, strict=True)
-        ]
-
-    def rebuild(self, rows: list[Any]) -> ArrayTree:
-        """The summaries of one row: the row's arrays and the static numbers."""
-        return self.treedef.unflatten(self.row_leaves(rows))
-
-    def unpack(self, arrays: "list[Any] | tuple[Any, ...]", size: int) -> list[Any]:
-        """Each array leaf stacked `[size, *shape]`, from the structure's arrays.
-
-        Works on NumPy arrays (views: column slices of a packed array, reshaped)
-        and on JAX arrays (slices).
-        """
-        out: list[Any] = [None] * sum(self.arrays)
-        for pack, x in zip(self.packs, arrays, strict=True):
-            if not pack.packed:
-                out[pack.members[0][0]] = x
-                continue
-            for j, start, stop, shape in pack.members:
-                out[j] = x[:, start:stop].reshape(size, *shape)
-        return out
-
-
-def _is_array(x: object) -> bool:
-    """Whether `x` is stacked: an array, an abstract one (`like=`), a Python number.
-
-    (Python numbers are arrays in a jitted function's outputs and `jax.eval_shape`'s.)
-    """
-    return eqx.is_array(x) or isinstance(x, (jax.ShapeDtypeStruct, bool, int, float))
-
-
-def _trees(summaries: object) -> object:
-    """The summaries' tree, as `summary_tree` lays it out, without checking it.
-
-    For `SummaryBuffer.create(like=...)`, whose leaves may be abstract
-    (`jax.eval_shape`'s): mappings become `FrozenMapping`s and each
-    `OutputCollection` its summaries.
-    """
-    if isinstance(summaries, OutputCollection):
-        return summaries.summaries
-    if isinstance(summaries, FrozenMapping) and not any(
-        isinstance(v, OutputCollection) for _, v in summaries.items_list()
-    ):
-        return summaries
-    if isinstance(summaries, Mapping):
-        return FrozenMapping([(k, _trees(v)) for k, v in summaries.items()])
-    return summaries
-
-
-def _layout(tree: object, where: str) -> tuple[_Layout, list[Leaf]]:
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    specs: list[tuple[Any, Any]] = []
-    arrays: list[bool] = []
-    for x in leaves:
-        if _is_array(x):
-            dtype = x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
-            specs.append((tuple(np.shape(x)), np.dtype(dtype)))
-            arrays.append(True)
-        else:
-            try:
-                hash(x)
-            except TypeError:
-                raise TypeError(
-                    f"`{where}`: a summary leaf of type {type(x).__name__} is neither "
-                    "an array nor a hashable number; make it an array."
-                ) from None
-            specs.append((type(x), x))
-            arrays.append(False)
-    packs = _packs([spec for spec, a in zip(specs, arrays, strict=True) if a])
-    return _Layout(treedef, tuple(specs), tuple(arrays), packs), leaves
-
-
-def _zeros(layout: _Layout, size: int) -> tuple[Array, ...]:
-    return tuple(
-        jnp.zeros(
-            (size, pack.width) if pack.packed else (size, *pack.members[0][3]),
-            pack.dtype,
-        )
-        for pack in layout.packs
-    )
-
-
-def _row(pack: _Pack, arrays: list[Any]) -> Array:
-    """One row of `pack`'s array: its leaves (of one step) raveled side by side."""
-    if not pack.packed:
-        return jnp.asarray(arrays[pack.members[0][0]], pack.dtype)
-    parts = [jnp.ravel(jnp.asarray(arrays[j], pack.dtype)) for j, *_ in pack.members]
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-
-
-def _step_dtype() -> DType:
-    """int32, or int64 where 64-bit types are on (`jax_enable_x64`)."""
-    return jnp.zeros((), int).dtype
+from ._layout import (
+    Layout,
+    is_stacked,
+    layout_of,
+    like_trees,
+    packed_row,
+    step_dtype,
+    zeros,
+)
 
 
 class SummaryBuffer(eqx.Module):
@@ -276,7 +108,7 @@ class SummaryBuffer(eqx.Module):
     """
 
     size: int = eqx.field(static=True)
-    layouts: tuple[_Layout, ...] = eqx.field(static=True)
+    layouts: tuple[Layout, ...] = eqx.field(static=True)
     packed: tuple[tuple[Array, ...], ...]
     marks: Int[Array, "2 size_plus_1"]
 
@@ -306,16 +138,16 @@ class SummaryBuffer(eqx.Module):
             name="size",
             meaning="the steps the buffer holds",
         )
-        layouts: list[_Layout] = []
+        layouts: list[Layout] = []
         for summaries in like:
-            layout = _layout(_trees(summaries), "SummaryBuffer.create(like)")[0]
+            layout = layout_of(like_trees(summaries), "SummaryBuffer.create(like)")[0]
             if layout not in layouts:
                 layouts.append(layout)
         return cls(
             n,
             tuple(layouts),
-            tuple(_zeros(layout, n) for layout in layouts),
-            jnp.zeros((2, n + 1), _step_dtype()),
+            tuple(zeros(layout, n) for layout in layouts),
+            jnp.zeros((2, n + 1), step_dtype()),
         )
 
     def add(self, step: ArrayLike, summaries: object) -> "SummaryBuffer":
@@ -348,21 +180,21 @@ class SummaryBuffer(eqx.Module):
                 f"`{where}(step, summaries)`: step must be an integer scalar, got "
                 f"{step_array.dtype}{list(step_array.shape)}."
             )
-        layout, leaves = _layout(summary_tree(summaries, where=where), where)
+        layout, leaves = layout_of(summary_tree(summaries, where=where), where)
         layouts, packed = self.layouts, self.packed
         if layout in layouts:
             k = layouts.index(layout)
         else:
             k = len(layouts)
             layouts += (layout,)
-            packed += (_zeros(layout, self.size),)
+            packed += (zeros(layout, self.size),)
         marks = self.marks
         count = marks[0, self.size]
         i = jnp.minimum(count, self.size - 1)
-        arrays = [x for x in leaves if _is_array(x)]
+        arrays = [x for x in leaves if is_stacked(x)]
         update = jax.lax.dynamic_update_index_in_dim
         row = tuple(
-            update(p, _row(pack, arrays), i, 0)
+            update(p, packed_row(pack, arrays), i, 0)
             for p, pack in zip(packed[k], layout.packs, strict=True)
         )
         dtype = marks.dtype
@@ -427,7 +259,7 @@ class BufferFetch(NamedTuple):
         zero: the emptied buffer's marks (zeros made by the copy), or None.
     """
 
-    layouts: tuple[_Layout, ...]
+    layouts: tuple[Layout, ...]
     size: int
     started: Started | None
     host: list[Any] | None
@@ -500,12 +332,12 @@ class BufferRows(NamedTuple):
 
     steps: list[int]
     slots: list[int]
-    layouts: tuple[_Layout, ...]
+    layouts: tuple[Layout, ...]
     tables: list[list[np.ndarray]]
     lost: int
 
     @property
-    def rows(self) -> list[tuple[int, list[Any], _Layout]]:
+    def rows(self) -> list[tuple[int, list[Any], Layout]]:
         """`(step, leaves, layout)` per row: the leaves of its summaries (views).
 
         `layout.treedef.unflatten(leaves)` is the row's summaries.
@@ -524,7 +356,7 @@ class BufferRows(NamedTuple):
 
         Each leaf as `layout.leaves` lists it: an array leaf stacked `[n, ...]`
         over the `n` rows (a view where they are the first `n`), a static leaf as
-        it is (`_Layout.arrays` says which).
+        it is (`Layout.arrays` says which).
         """
         positions = [i for i, s in enumerate(self.slots) if s == k]
         n = len(positions)
