@@ -7,6 +7,7 @@ test here answers one of the issue's open questions: (a) a JAX without
 `tests/test_capture.py` runs the capture tests on both paths.
 """
 
+import inspect
 import re
 from collections.abc import Callable
 from typing import Any
@@ -327,3 +328,48 @@ def test_capture_per_step_of_a_scan_and_through_an_inner_jit(
         want = np.stack([layer["attn"] for layer in gpt_reference(model, tokens[b])[1]])
         close(outs[b], want)
     assert paths == ["refs"]
+
+
+@pytest.mark.skipif(
+    "scan" not in inspect.signature(eqx.nn.MLP.__init__).parameters,
+    reason="eqx.nn.MLP(scan=True) needs Equinox >= 0.13.5",
+)
+def test_integer_records_take_the_sink_path_under_grad(paths: list[str]) -> None:
+    # Found by a new-user review (fourth session): a `MomentsSummary` tap (its count
+    # is an integer) on a scanned stack under `capture_value_and_grad`, or under a
+    # `jax.grad` capture cannot see, failed in JAX's differentiation of the indexed
+    # write into an integer ref (AttributeError). Integer records now take sinks.
+    mlp = eqx.nn.MLP(4, 2, 8, depth=3, scan=True, key=KEY)
+    first, hidden, _ = mlp.layers  # hidden: 2 stacked layers, the point
+    tap = Tap("layers[1]", summaries={"m": eqxctx.MomentsSummary})
+    x = jnp.linspace(-1.0, 1.0, 4)
+
+    def loss(m: Any, x: jax.Array) -> jax.Array:
+        return jnp.sum(m(x) ** 2)
+
+    (_, coll), _ = eqxctx.capture_value_and_grad(loss, mlp, x, taps=tap)
+
+    def moments_loss(x: jax.Array) -> jax.Array:  # x closed over: grad unseen
+        _, c = capture(lambda m: m(x), mlp, taps=tap)
+        return jnp.sum(jnp.stack([v.mean for v in c.flatten("summaries").values()]))
+
+    g = jax.grad(moments_loss)(x)
+    assert paths == ["sinks", "sinks"]
+
+    def reference(x: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+        h, outs = mlp.activation(first(x)), list[jax.Array]()
+        for i in range(2):  # a Python loop over the stacked layers
+            layer = jax.tree_util.tree_map(
+                lambda a, i=i: a[i] if eqx.is_array(a) else a, hidden
+            )
+            outs.append(layer(h))
+            h = mlp.activation(outs[-1])
+        return jnp.sum(jnp.stack([jnp.mean(o) for o in outs])), outs
+
+    total, outs = reference(x)
+    for i, out in enumerate(outs):
+        m = coll.flatten("summaries")[f"layers_1/layer{i}/m"]
+        close(m.mean, jnp.mean(out))
+        assert int(m.count) == out.size
+    close(moments_loss(x), total)
+    close(g, jax.grad(lambda x: reference(x)[0])(x))

@@ -14,7 +14,9 @@ under a `jax.vmap` or `jax.grad` of `capture` itself (`jax.lax.cond` transposes,
 indexed writes under vmap). So the rule, decided before the recording pass, is:
 refs when `jax.new_ref` exists, no input of `capture` is differentiated or vmapped
 (`transformed`), no recording point runs under a `jax.vmap` inside fn (the shape
-pass's log), fn has no `jax.checkpoint` (`has_checkpoint`) and no tap records in
+pass's log), fn has no `jax.checkpoint` (`has_checkpoint`), every record is a
+floating-point array (JAX cannot differentiate a write into an integer or bool ref
+at an index, and capture cannot always see a differentiation) and no tap records in
 the backward pass; sinks otherwise. `capture_value_and_grad` makes its buffers
 inside the function it differentiates: JAX refuses a differentiated value written
 into a ref made outside.
@@ -62,7 +64,9 @@ class Buffers:
         values = tuple(
             jax.new_ref(jnp.zeros((*lead, *s.shape), s.dtype)) for s in specs
         )
-        calls = jax.new_ref(jnp.zeros(lead, jnp.int32)) if counted else None
+        # float32, as the sink path's counts: JAX cannot differentiate a program
+        # that writes into an integer ref at an index (jax 0.10).
+        calls = jax.new_ref(jnp.zeros(lead, jnp.float32)) if counted else None
         return cls(values, calls)
 
     def write(self, values: list[Array], layer: Array | None) -> None:
@@ -74,7 +78,7 @@ class Buffers:
                 ref[layer] = value
         if self.calls is not None:
             index = () if layer is None else layer
-            jax.ref.addupdate(self.calls, index, jnp.ones((), jnp.int32))
+            jax.ref.addupdate(self.calls, index, jnp.ones((), jnp.float32))
 
     def read(self, prefix: tuple[int, ...]) -> tuple[list[Array], Array | None]:
         """The records and the call counts, stacked `[*prefix, *leaf]`."""

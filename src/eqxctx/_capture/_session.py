@@ -205,6 +205,11 @@ class Session:
             and not self.gradients
             and not any(found[n].log for n in self.sinks)
             and not has_checkpoint(jaxpr)
+            and all(
+                jnp.issubdtype(s.dtype, jnp.inexact)
+                for n in self.sinks
+                for s in jax.tree_util.tree_leaves(found[n].records)
+            )
         )
         chains = enclosing(jaxpr) if self.refs else {}
         self.once = {  # runs once per layer by construction (no run-time count)
