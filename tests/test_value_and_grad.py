@@ -177,6 +177,33 @@ def test_an_unused_copy_of_a_probe_in_one_switch_branch_is_found() -> None:
     np.testing.assert_allclose(coll.flatten("summaries")["switch/g"], 2.0)
 
 
+def test_a_probe_in_a_branch_that_ignores_its_input_is_not_reported() -> None:
+    # Found by a new-user review (fourth session): a branch that adds the probe (as
+    # every branch must) but ignores `h` got a LostOutputError, though there the
+    # cotangent of `h` is 0, which the probe reads: only a probe whose input
+    # reaches the loss another way is unused.
+    def loss(w: jax.Array, ctx: Context, pred: bool) -> tuple[jax.Array, Context]:
+        def uses(h: jax.Array, c: Context) -> tuple[jax.Array, Context]:
+            h, c = c.add_gradient_summary("g", h)
+            return jnp.tanh(h) * 3.0, c
+
+        def ignores(h: jax.Array, c: Context) -> tuple[jax.Array, Context]:
+            _, c = c.add_gradient_summary("g", h)
+            return jnp.ones_like(h), c
+
+        h, coll = eqxctx.cond_in_context(pred, uses, ignores, w, context=ctx)
+        return jnp.sum(h), ctx.merge(coll)
+
+    for pred, want in ((True, W), (False, None)):
+        (_, coll), _ = grad(lambda w, c, p=pred: loss(w, c, p), W)
+        got = coll.flatten("summaries")["cond/g"]
+        if want is None:
+            np.testing.assert_allclose(got, 0.0)
+        else:
+            ct = 3.0 * (1 - jnp.tanh(want) ** 2)  # d sum(3 tanh h) / dh
+            np.testing.assert_allclose(got, jnp.sqrt(jnp.mean(ct**2)), rtol=1e-6)
+
+
 def test_the_corrected_code_equals_a_vjp_reference() -> None:
     (loss, coll), g = grad(lambda w, c: top(w, c, use=True), W)
     h = jnp.sin(W)

@@ -65,11 +65,15 @@ def _run_branches(
     if is_shape_only(context):
         # Inside an outer shape-only pass nothing is computed: trace every branch once
         # and lay out branch 0's outputs (the structure is what matters).
-        results = [run(j, operands, True) for j in range(len(branches))]
+        state = gradient_state(context)
+        probing = state is not None and state.mode == "shapes"
+        results = [
+            run(j, _own(operands) if probing else operands, True)
+            for j in range(len(branches))
+        ]
         spec = union_collections([c for _, c in results], names, path, where)
         out, coll = results[0][0], fill_collection(spec, results[0][1])
-        state = gradient_state(context)
-        if state is not None and state.mode == "shapes":
+        if probing:
             out = _tied([o for o, _ in results])
     else:
         # The union's structure is needed before `jax.lax.switch`: one abstract
@@ -102,6 +106,24 @@ def _run_branches(
     result = OutputCollection.empty().add_child(child_name, coll)
     note_result(context, result)
     return out, result
+
+
+def _own(operands: tuple[ArrayTree, ...]) -> tuple[ArrayTree, ...]:
+    """The operands as this branch's own values (for `value_and_grad`'s shape pass).
+
+    The shape pass traces the branches in line; through an
+    `jax.lax.optimization_barrier` each branch reads its own copy, so that its
+    check of unused probes sees whether a probe's input reaches the loss in that
+    branch, not in another one.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(operands)
+    at = [i for i, a in enumerate(leaves) if isinstance(a, jax.Array)]
+    if not at:
+        return operands
+    copies = jax.lax.optimization_barrier([leaves[i] for i in at])
+    for i, a in zip(at, copies, strict=True):
+        leaves[i] = a
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def _tied(outs: list[ArrayTree]) -> ArrayTree:

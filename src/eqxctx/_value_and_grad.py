@@ -131,13 +131,16 @@ def _reach(
     marks: dict[tuple[ProbeKey, str], bool],
     done: set[tuple[int, bool]],
 ) -> None:
-    """Record in `marks` whether each probe mark in `jaxpr` reaches a live output.
+    """Record in `marks` whether each probe mark in `jaxpr` reads its value's cotangent.
 
     A backwards liveness walk: an eqn is live if one of its outputs is. The jaxprs
     inside an eqn are walked with all their outputs live if the eqn is (none if
-    not), conservatively: a mark is dead only if no path can reach the loss. A
-    probe traced more than once (a branch factory's, in each branch) is dead if
-    one of its marks is: when that copy runs, the probe reads 0.
+    not), conservatively. A mark is unused (False) when its output reaches no live
+    output while its input does, through another path (`_, ctx = probe(h)`, then
+    `h` used): the probe reads 0 where the cotangent of `h` is not. A mark whose
+    input is dead too reads the true cotangent, 0 (a branch ignoring `h`). A probe
+    traced more than once (a branch factory's, in each branch) is unused if one of
+    its marks is: when that copy runs, the probe reads 0.
     """
     if (id(jaxpr), any(live_out)) in done:
         return
@@ -147,16 +150,24 @@ def _reach(
         for v, on in zip(jaxpr.outvars, live_out, strict=True)
         if on and isinstance(v, Var)
     }
+    dead: list[tuple[tuple[ProbeKey, str], list[Var]]] = []
     for eqn in reversed(jaxpr.eqns):
         used = any(v in live for v in eqn.outvars)
         found = read_mark(eqn.params.get("name"))
         if found is not None:
-            marks[found] = marks.get(found, True) and used
+            marks.setdefault(found, True)
+            if not used:
+                dead.append((found, [v for v in eqn.invars if isinstance(v, Var)]))
         if used:
             live.update(v for v in eqn.invars if isinstance(v, Var))
         if found is None:
             for sub in _sub_jaxprs(eqn.params):
                 _reach(sub, [used] * len(sub.outvars), marks, done)
+    # A dead mark whose input reaches the loss another way: the probe reads 0 where
+    # the cotangent of its input is not 0. (Input dead too: 0 is the cotangent.)
+    for found, inputs in dead:
+        if any(v in live for v in inputs):
+            marks[found] = False
 
 
 _KIND = {"summaries": "gradient summary", "module_outputs": "gradient output"}
