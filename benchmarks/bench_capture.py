@@ -194,10 +194,14 @@ def build(make: Callable[[], Callable[..., Any]], args: tuple[Any, ...]) -> Any:
     }
 
 
-def compare(args: tuple[Any, ...], rounds: int, calls: int) -> dict[str, Any]:
+def compare(
+    variants: dict[str, tuple[Callable[[], Callable[..., Any]], Any]],
+    rounds: int,
+    calls: int,
+) -> dict[str, Any]:
     best: dict[str, dict[str, Any]] = {}
     for _ in range(rounds):
-        built = {name: build(make, args) for name, make in VARIANTS.items()}
+        built = {name: build(make, args) for name, (make, args) in variants.items()}
         for _ in range(calls):
             for (compiled, params), m in built.values():
                 t = time.perf_counter()
@@ -255,7 +259,8 @@ def main() -> None:
         f"jax {jax.__version__}, {jax.devices()[0].platform}, L={LAYERS}, dim={DIM}, "
         f"heads={HEADS}, seq={SEQ}, min over {rounds} rounds"
     )
-    best = compare((model, x), rounds, calls=5 if opts.quick else 10)
+    variants = {name: (make, (model, x)) for name, make in VARIANTS.items()}
+    best = compare(variants, rounds, calls=5 if opts.quick else 10)
     print(
         "\n| comparison | trace+lower | compile | run | HLO instr. | temp bytes "
         "| same program |"

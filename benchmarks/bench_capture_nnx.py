@@ -36,7 +36,6 @@ optimized module; temp bytes are `memory_analysis().temp_size_in_bytes`. Needs F
 # pyright: reportUntypedFunctionDecorator=false
 
 import argparse
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -193,28 +192,6 @@ def check(variants: dict[str, tuple[Callable[[], Callable[..., Any]], Any]]) -> 
     assert jnp.allclose(got_rms, rmss, rtol=1e-5)
 
 
-def compare(
-    variants: dict[str, tuple[Callable[[], Callable[..., Any]], Any]],
-    rounds: int,
-    calls: int,
-) -> dict[str, Any]:
-    """bench_capture's `compare` over variants with their own arguments."""
-    best: dict[str, dict[str, Any]] = {}
-    for _ in range(rounds):
-        built = {name: bc.build(make, args) for name, (make, args) in variants.items()}
-        for _ in range(calls):
-            for (compiled, params), m in built.values():
-                t = time.perf_counter()
-                jax.block_until_ready(compiled(params))
-                m["run"] = min(m["run"], time.perf_counter() - t)
-        for name, (_, m) in built.items():
-            old = best.setdefault(name, {**m, "rounds": []})
-            old["rounds"].append(m)
-            for k in ("lower", "compile", "run"):
-                old[k] = min(old[k], m[k])
-    return best
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description="nnx.capture beside eqxctx.capture")
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
@@ -228,7 +205,7 @@ def main() -> None:
         f"{getattr(eqxctx, '__version__', '?')}, {jax.devices()[0].platform}, "
         f"L={LAYERS}, dim={DIM}, heads={HEADS}, seq={SEQ}, {rounds} rounds"
     )
-    best = compare(variants, rounds, calls=5 if opts.quick else 10)
+    best = bc.compare(variants, rounds, calls=5 if opts.quick else 10)
     print(
         "\n| comparison | trace+lower | compile | run | HLO instr. | temp bytes "
         "| same program |"
