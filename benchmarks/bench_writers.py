@@ -24,12 +24,18 @@ the whole loop including the final `block_until_ready` and the writer's `close`
 - buffer, sync: the same written by `JsonlWriter.write_buffer`.
 
 Ratios are variant / none, each the minimum wall time over the rounds, from one run;
-beside them the CPU time per step (the median over the rounds) of the whole process
+beside them the CPU time per step (the mean over the rounds) of the whole process
 and of the training thread alone (`time.thread_time` around the loop), which says
-where a writer's work runs. A second table gives the buffer's device memory, from
+where a writer's work runs, and the wall time the training thread spent in the
+step's and the writer's calls (the median over the rounds: its CPU time and its waits
+for the GIL, on a precise clock). The header gives the thread CPU clock's step: where
+it is coarse (10 ms on a host counting CPU time in scheduler ticks) the CPU columns
+are sampled, and only means over long loops (`--steps`, `--rounds`) are exact to a
+few percent. A second table gives the buffer's device memory, from
 XLA's `memory_analysis()` of a program taking the buffer's arrays, against N times
 that of one step's summaries. A third gives the host work of one `write_buffer` of
-N steps (the median thread CPU of 21 calls, the writer alone): all of it
+N steps (the mean thread CPU of 21 calls, 2,000 on a coarse clock, the writer
+alone): all of it
 (`JsonlWriter.write_buffer`, on the calling thread), and the calling thread's part
 with `AsyncWriter` (the rest runs on its thread). A fourth gives the buffer inside the
 step: its arrays (each one more input and output of the step; a structure's rows are
@@ -137,11 +143,31 @@ def buffered_step(
 
 
 class Times(NamedTuple):
-    """One loop: wall, process CPU and training-thread CPU time (seconds)."""
+    """One loop: wall, process CPU and training-thread CPU time, and the wall time
+    the training thread spent in the step's and the writer's calls (seconds)."""
 
     wall: float
     process: float
     thread: float
+    calls: float
+
+
+def clock_tick(increments: int = 20, limit: float = 0.5) -> float:
+    """The smallest step of `time.thread_time` seen (seconds).
+
+    About 1 µs where the kernel reads the thread's CPU clock; 10 ms on a host that
+    counts CPU time in scheduler ticks (the TPU machine's gVisor), where a short
+    interval reads 0 or a whole tick.
+    """
+    seen: list[float] = []
+    last = time.thread_time()
+    end = time.perf_counter() + limit
+    while len(seen) < increments and time.perf_counter() < end:
+        now = time.thread_time()
+        if now != last:
+            seen.append(now - last)
+            last = now
+    return min(seen, default=limit)
 
 
 #: name -> (buffered?, the writer of a log directory, or None: no writing).
@@ -209,35 +235,47 @@ def run_loop(setup: Setup, variant: Variant, logdir: str, steps: int) -> Times:
     m, s = setup.model, setup.opt
     buffer = SummaryBuffer.create(N, {"train": setup.like})
     data = list(zip(setup.batches, setup.keys, setup.steps, strict=True))[:steps]
+    calls = 0.0  # the training thread's wall time in the step's and writer's calls
+    clock = time.perf_counter
     start = time.perf_counter(), time.process_time(), time.thread_time()
     if buffered and writer is None:  # the step's own cost: the rows overwritten
         for batch, key, number in data:
+            t = clock()
             m, s, buffer = buffered_step(m, s, buffer, batch, key, number)
+            calls += clock() - t
     elif buffered:
         assert writer is not None
         for i, (batch, key, number) in enumerate(data):
+            t = clock()
             m, s, buffer = buffered_step(m, s, buffer, batch, key, number)
             if (i + 1) % N == 0:
                 buffer = writer.write_buffer(buffer)
+            calls += clock() - t
         buffer = writer.write_buffer(buffer)
     elif writer is None:
         for batch, key, _ in data:
+            t = clock()
             m, s, _ = plain_step(m, s, batch, key)
+            calls += clock() - t
     else:
         for i, (batch, key, _) in enumerate(data):
+            t = clock()
             m, s, summaries = plain_step(m, s, batch, key)
             writer.write(i, {"train": summaries})
+            calls += clock() - t
     jax.block_until_ready(m)
     if writer is not None:
         writer.close()
     end = time.perf_counter(), time.process_time(), time.thread_time()
-    return Times(*(b - a for a, b in zip(start, end, strict=True)))
+    wall, process, thread = (b - a for a, b in zip(start, end, strict=True))
+    return Times(wall, process, thread, calls)
 
 
 def bench_loop(
     setup: Setup, all_variants: dict[str, Variant], steps: int, rounds: int
 ) -> dict[str, Times]:
-    """Per variant: the minimum wall time, the median CPU times (seconds)."""
+    """Per variant: the minimum wall time, the mean CPU times, the median time in
+    calls (seconds)."""
     names = list(all_variants)
     with tempfile.TemporaryDirectory() as logdir:
         for name in names:  # compile the steps and the writers' own programs
@@ -248,18 +286,19 @@ def bench_loop(
         for name in order:
             with tempfile.TemporaryDirectory() as logdir:
                 times[name].append(run_loop(setup, all_variants[name], logdir, steps))
-    return {
+    return {  # CPU clocks may count in ticks (`clock_tick`): means, not medians
         name: Times(
             min(t.wall for t in ts),
-            statistics.median(t.process for t in ts),
-            statistics.median(t.thread for t in ts),
+            statistics.mean(t.process for t in ts),
+            statistics.mean(t.thread for t in ts),
+            statistics.median(t.calls for t in ts),
         )
         for name, ts in times.items()
     }
 
 
-def bench_host(setup: Setup, repeats: int = 21) -> tuple[float, float]:
-    """One `write_buffer` of N steps: its thread CPU (seconds, the median).
+def bench_host(setup: Setup, repeats: int) -> tuple[float, float]:
+    """One `write_buffer` of N steps: its thread CPU (seconds, the mean of `repeats`).
 
     `(JsonlWriter's, all the host work on the calling thread; AsyncWriter's, the
     calling thread's part: starting the buffer's copy and queueing it)`. The same
@@ -292,7 +331,7 @@ def bench_host(setup: Setup, repeats: int = 21) -> tuple[float, float]:
                     times[k].append(time.thread_time() - start)
                 writer.flush()
             writer.close()
-    sync, asynchronous = (statistics.median(t) for t in times)
+    sync, asynchronous = (statistics.mean(t) for t in times)
     return sync, asynchronous
 
 
@@ -452,15 +491,19 @@ def main() -> None:
         if args.tensorboard
         else ("`JsonlWriter`")
     )
+    tick = clock_tick()
+    repeats = 21 if tick < 1e-4 else 2000  # a coarse clock needs many calls
     emit(
         f"jax {jax.__version__}, {device.platform} ({device.device_kind}), "
-        f"{steps} steps x {rounds} rounds, writer {writer}, N = {N}\n"
+        f"{steps} steps x {rounds} rounds, writer {writer}, N = {N}; "
+        f"thread CPU clock step {tick * 1e3:.4g} ms\n"
     )
     emit(
         "| model | writing | loop (ms/step) | ratio to none "
-        "| CPU ms/step: process | training thread |"
+        "| CPU ms/step: process | training thread | training thread in calls "
+        "(wall) |"
     )
-    emit("|---|---|--:|--:|--:|--:|")
+    emit("|---|---|--:|--:|--:|--:|--:|")
     memory: list[tuple[str, tuple[int | None, int | None, int, int]]] = []
     host: list[tuple[str, tuple[float, float]]] = []
     step_costs: list[tuple[str, StepCost]] = []
@@ -473,10 +516,10 @@ def main() -> None:
             ms = [x / steps * 1e3 for x in t]
             emit(
                 f"| {label} | {name} | {ms[0]:.2f} | {t.wall / best['none'].wall:.3f}x "
-                f"| {ms[1]:.2f} | {ms[2]:.2f} |"
+                f"| {ms[1]:.2f} | {ms[2]:.2f} | {ms[3]:.2f} |"
             )
         memory.append((label, bench_memory(setup)))
-        host.append((label, bench_host(setup)))
+        host.append((label, bench_host(setup, repeats)))
         step_costs.append((label, bench_step(setup)))
     emit(
         f"\n| model | buffer, `memory_analysis()` | {N} x one step's summaries, "
