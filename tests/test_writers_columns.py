@@ -19,11 +19,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.core import Tracer
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import eqxctx
 import eqxctx.writers._jsonl as writers_jsonl
 import eqxctx.writers._read as writers_read
-from eqxctx.writers import Histogram, JsonlWriter, SummaryBuffer, TensorBoardWriter
+from eqxctx.writers import (
+    AsyncWriter,
+    Histogram,
+    JsonlWriter,
+    SummaryBuffer,
+    TensorBoardWriter,
+)
 from eqxctx.writers._buffer import buffer_rows, start_fetch
 from eqxctx.writers._columns import buffer_values, prefetched_rows
 from eqxctx.writers._host import HostValues, Rows
@@ -334,3 +341,38 @@ def test_alternating_levels_are_read_column_wise(tmp_path: Path) -> None:
     assert len(lines) == 16
     assert '"train/doubled/twice"' in lines[1]
     assert '"train/doubled/twice"' not in lines[0]
+
+
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 (simulated) devices")
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_buffer_of_summaries_sharded_over_a_mesh(
+    tmp_path: Path, axis_type: AxisType
+) -> None:
+    # Under `jax.make_mesh`'s default (Explicit axes) a per-example summary sharded
+    # over "data" beside replicated scalars made a row of mixed shardings, which
+    # `jnp.concatenate` refused. The file equals writing each step.
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(axis_type,))
+
+    def summaries(x: jax.Array) -> dict[str, Any]:
+        return {
+            "loss": jnp.mean(x),
+            "per_example": 2 * x,
+            "moments": eqxctx.MomentsSummary(x),
+        }
+
+    with jax.set_mesh(mesh):
+        x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("data")))
+        like = jax.eval_shape(summaries, x)
+        buffer = SummaryBuffer.create(4, {"train": like})
+        add = jax.jit(lambda b, x, i: b.add(i, {"train": summaries(x)}))
+        expected = JsonlWriter(tmp_path / "steps.jsonl")
+        for i in range(3):
+            buffer = add(buffer, x + i, jnp.int32(i))
+            expected.write(i, {"train": jax.jit(summaries)(x + i)})
+        expected.close()
+        with AsyncWriter(JsonlWriter(tmp_path / "buffer.jsonl")) as writer:
+            buffer = writer.write_buffer(buffer)
+    got = (tmp_path / "buffer.jsonl").read_bytes()
+    assert got == (tmp_path / "steps.jsonl").read_bytes()
+    assert got.count(b"\n") == 3
+    assert b'"train/per_example":[2.0,4.0,6.0' in got

@@ -173,11 +173,29 @@ def zeros(layout: Layout, size: int) -> tuple[Array, ...]:
     )
 
 
+def replicated(x: Any) -> Array:
+    """`x` as an array with no explicit mesh axis in its type: as is, or resharded.
+
+    Under a mesh of `Explicit` axes (`jax.make_mesh`'s default) a leaf sharded over
+    an axis (per-example values, say) would make a row of mixed shardings, which
+    `jnp.concatenate` and the row's update refuse; a buffer's rows are replicated
+    (they go to the host whole).
+    """
+    x = jnp.asarray(x)
+    sharding = jax.typeof(x).sharding
+    if sharding.mesh.empty or all(axis is None for axis in sharding.spec):
+        return x
+    return jax.sharding.reshard(x, jax.sharding.PartitionSpec())
+
+
 def packed_row(pack: Pack, arrays: list[Any]) -> Array:
     """One row of `pack`'s array: its leaves (of one step) raveled side by side."""
     if not pack.packed:
-        return jnp.asarray(arrays[pack.members[0][0]], pack.dtype)
-    parts = [jnp.ravel(jnp.asarray(arrays[j], pack.dtype)) for j, *_ in pack.members]
+        return replicated(jnp.asarray(arrays[pack.members[0][0]], pack.dtype))
+    parts = [
+        jnp.ravel(replicated(jnp.asarray(arrays[j], pack.dtype)))
+        for j, *_ in pack.members
+    ]
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
