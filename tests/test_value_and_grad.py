@@ -204,6 +204,45 @@ def test_a_probe_in_a_branch_that_ignores_its_input_is_not_reported() -> None:
             np.testing.assert_allclose(got, jnp.sqrt(jnp.mean(ct**2)), rtol=1e-6)
 
 
+def test_a_discarded_probe_of_a_value_dropped_after_a_jit_is_not_reported() -> None:
+    # Found by a new-user review (fifth session): the check walked a jax.jit's
+    # jaxpr with all its outputs live, so `aux` looked used.
+    @jax.jit
+    def helper(h: jax.Array, ctx: Context) -> tuple[jax.Array, jax.Array, Context]:
+        aux = jnp.sin(h)
+        _, ctx = ctx.add_gradient_summary("g", aux)  # aux never reaches the loss
+        return h * 2.0, aux, ctx
+
+    def loss(w: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+        h, _, ctx = helper(w, ctx)  # the caller drops aux
+        return jnp.sum(h), ctx
+
+    def unjitted(w: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+        h, _, ctx = helper.__wrapped__(w, ctx)  # pyright: ignore[reportAttributeAccessIssue]
+        return jnp.sum(h), ctx
+
+    (_, coll), _ = grad(unjitted, W)  # the top level: passes, reads 0
+    np.testing.assert_allclose(coll.flatten("summaries")["g"], 0.0)
+    (_, coll), _ = grad(loss, W)
+    np.testing.assert_allclose(coll.flatten("summaries")["g"], 0.0)
+
+
+def test_a_dropped_probe_inside_a_jit_is_reported_when_its_input_is_used() -> None:
+    # Output for output through a jax.jit: the probe's value is returned but
+    # dropped by the caller while `h` reaches the loss, as at the top level.
+    @jax.jit
+    def helper(h: jax.Array, ctx: Context) -> tuple[jax.Array, jax.Array, Context]:
+        probed, ctx = ctx.add_gradient_summary("g", h)
+        return h * 2.0, probed, ctx
+
+    def loss(w: jax.Array, ctx: Context) -> tuple[jax.Array, Context]:
+        h, _, ctx = helper(jnp.sin(w), ctx)
+        return jnp.sum(h), ctx
+
+    with pytest.raises(LostOutputError, match="gradient summary root/g"):
+        grad(loss, W)
+
+
 def test_the_corrected_code_equals_a_vjp_reference() -> None:
     (loss, coll), g = grad(lambda w, c: top(w, c, use=True), W)
     h = jnp.sin(W)

@@ -125,26 +125,45 @@ def _sub_jaxprs(params: dict[str, Any]) -> Iterator[Jaxpr]:
                 yield p
 
 
+#: Primitives whose inner jaxprs' outputs are the eqn's outputs, one for one.
+_CALLS = frozenset(
+    {
+        "jit",
+        "pjit",
+        "closed_call",
+        "core_call",
+        "remat2",
+        "checkpoint",
+        "cond",
+        "custom_jvp_call",
+        "custom_vjp_call",
+    }
+)
+
+
 def _reach(
     jaxpr: Jaxpr,
     live_out: Sequence[bool],
     marks: dict[tuple[ProbeKey, str], bool],
-    done: set[tuple[int, bool]],
+    done: set[tuple[int, tuple[bool, ...]]],
 ) -> None:
     """Record in `marks` whether each probe mark in `jaxpr` reads its value's cotangent.
 
-    A backwards liveness walk: an eqn is live if one of its outputs is. The jaxprs
-    inside an eqn are walked with all their outputs live if the eqn is (none if
-    not), conservatively. A mark is unused (False) when its output reaches no live
+    A backwards liveness walk: an eqn is live if one of its outputs is. The jaxpr
+    of a call (`jax.jit`, a remat, a `cond` branch, a custom-derivative function)
+    is walked with the liveness of the call's outputs, output for output; a loop's
+    body (scan, while) with all its outputs live if the loop is (none if not),
+    conservatively. A mark is unused (False) when its output reaches no live
     output while its input does, through another path (`_, ctx = probe(h)`, then
     `h` used): the probe reads 0 where the cotangent of `h` is not. A mark whose
     input is dead too reads the true cotangent, 0 (a branch ignoring `h`). A probe
     traced more than once (a branch factory's, in each branch) is unused if one of
     its marks is: when that copy runs, the probe reads 0.
     """
-    if (id(jaxpr), any(live_out)) in done:
+    key = (id(jaxpr), tuple(live_out))
+    if key in done:
         return
-    done.add((id(jaxpr), any(live_out)))
+    done.add(key)
     live = {
         v
         for v, on in zip(jaxpr.outvars, live_out, strict=True)
@@ -161,8 +180,12 @@ def _reach(
         if used:
             live.update(v for v in eqn.invars if isinstance(v, Var))
         if found is None:
+            per_output = [v in live for v in eqn.outvars]
             for sub in _sub_jaxprs(eqn.params):
-                _reach(sub, [used] * len(sub.outvars), marks, done)
+                if eqn.primitive.name in _CALLS and len(sub.outvars) == len(per_output):
+                    _reach(sub, per_output, marks, done)  # output for output
+                else:  # a loop's body: its outputs feed its next iteration too
+                    _reach(sub, [used] * len(sub.outvars), marks, done)
     # A dead mark whose input reaches the loss another way: the probe reads 0 where
     # the cotangent of its input is not 0. (Input dead too: 0 is the cotangent.)
     for found, inputs in dead:
