@@ -6,6 +6,7 @@ The reference is the same jitted step returning its summaries, written with
 
 import functools
 import inspect
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -395,6 +396,28 @@ def test_buffer_errors() -> None:
 
         with pytest.raises(TypeError, match=r"outside the jitted step"):
             inside(buffer)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_buffer_batched_by_vmap_is_refused_then_written_entry_by_entry(
+    tmp_path: Path, asynchronous: bool
+) -> None:
+    # A new-user review: a buffer returned by `jax.vmap` (one buffer per batch
+    # entry) raised NumPy's "index 4 is out of bounds for axis 1 with size 2".
+    def summaries(i: jax.Array) -> dict[str, Any]:
+        return {"v": i.astype(jnp.float32) + jnp.arange(3.0, dtype=jnp.float32)}
+
+    empty = SummaryBuffer.create(4, jax.eval_shape(summaries, jnp.int32(0)))
+    batched = jax.vmap(lambda i: empty.add(i, summaries(i)))(jnp.arange(3))
+    path = tmp_path / "s.jsonl"
+    jsonl = JsonlWriter(path)
+    with AsyncWriter(jsonl) if asynchronous else jsonl as writer:
+        with pytest.raises(ValueError, match=r"shape \(3, 2, 5\), expected \(2, 5\)"):
+            writer.write_buffer(batched)
+        for j in range(3):
+            writer.write_buffer(jax.tree.map(lambda x, j=j: x[j], batched))
+    want = [{"step": j, "v": [j + 0.0, j + 1.0, j + 2.0]} for j in range(3)]
+    assert [json.loads(line) for line in path.read_text().splitlines()] == want
 
 
 def test_the_buffer_holds_n_times_one_steps_summaries() -> None:

@@ -128,9 +128,10 @@ class AbstractWriter(abc.ABC):
 
         Raises:
             TypeError: if `buffer` is not a concrete `SummaryBuffer`; and as `write`.
-            ValueError: as `write`; and, after writing the steps it held, if steps
-                were added to the full buffer (lost; write it every `buffer.size`
-                steps).
+            ValueError: as `write`; for a buffer batched by `jax.vmap` (its
+                arrays' shapes are not the buffer's); and, after writing the steps
+                it held, if steps were added to the full buffer (lost; write it
+                every `buffer.size` steps).
         """
         where = f"{type(self).__name__}.write_buffer"
         fetch = start_fetch(buffer, where=where)

@@ -36,6 +36,7 @@ from ._layout import (
     layout_of,
     like_trees,
     packed_row,
+    shapes,
     step_dtype,
     zeros,
 )
@@ -275,6 +276,19 @@ def _arrays(buffer: SummaryBuffer, where: str) -> list[jax.Array]:
                 f"`{where}`: the buffer holds tracers: write it outside the jitted "
                 "step (return it from the step, then pass it to `write_buffer`)."
             )
+    want = [(2, buffer.size + 1)]
+    want += [
+        shape for layout in buffer.layouts for shape in shapes(layout, buffer.size)
+    ]
+    for x, shape in zip(arrays, want, strict=True):
+        if x.shape != shape:
+            raise ValueError(
+                f"`{where}`: the buffer's arrays have shape {x.shape}, expected "
+                f"{shape}: a buffer returned by `jax.vmap` (or stacked) holds one "
+                "buffer per batch entry. Add the summaries outside the vmap (merge "
+                "them there), or write each buffer: "
+                "`jax.tree.map(lambda x: x[i], buffer)`."
+            )
     return arrays
 
 
@@ -289,6 +303,8 @@ def start_fetch(buffer: object, *, where: str) -> BufferFetch:
 
     Raises:
         TypeError: if `buffer` is not a `SummaryBuffer` or holds tracers.
+        ValueError: if its arrays do not have the buffer's shapes (a buffer
+            batched by `jax.vmap`).
     """
     if not isinstance(buffer, SummaryBuffer):
         raise TypeError(

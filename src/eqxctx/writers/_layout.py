@@ -163,13 +163,18 @@ def layout_of(tree: object, where: str) -> tuple[Layout, list[Leaf]]:
     return Layout(treedef, tuple(specs), tuple(arrays), packed), leaves
 
 
+def shapes(layout: Layout, size: int) -> list[tuple[int, ...]]:
+    """The shape of each of the structure's arrays in a buffer of `size` rows."""
+    return [
+        (size, pack.width) if pack.packed else (size, *pack.members[0][3])
+        for pack in layout.packs
+    ]
+
+
 def zeros(layout: Layout, size: int) -> tuple[Array, ...]:
     return tuple(
-        jnp.zeros(
-            (size, pack.width) if pack.packed else (size, *pack.members[0][3]),
-            pack.dtype,
-        )
-        for pack in layout.packs
+        jnp.zeros(shape, pack.dtype)
+        for shape, pack in zip(shapes(layout, size), layout.packs, strict=True)
     )
 
 
