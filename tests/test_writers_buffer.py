@@ -281,6 +281,28 @@ def test_a_write_interrupted_midway_resumes_without_writing_twice(
     assert [line.split(",")[0] for line in lines] == [f'{{"step":{s}' for s in range(5)]
 
 
+def test_an_interrupted_multiwriter_resumes_each_writer_where_it_stopped(
+    tmp_path: Path,
+) -> None:
+    # A new-user review: Ctrl-C in the first writer's write of step 2 (the second
+    # writer then writes step 2 too, `MultiWriter` calls every writer) and the
+    # same buffer written again wrote step 2 twice into the second writer's file.
+    buffer = SummaryBuffer.create(8)
+    for step in range(5):
+        buffer = buffer.add(step, {"x": jnp.float32(step) / 4})
+    writer = MultiWriter(
+        _Flaky(tmp_path / "a.jsonl"), JsonlWriter(tmp_path / "b.jsonl")
+    )
+    with writer:
+        with pytest.raises(KeyboardInterrupt):
+            writer.write_buffer(buffer)
+        writer.write_buffer(buffer)  # the `finally` of the loop
+    want = [{"step": s, "x": s / 4} for s in range(5)]
+    for name in ("a", "b"):
+        lines = (tmp_path / f"{name}.jsonl").read_text().splitlines()
+        assert [json.loads(line) for line in lines] == want, name
+
+
 def test_async_buffer_writes_the_same_files_with_a_donated_buffer(
     tmp_path: Path,
 ) -> None:

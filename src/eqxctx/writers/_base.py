@@ -141,7 +141,7 @@ class AbstractWriter(abc.ABC):
         hosts = buffer_hosts(self, fetched)
         if is_writing_process():
             for k in range(skip, len(hosts)):
-                self.write_host(hosts[k])
+                self._write_row(hosts[k], (token, k))
                 self._buffer_done = (token, k + 1)
         self._buffer_done = (token, len(hosts))
         check_lost(fetched, where=where)
@@ -149,6 +149,14 @@ class AbstractWriter(abc.ABC):
 
     #: `(buffer.marks, steps written)` of the last buffer `write_buffer` wrote.
     _buffer_done: tuple[object, int] | None = None
+
+    def _write_row(self, host: HostSummaries, row: tuple[object, int]) -> None:
+        """Write row `row` (`(buffer.marks, index)`) of a buffer: `write_host`.
+
+        `MultiWriter` skips its writers that wrote the row before an interruption.
+        """
+        del row
+        self.write_host(host)
 
     def fetch(self, step: Step, summaries: Summaries) -> HostSummaries:
         """Check, validate and fetch one step's summaries to the host; write nothing.
