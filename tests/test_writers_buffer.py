@@ -442,6 +442,36 @@ def test_a_buffer_batched_by_vmap_is_refused_then_written_entry_by_entry(
     assert [json.loads(line) for line in path.read_text().splitlines()] == want
 
 
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_an_invalid_row_is_named_by_its_step(
+    tmp_path: Path, asynchronous: bool
+) -> None:
+    # A new-user review: the error named the summary's path but not which of the
+    # buffer's steps held it.
+    @jax.jit
+    def step_fn(buffer: SummaryBuffer, i: jax.Array) -> SummaryBuffer:
+        weight = jnp.where(i == 13, -1.0, 1.0)
+        return buffer.add(i, {"w": eqxctx.WeightedSummary(jnp.float32(1.0), weight)})
+
+    buffer = SummaryBuffer.create(5)
+    for step in range(5):
+        buffer = step_fn(buffer, jnp.int32(10 + step))
+    path = tmp_path / "s.jsonl"
+    jsonl = JsonlWriter(path)
+    writer = AsyncWriter(jsonl) if asynchronous else jsonl
+
+    def write() -> None:
+        try:
+            writer.write_buffer(buffer)
+        finally:
+            writer.close()  # (an AsyncWriter raises here)
+
+    with pytest.raises(ValueError, match="weights must not be negative") as info:
+        write()
+    assert any("row 3 (step 13)" in note for note in info.value.__notes__)
+    assert path.read_text() == ""  # every step is checked before any is written
+
+
 def test_the_buffer_holds_n_times_one_steps_summaries() -> None:
     one = {"a": jnp.zeros((3,), jnp.float32), "b": eqxctx.MaxSummary(jnp.int32(1))}
     buffer = SummaryBuffer.create(32, one)

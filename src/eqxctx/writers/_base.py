@@ -2,10 +2,11 @@
 
 import abc
 import dataclasses
+import functools
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import SupportsIndex, TypeAlias, TypeVar
+from typing import Any, SupportsIndex, TypeAlias, TypeVar
 
 import jax
 
@@ -217,16 +218,21 @@ def buffer_hosts(writer: AbstractWriter, fetched: BufferRows) -> list[HostSummar
     Raises as `AbstractWriter.write` does.
     """
     if type(writer).fetch is not AbstractWriter.fetch:
-        return [
-            writer.fetch(step, layout.treedef.unflatten(leaves))
+        rows = [
+            (step, layout.treedef.unflatten(leaves))
             for step, leaves, layout in fetched.rows
+        ]
+        return [
+            _row_host(writer.fetch, step, tree, i)
+            for i, (step, tree) in enumerate(rows)
         ]
     where = f"{type(writer).__name__}.write"
     columns = buffer_values(fetched, where=where)
     if columns is None:  # a structure without a recipe yet, or a row that fails
+        fetch = functools.partial(fetch_host, writer)
         return [
-            fetch_host(writer, step, prefetched)
-            for step, prefetched in prefetched_rows(fetched)
+            _row_host(fetch, step, prefetched, i)
+            for i, (step, prefetched) in enumerate(prefetched_rows(fetched))
         ]
     hosts: list[HostSummaries] = []
     for step, values in zip(fetched.steps, columns, strict=True):
@@ -234,6 +240,20 @@ def buffer_hosts(writer: AbstractWriter, fetched: BufferRows) -> list[HostSummar
         writer.check(host)
         hosts.append(host)
     return hosts
+
+
+def _row_host(
+    fetch: Callable[[int, Any], HostSummaries], step: int, summaries: Any, i: int
+) -> HostSummaries:
+    """`fetch(step, summaries)` of a buffer's row `i`; an error gets a note."""
+    try:
+        return fetch(step, summaries)
+    except Exception as e:
+        e.add_note(
+            f"Raised by `write_buffer` reading the buffer's row {i} (step {step}); "
+            "this call wrote none of the buffer's steps."
+        )
+        raise
 
 
 def check_lost(fetched: BufferRows, *, where: str) -> None:
