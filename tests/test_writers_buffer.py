@@ -472,6 +472,33 @@ def test_an_invalid_row_is_named_by_its_step(
     assert path.read_text() == ""  # every step is checked before any is written
 
 
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_buffer_deleted_by_a_failed_donating_step_is_refused_at_once(
+    tmp_path: Path, asynchronous: bool
+) -> None:
+    # A new-user review: a donating step failing at run time deletes the buffer
+    # it was given (and the steps it held); `write_buffer` in the loop's `finally`
+    # raised "Array has been deleted with shape=int32[2,9]" (an AsyncWriter only
+    # at `close`).
+    def step_fn(buffer: SummaryBuffer, i: jax.Array) -> SummaryBuffer:
+        x = eqx.error_if(i.astype(jnp.float32), i == 2, "failed at step 2")
+        return buffer.add(i, {"x": x})
+
+    donating = jax.jit(step_fn, donate_argnums=0)
+    buffer = SummaryBuffer.create(8, {"x": jax.ShapeDtypeStruct((), jnp.float32)})
+    buffer = donating(buffer, jnp.int32(0))
+    buffer = donating(buffer, jnp.int32(1))
+    with pytest.raises(Exception, match="failed at step 2"):
+        donating(buffer, jnp.int32(2))
+    assert buffer.marks.is_deleted()  # JAX's donation, not eqxctx's
+    jsonl = JsonlWriter(tmp_path / "s.jsonl")
+    with (
+        AsyncWriter(jsonl) if asynchronous else jsonl as writer,
+        pytest.raises(ValueError, match="the buffer's arrays were deleted"),
+    ):
+        writer.write_buffer(buffer)
+
+
 def test_the_buffer_holds_n_times_one_steps_summaries() -> None:
     one = {"a": jnp.zeros((3,), jnp.float32), "b": eqxctx.MaxSummary(jnp.int32(1))}
     buffer = SummaryBuffer.create(32, one)

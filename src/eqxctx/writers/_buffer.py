@@ -87,6 +87,8 @@ class SummaryBuffer(eqx.Module):
 
     Adding to a full buffer overwrites its last row; the writer then writes what
     the buffer holds and raises a `ValueError` saying how many steps were lost.
+    A buffer donated to a step that fails at run time (an `eqx.error_if`) is
+    deleted by JAX with the steps it held: the `finally` above cannot write them.
 
     Attributes:
         size: the number of rows N (steps the buffer holds), static.
@@ -276,6 +278,14 @@ def _arrays(buffer: SummaryBuffer, where: str) -> list[jax.Array]:
                 f"`{where}`: the buffer holds tracers: write it outside the jitted "
                 "step (return it from the step, then pass it to `write_buffer`)."
             )
+    if any(x.is_deleted() for x in arrays):
+        raise ValueError(
+            f"`{where}`: the buffer's arrays were deleted: it was donated to a jitted "
+            "step (`donate_argnums`) and this is the buffer passed in, not the one "
+            "the step returned. If that step failed (e.g. an `eqx.error_if` or "
+            "`jax_debug_nans` at run time), the steps the buffer held are lost with "
+            "it: do not donate the buffer where they matter."
+        )
     want = [(2, buffer.size + 1)]
     want += [
         shape for layout in buffer.layouts for shape in shapes(layout, buffer.size)
@@ -304,7 +314,7 @@ def start_fetch(buffer: object, *, where: str) -> BufferFetch:
     Raises:
         TypeError: if `buffer` is not a `SummaryBuffer` or holds tracers.
         ValueError: if its arrays do not have the buffer's shapes (a buffer
-            batched by `jax.vmap`).
+            batched by `jax.vmap`) or were deleted (donated).
     """
     if not isinstance(buffer, SummaryBuffer):
         raise TypeError(
