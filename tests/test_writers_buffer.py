@@ -408,6 +408,9 @@ def test_buffer_errors() -> None:
         buffer.add(jnp.float32(1.0), {"x": jnp.float32(1.0)})
     with pytest.raises(TypeError, match=r"'x'"):
         buffer.add(0, {"x": "text"})
+    ctx = eqxctx.Context.root().add_summary("x", jnp.float32(1.0))
+    with pytest.raises(TypeError, match=r"got Context; pass its collection"):
+        buffer.add(0, ctx)  # a new-user review: the message did not say what to pass
     with JsonlWriter(os.devnull) as writer:
         with pytest.raises(TypeError, match=r"SummaryBuffer"):
             writer.write_buffer({"x": 1.0})  # pyright: ignore[reportArgumentType]
