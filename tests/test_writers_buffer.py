@@ -502,6 +502,50 @@ def test_a_buffer_deleted_by_a_failed_donating_step_is_refused_at_once(
         writer.write_buffer(buffer)
 
 
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_summaries_of_a_batch_sharded_over_a_mesh(
+    tmp_path: Path, axis_type: str, asynchronous: bool
+) -> None:
+    # A new-user review: under Explicit mesh axes (`jax.make_mesh`'s default on
+    # new JAX), `add` raised JAX's ShardingTypeError ("dynamic_update_slice
+    # operand sharding must be equal to update sharding"): a row made from a
+    # sharded batch, the buffer's zeros on one device.
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    n = len(jax.devices())
+    mesh = jax.make_mesh((n,), ("b",), axis_types=(getattr(AxisType, axis_type),))
+    x = jax.device_put(jnp.arange(2.0 * n), NamedSharding(mesh, PartitionSpec("b")))
+
+    @jax.jit
+    def step_fn(buffer: SummaryBuffer, i: jax.Array, x: jax.Array) -> Any:
+        per = jnp.sin(x * i.astype(jnp.float32))
+        summaries = {
+            "per": per,
+            "mean": per.mean(),
+            "moments": eqxctx.MomentsSummary(per),
+            "hist": eqxctx.HistogramSummary(per, bins=4, range=(-1.0, 1.0)),
+            "half": per.astype(jnp.bfloat16),  # (an array of its own)
+        }
+        return buffer.add(i, summaries), summaries
+
+    buffer = SummaryBuffer.create(3)
+    jsonl = JsonlWriter(tmp_path / "b.jsonl")
+    with (
+        AsyncWriter(jsonl) if asynchronous else jsonl as writer,
+        JsonlWriter(tmp_path / "s.jsonl") as reference,
+    ):
+        for i in range(7):
+            buffer, summaries = step_fn(buffer, jnp.int32(i), x)
+            reference.write(i, summaries)
+            if (i + 1) % 3 == 0:
+                buffer = writer.write_buffer(buffer)
+        buffer = writer.write_buffer(buffer)
+    got = (tmp_path / "b.jsonl").read_text()
+    assert got == (tmp_path / "s.jsonl").read_text()
+    assert len(got.splitlines()) == 7
+
+
 def test_the_buffer_holds_n_times_one_steps_summaries() -> None:
     one = {"a": jnp.zeros((3,), jnp.float32), "b": eqxctx.MaxSummary(jnp.int32(1))}
     buffer = SummaryBuffer.create(32, one)

@@ -36,6 +36,7 @@ from ._layout import (
     layout_of,
     like_trees,
     packed_row,
+    replicated,
     shapes,
     step_dtype,
     zeros,
@@ -84,6 +85,8 @@ class SummaryBuffer(eqx.Module):
     not one per summary leaf, each updated by one dynamic-update-slice. Memory:
     `size` times the bytes of one step's summaries per structure, plus the
     bookkeeping (`marks`: `2 * (size + 1)` int32, int64 with `jax_enable_x64`).
+    Under Explicit mesh axes (summaries of a batch sharded over a mesh) the rows
+    are replicated on that mesh.
 
     Adding to a full buffer overwrites its last row; the writer then writes what
     the buffer holds and raises a `ValueError` saying how many steps were lost.
@@ -197,11 +200,12 @@ class SummaryBuffer(eqx.Module):
         arrays = [x for x in leaves if is_stacked(x)]
         update = jax.lax.dynamic_update_index_in_dim
         row = tuple(
-            update(p, packed_row(pack, arrays), i, 0)
+            update(*replicated([p, packed_row(pack, arrays)]), i, 0)
             for p, pack in zip(packed[k], layout.packs, strict=True)
         )
         dtype = marks.dtype
         mark = jnp.stack([step_array.astype(dtype), jnp.asarray(k, dtype)])
+        marks, mark = replicated([marks, mark])
         marks = update(marks, mark, i, 1)  # row i's step and structure
         counted = (count + 1).reshape(1, 1)
         marks = jax.lax.dynamic_update_slice(marks, counted, (0, self.size))

@@ -183,7 +183,29 @@ def packed_row(pack: Pack, arrays: list[Any]) -> Array:
     if not pack.packed:
         return jnp.asarray(arrays[pack.members[0][0]], pack.dtype)
     parts = [jnp.ravel(jnp.asarray(arrays[j], pack.dtype)) for j, *_ in pack.members]
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    return parts[0] if len(parts) == 1 else jnp.concatenate(replicated(parts))
+
+
+def replicated(arrays: list[Array]) -> list[Array]:
+    """`arrays`, replicated on the mesh one of them is typed on, if any.
+
+    Under Explicit mesh axes an array's type holds its mesh and sharding, and
+    `concatenate` / `dynamic_update_slice` need operands typed alike: summaries
+    of a batch sharded over the mesh next to replicated ones, or the buffer's
+    zeros (made on one device), would raise JAX's `ShardingTypeError`. A buffer's
+    rows are small: they are replicated. (Under Auto axes, types hold no mesh.)
+    """
+    meshes = [jax.typeof(x).sharding.mesh for x in arrays]
+    mesh = next((m for m in meshes if not m.empty), None)
+    if mesh is None:
+        return arrays
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return [
+        x
+        if m == mesh and all(p is None for p in jax.typeof(x).sharding.spec)
+        else jax.sharding.reshard(x, whole)
+        for x, m in zip(arrays, meshes, strict=True)
+    ]
 
 
 def step_dtype() -> DType:
