@@ -281,24 +281,29 @@ def test_a_write_interrupted_midway_resumes_without_writing_twice(
     assert [line.split(",")[0] for line in lines] == [f'{{"step":{s}' for s in range(5)]
 
 
+@pytest.mark.parametrize("nested", [False, True])
 def test_an_interrupted_multiwriter_resumes_each_writer_where_it_stopped(
-    tmp_path: Path,
+    tmp_path: Path, nested: bool
 ) -> None:
-    # A new-user review: Ctrl-C in the first writer's write of step 2 (the second
-    # writer then writes step 2 too, `MultiWriter` calls every writer) and the
-    # same buffer written again wrote step 2 twice into the second writer's file.
+    # A new-user review: Ctrl-C in one writer's write of step 2 (`MultiWriter`
+    # calls every writer, so the others wrote step 2) and the same buffer written
+    # again wrote step 2 twice into the others' files.
     buffer = SummaryBuffer.create(8)
     for step in range(5):
         buffer = buffer.add(step, {"x": jnp.float32(step) / 4})
-    writer = MultiWriter(
-        _Flaky(tmp_path / "a.jsonl"), JsonlWriter(tmp_path / "b.jsonl")
-    )
+    names = ["a", "b", "c"] if nested else ["a", "b"]
+    flaky = _Flaky(tmp_path / "a.jsonl")
+    others = [JsonlWriter(tmp_path / f"{name}.jsonl") for name in names[1:]]
+    if nested:  # the flaky writer second in an inner MultiWriter
+        writer = MultiWriter(MultiWriter(others[0], flaky), others[1])
+    else:
+        writer = MultiWriter(flaky, *others)
     with writer:
         with pytest.raises(KeyboardInterrupt):
             writer.write_buffer(buffer)
         writer.write_buffer(buffer)  # the `finally` of the loop
     want = [{"step": s, "x": s / 4} for s in range(5)]
-    for name in ("a", "b"):
+    for name in names:
         lines = (tmp_path / f"{name}.jsonl").read_text().splitlines()
         assert [json.loads(line) for line in lines] == want, name
 

@@ -58,7 +58,7 @@ class MultiWriter(AbstractWriter):
 
         def write(i: int, writer: AbstractWriter) -> None:
             if i not in wrote:
-                writer.write_host(host)
+                writer._write_row(host, row)  # (a MultiWriter's skips its own)
                 wrote.add(i)
 
         self._each("write_host", write)
