@@ -551,6 +551,18 @@ def test_summaries_of_a_batch_sharded_over_a_mesh(
     assert len(got.splitlines()) == 7
 
 
+def test_a_step_that_wraps_around_in_int32_says_so() -> None:
+    # A new-user review: a uint32 step counter past 2**31 was refused as "step must
+    # be >= 0, got -1294967296", without saying where the negative step came from.
+    buffer = SummaryBuffer.create(2).add(jnp.uint32(3_000_000_000), {"x": 1.0})
+    with (
+        JsonlWriter(os.devnull) as writer,
+        pytest.raises(ValueError, match="got -1294967296") as info,
+    ):
+        writer.write_buffer(buffer)
+    assert any("a step of 2**31 or more wraps" in n for n in info.value.__notes__)
+
+
 def test_the_buffer_holds_n_times_one_steps_summaries() -> None:
     one = {"a": jnp.zeros((3,), jnp.float32), "b": eqxctx.MaxSummary(jnp.int32(1))}
     buffer = SummaryBuffer.create(32, one)

@@ -249,9 +249,15 @@ def _row_host(
     try:
         return fetch(step, summaries)
     except Exception as e:
+        wrapped = (
+            " The buffer stores steps as int32 without `jax_enable_x64`: a step of "
+            "2**31 or more wraps around to a negative one."
+            if step < 0 and not jax.config.jax_enable_x64  # pyright: ignore[reportAttributeAccessIssue]
+            else ""
+        )
         e.add_note(
             f"Raised by `write_buffer` reading the buffer's row {i} (step {step}); "
-            "this call wrote none of the buffer's steps."
+            f"this call wrote none of the buffer's steps.{wrapped}"
         )
         raise
 

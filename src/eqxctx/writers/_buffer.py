@@ -165,7 +165,8 @@ class SummaryBuffer(eqx.Module):
 
         Args:
             step: the step number, an integer scalar (an array, traced or not, or
-                a Python int).
+                a Python int), below 2**31 unless `jax_enable_x64` is on (the
+                buffer stores it as int32; a larger one wraps around).
             summaries: what `AbstractWriter.write` takes: an `OutputCollection`
                 (its summaries) or a nested mapping of summaries and
                 `OutputCollection`s (`{"train": collection}`).
