@@ -234,12 +234,16 @@ def buffer_hosts(writer: AbstractWriter, fetched: BufferRows) -> list[HostSummar
             _row_host(fetch, step, prefetched, i)
             for i, (step, prefetched) in enumerate(prefetched_rows(fetched))
         ]
-    hosts: list[HostSummaries] = []
-    for step, values in zip(fetched.steps, columns, strict=True):
+
+    def checked(step: int, values: Any) -> HostSummaries:
         host = HostSummaries(check_step(step, where=where), values)
         writer.check(host)
-        hosts.append(host)
-    return hosts
+        return host
+
+    return [
+        _row_host(checked, step, values, i)
+        for i, (step, values) in enumerate(zip(fetched.steps, columns, strict=True))
+    ]
 
 
 def _row_host(
