@@ -6,6 +6,7 @@ The reference is the same jitted step returning its summaries, written with
 
 import functools
 import inspect
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -280,6 +281,33 @@ def test_a_write_interrupted_midway_resumes_without_writing_twice(
     assert [line.split(",")[0] for line in lines] == [f'{{"step":{s}' for s in range(5)]
 
 
+@pytest.mark.parametrize("nested", [False, True])
+def test_an_interrupted_multiwriter_resumes_each_writer_where_it_stopped(
+    tmp_path: Path, nested: bool
+) -> None:
+    # A new-user review: Ctrl-C in one writer's write of step 2 (`MultiWriter`
+    # calls every writer, so the others wrote step 2) and the same buffer written
+    # again wrote step 2 twice into the others' files.
+    buffer = SummaryBuffer.create(8)
+    for step in range(5):
+        buffer = buffer.add(step, {"x": jnp.float32(step) / 4})
+    names = ["a", "b", "c"] if nested else ["a", "b"]
+    flaky = _Flaky(tmp_path / "a.jsonl")
+    others = [JsonlWriter(tmp_path / f"{name}.jsonl") for name in names[1:]]
+    if nested:  # the flaky writer second in an inner MultiWriter
+        writer = MultiWriter(MultiWriter(others[0], flaky), others[1])
+    else:
+        writer = MultiWriter(flaky, *others)
+    with writer:
+        with pytest.raises(KeyboardInterrupt):
+            writer.write_buffer(buffer)
+        writer.write_buffer(buffer)  # the `finally` of the loop
+    want = [{"step": s, "x": s / 4} for s in range(5)]
+    for name in names:
+        lines = (tmp_path / f"{name}.jsonl").read_text().splitlines()
+        assert [json.loads(line) for line in lines] == want, name
+
+
 def test_async_buffer_writes_the_same_files_with_a_donated_buffer(
     tmp_path: Path,
 ) -> None:
@@ -385,6 +413,9 @@ def test_buffer_errors() -> None:
         buffer.add(jnp.float32(1.0), {"x": jnp.float32(1.0)})
     with pytest.raises(TypeError, match=r"'x'"):
         buffer.add(0, {"x": "text"})
+    ctx = eqxctx.Context.root().add_summary("x", jnp.float32(1.0))
+    with pytest.raises(TypeError, match=r"got Context; pass its collection"):
+        buffer.add(0, ctx)  # a new-user review: the message did not say what to pass
     with JsonlWriter(os.devnull) as writer:
         with pytest.raises(TypeError, match=r"SummaryBuffer"):
             writer.write_buffer({"x": 1.0})  # pyright: ignore[reportArgumentType]
@@ -395,6 +426,141 @@ def test_buffer_errors() -> None:
 
         with pytest.raises(TypeError, match=r"outside the jitted step"):
             inside(buffer)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_buffer_batched_by_vmap_is_refused_then_written_entry_by_entry(
+    tmp_path: Path, asynchronous: bool
+) -> None:
+    # A new-user review: a buffer returned by `jax.vmap` (one buffer per batch
+    # entry) raised NumPy's "index 4 is out of bounds for axis 1 with size 2".
+    def summaries(i: jax.Array) -> dict[str, Any]:
+        return {"v": i.astype(jnp.float32) + jnp.arange(3.0, dtype=jnp.float32)}
+
+    empty = SummaryBuffer.create(4, jax.eval_shape(summaries, jnp.int32(0)))
+    batched = jax.vmap(lambda i: empty.add(i, summaries(i)))(jnp.arange(3))
+    path = tmp_path / "s.jsonl"
+    jsonl = JsonlWriter(path)
+    with AsyncWriter(jsonl) if asynchronous else jsonl as writer:
+        with pytest.raises(ValueError, match=r"shape \(3, 2, 5\), expected \(2, 5\)"):
+            writer.write_buffer(batched)
+        for j in range(3):
+            writer.write_buffer(jax.tree.map(lambda x, j=j: x[j], batched))
+    want = [{"step": j, "v": [j + 0.0, j + 1.0, j + 2.0]} for j in range(3)]
+    assert [json.loads(line) for line in path.read_text().splitlines()] == want
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_an_invalid_row_is_named_by_its_step(
+    tmp_path: Path, asynchronous: bool
+) -> None:
+    # A new-user review: the error named the summary's path but not which of the
+    # buffer's steps held it.
+    @jax.jit
+    def step_fn(buffer: SummaryBuffer, i: jax.Array) -> SummaryBuffer:
+        weight = jnp.where(i == 13, -1.0, 1.0)
+        return buffer.add(i, {"w": eqxctx.WeightedSummary(jnp.float32(1.0), weight)})
+
+    buffer = SummaryBuffer.create(5)
+    for step in range(5):
+        buffer = step_fn(buffer, jnp.int32(10 + step))
+    path = tmp_path / "s.jsonl"
+    jsonl = JsonlWriter(path)
+    writer = AsyncWriter(jsonl) if asynchronous else jsonl
+
+    def write() -> None:
+        try:
+            writer.write_buffer(buffer)
+        finally:
+            writer.close()  # (an AsyncWriter raises here)
+
+    with pytest.raises(ValueError, match="weights must not be negative") as info:
+        write()
+    assert any("row 3 (step 13)" in note for note in info.value.__notes__)
+    assert path.read_text() == ""  # every step is checked before any is written
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_buffer_deleted_by_a_failed_donating_step_is_refused_at_once(
+    tmp_path: Path, asynchronous: bool
+) -> None:
+    # A new-user review: a donating step failing at run time deletes the buffer
+    # it was given (and the steps it held); `write_buffer` in the loop's `finally`
+    # raised "Array has been deleted with shape=int32[2,9]" (an AsyncWriter only
+    # at `close`).
+    def step_fn(buffer: SummaryBuffer, i: jax.Array) -> SummaryBuffer:
+        x = eqx.error_if(i.astype(jnp.float32), i == 2, "failed at step 2")
+        return buffer.add(i, {"x": x})
+
+    donating = jax.jit(step_fn, donate_argnums=0)
+    buffer = SummaryBuffer.create(8, {"x": jax.ShapeDtypeStruct((), jnp.float32)})
+    buffer = donating(buffer, jnp.int32(0))
+    buffer = donating(buffer, jnp.int32(1))
+    with pytest.raises(Exception, match="failed at step 2"):
+        donating(buffer, jnp.int32(2))
+    assert buffer.marks.is_deleted()  # JAX's donation, not eqxctx's
+    jsonl = JsonlWriter(tmp_path / "s.jsonl")
+    with (
+        AsyncWriter(jsonl) if asynchronous else jsonl as writer,
+        pytest.raises(ValueError, match="the buffer's arrays were deleted"),
+    ):
+        writer.write_buffer(buffer)
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_summaries_of_a_batch_sharded_over_a_mesh(
+    tmp_path: Path, axis_type: str, asynchronous: bool
+) -> None:
+    # A new-user review: under Explicit mesh axes (`jax.make_mesh`'s default on
+    # new JAX), `add` raised JAX's ShardingTypeError ("dynamic_update_slice
+    # operand sharding must be equal to update sharding"): a row made from a
+    # sharded batch, the buffer's zeros on one device.
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    n = len(jax.devices())
+    mesh = jax.make_mesh((n,), ("b",), axis_types=(getattr(AxisType, axis_type),))
+    x = jax.device_put(jnp.arange(2.0 * n), NamedSharding(mesh, PartitionSpec("b")))
+
+    @jax.jit
+    def step_fn(buffer: SummaryBuffer, i: jax.Array, x: jax.Array) -> Any:
+        per = jnp.sin(x * i.astype(jnp.float32))
+        summaries = {
+            "per": per,
+            "mean": per.mean(),
+            "moments": eqxctx.MomentsSummary(per),
+            "hist": eqxctx.HistogramSummary(per, bins=4, range=(-1.0, 1.0)),
+            "half": per.astype(jnp.bfloat16),  # (an array of its own)
+        }
+        return buffer.add(i, summaries), summaries
+
+    buffer = SummaryBuffer.create(3)
+    jsonl = JsonlWriter(tmp_path / "b.jsonl")
+    with (
+        AsyncWriter(jsonl) if asynchronous else jsonl as writer,
+        JsonlWriter(tmp_path / "s.jsonl") as reference,
+    ):
+        for i in range(7):
+            buffer, summaries = step_fn(buffer, jnp.int32(i), x)
+            reference.write(i, summaries)
+            if (i + 1) % 3 == 0:
+                buffer = writer.write_buffer(buffer)
+        buffer = writer.write_buffer(buffer)
+    got = (tmp_path / "b.jsonl").read_text()
+    assert got == (tmp_path / "s.jsonl").read_text()
+    assert len(got.splitlines()) == 7
+
+
+def test_a_step_that_wraps_around_in_int32_says_so() -> None:
+    # A new-user review: a uint32 step counter past 2**31 was refused as "step must
+    # be >= 0, got -1294967296", without saying where the negative step came from.
+    buffer = SummaryBuffer.create(2).add(jnp.uint32(3_000_000_000), {"x": 1.0})
+    with (
+        JsonlWriter(os.devnull) as writer,
+        pytest.raises(ValueError, match="got -1294967296") as info,
+    ):
+        writer.write_buffer(buffer)
+    assert any("a step of 2**31 or more wraps" in n for n in info.value.__notes__)
 
 
 def test_the_buffer_holds_n_times_one_steps_summaries() -> None:

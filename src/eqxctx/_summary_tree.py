@@ -46,9 +46,15 @@ def summary_tree_flat(
     elif isinstance(summaries, Mapping):
         tree = freeze(_summaries_of(summaries), "", where)
     else:
+        # (A `Context`, from a later layer: its collection is what to pass.)
+        hint = (
+            "; pass its collection (`ctx.collection`)"
+            if isinstance(getattr(summaries, "collection", None), OutputCollection)
+            else ""
+        )
         raise TypeError(
             f"`{where}`: summaries must be an `OutputCollection` or a nested mapping "
-            f"of summaries, got {type(summaries).__name__}."
+            f"of summaries, got {type(summaries).__name__}{hint}."
         )
     # The names depend only on the structure: checked once per treedef (writers and
     # accumulators see the same structure every step).

@@ -351,8 +351,8 @@ class AsyncWriter(AbstractWriter):
 
         Raises:
             TypeError: if `buffer` is not a concrete `SummaryBuffer`.
-            ValueError: for a closed writer; with several processes, as
-                `AbstractWriter.write_buffer`.
+            ValueError: for a closed writer or a buffer batched by `jax.vmap`;
+                with several processes, as `AbstractWriter.write_buffer`.
             BaseException: the error of a failed background write, if any.
         """
         where = "AsyncWriter.write_buffer"

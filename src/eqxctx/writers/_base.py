@@ -2,10 +2,11 @@
 
 import abc
 import dataclasses
+import functools
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import SupportsIndex, TypeAlias, TypeVar
+from typing import Any, SupportsIndex, TypeAlias, TypeVar
 
 import jax
 
@@ -128,9 +129,10 @@ class AbstractWriter(abc.ABC):
 
         Raises:
             TypeError: if `buffer` is not a concrete `SummaryBuffer`; and as `write`.
-            ValueError: as `write`; and, after writing the steps it held, if steps
-                were added to the full buffer (lost; write it every `buffer.size`
-                steps).
+            ValueError: as `write`; for a buffer batched by `jax.vmap` (its
+                arrays' shapes are not the buffer's); and, after writing the steps
+                it held, if steps were added to the full buffer (lost; write it
+                every `buffer.size` steps).
         """
         where = f"{type(self).__name__}.write_buffer"
         fetch = start_fetch(buffer, where=where)
@@ -140,7 +142,7 @@ class AbstractWriter(abc.ABC):
         hosts = buffer_hosts(self, fetched)
         if is_writing_process():
             for k in range(skip, len(hosts)):
-                self.write_host(hosts[k])
+                self._write_row(hosts[k], (token, k))
                 self._buffer_done = (token, k + 1)
         self._buffer_done = (token, len(hosts))
         check_lost(fetched, where=where)
@@ -148,6 +150,14 @@ class AbstractWriter(abc.ABC):
 
     #: `(buffer.marks, steps written)` of the last buffer `write_buffer` wrote.
     _buffer_done: tuple[object, int] | None = None
+
+    def _write_row(self, host: HostSummaries, row: tuple[object, int]) -> None:
+        """Write row `row` (`(buffer.marks, index)`) of a buffer: `write_host`.
+
+        `MultiWriter` skips its writers that wrote the row before an interruption.
+        """
+        del row
+        self.write_host(host)
 
     def fetch(self, step: Step, summaries: Summaries) -> HostSummaries:
         """Check, validate and fetch one step's summaries to the host; write nothing.
@@ -208,23 +218,52 @@ def buffer_hosts(writer: AbstractWriter, fetched: BufferRows) -> list[HostSummar
     Raises as `AbstractWriter.write` does.
     """
     if type(writer).fetch is not AbstractWriter.fetch:
-        return [
-            writer.fetch(step, layout.treedef.unflatten(leaves))
+        rows = [
+            (step, layout.treedef.unflatten(leaves))
             for step, leaves, layout in fetched.rows
+        ]
+        return [
+            _row_host(writer.fetch, step, tree, i)
+            for i, (step, tree) in enumerate(rows)
         ]
     where = f"{type(writer).__name__}.write"
     columns = buffer_values(fetched, where=where)
     if columns is None:  # a structure without a recipe yet, or a row that fails
+        fetch = functools.partial(fetch_host, writer)
         return [
-            fetch_host(writer, step, prefetched)
-            for step, prefetched in prefetched_rows(fetched)
+            _row_host(fetch, step, prefetched, i)
+            for i, (step, prefetched) in enumerate(prefetched_rows(fetched))
         ]
-    hosts: list[HostSummaries] = []
-    for step, values in zip(fetched.steps, columns, strict=True):
+
+    def checked(step: int, values: Any) -> HostSummaries:
         host = HostSummaries(check_step(step, where=where), values)
         writer.check(host)
-        hosts.append(host)
-    return hosts
+        return host
+
+    return [
+        _row_host(checked, step, values, i)
+        for i, (step, values) in enumerate(zip(fetched.steps, columns, strict=True))
+    ]
+
+
+def _row_host(
+    fetch: Callable[[int, Any], HostSummaries], step: int, summaries: Any, i: int
+) -> HostSummaries:
+    """`fetch(step, summaries)` of a buffer's row `i`; an error gets a note."""
+    try:
+        return fetch(step, summaries)
+    except Exception as e:
+        wrapped = (
+            " The buffer stores steps as int32 without `jax_enable_x64`: a step of "
+            "2**31 or more wraps around to a negative one."
+            if step < 0 and not jax.config.jax_enable_x64  # pyright: ignore[reportAttributeAccessIssue]
+            else ""
+        )
+        e.add_note(
+            f"Raised by `write_buffer` reading the buffer's row {i} (step {step}); "
+            f"this call wrote none of the buffer's steps.{wrapped}"
+        )
+        raise
 
 
 def check_lost(fetched: BufferRows, *, where: str) -> None:

@@ -36,6 +36,8 @@ from ._layout import (
     layout_of,
     like_trees,
     packed_row,
+    replicated,
+    shapes,
     step_dtype,
     zeros,
 )
@@ -83,9 +85,13 @@ class SummaryBuffer(eqx.Module):
     not one per summary leaf, each updated by one dynamic-update-slice. Memory:
     `size` times the bytes of one step's summaries per structure, plus the
     bookkeeping (`marks`: `2 * (size + 1)` int32, int64 with `jax_enable_x64`).
+    Under Explicit mesh axes (summaries of a batch sharded over a mesh) the rows
+    are replicated on that mesh.
 
     Adding to a full buffer overwrites its last row; the writer then writes what
     the buffer holds and raises a `ValueError` saying how many steps were lost.
+    A buffer donated to a step that fails at run time (an `eqx.error_if`) is
+    deleted by JAX with the steps it held: the `finally` above cannot write them.
 
     Attributes:
         size: the number of rows N (steps the buffer holds), static.
@@ -159,7 +165,8 @@ class SummaryBuffer(eqx.Module):
 
         Args:
             step: the step number, an integer scalar (an array, traced or not, or
-                a Python int).
+                a Python int), below 2**31 unless `jax_enable_x64` is on (the
+                buffer stores it as int32; a larger one wraps around).
             summaries: what `AbstractWriter.write` takes: an `OutputCollection`
                 (its summaries) or a nested mapping of summaries and
                 `OutputCollection`s (`{"train": collection}`).
@@ -194,11 +201,12 @@ class SummaryBuffer(eqx.Module):
         arrays = [x for x in leaves if is_stacked(x)]
         update = jax.lax.dynamic_update_index_in_dim
         row = tuple(
-            update(p, packed_row(pack, arrays), i, 0)
+            update(*replicated([p, packed_row(pack, arrays)]), i, 0)
             for p, pack in zip(packed[k], layout.packs, strict=True)
         )
         dtype = marks.dtype
         mark = jnp.stack([step_array.astype(dtype), jnp.asarray(k, dtype)])
+        marks, mark = replicated([marks, mark])
         marks = update(marks, mark, i, 1)  # row i's step and structure
         counted = (count + 1).reshape(1, 1)
         marks = jax.lax.dynamic_update_slice(marks, counted, (0, self.size))
@@ -275,6 +283,27 @@ def _arrays(buffer: SummaryBuffer, where: str) -> list[jax.Array]:
                 f"`{where}`: the buffer holds tracers: write it outside the jitted "
                 "step (return it from the step, then pass it to `write_buffer`)."
             )
+    if any(x.is_deleted() for x in arrays):
+        raise ValueError(
+            f"`{where}`: the buffer's arrays were deleted: it was donated to a jitted "
+            "step (`donate_argnums`) and this is the buffer passed in, not the one "
+            "the step returned. If that step failed (e.g. an `eqx.error_if` or "
+            "`jax_debug_nans` at run time), the steps the buffer held are lost with "
+            "it: do not donate the buffer where they matter."
+        )
+    want = [(2, buffer.size + 1)]
+    want += [
+        shape for layout in buffer.layouts for shape in shapes(layout, buffer.size)
+    ]
+    for x, shape in zip(arrays, want, strict=True):
+        if x.shape != shape:
+            raise ValueError(
+                f"`{where}`: the buffer's arrays have shape {x.shape}, expected "
+                f"{shape}: a buffer returned by `jax.vmap` (or stacked) holds one "
+                "buffer per batch entry. Add the summaries outside the vmap (merge "
+                "them there), or write each buffer: "
+                "`jax.tree.map(lambda x: x[i], buffer)`."
+            )
     return arrays
 
 
@@ -289,6 +318,8 @@ def start_fetch(buffer: object, *, where: str) -> BufferFetch:
 
     Raises:
         TypeError: if `buffer` is not a `SummaryBuffer` or holds tracers.
+        ValueError: if its arrays do not have the buffer's shapes (a buffer
+            batched by `jax.vmap`) or were deleted (donated).
     """
     if not isinstance(buffer, SummaryBuffer):
         raise TypeError(

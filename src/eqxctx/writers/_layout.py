@@ -163,40 +163,49 @@ def layout_of(tree: object, where: str) -> tuple[Layout, list[Leaf]]:
     return Layout(treedef, tuple(specs), tuple(arrays), packed), leaves
 
 
+def shapes(layout: Layout, size: int) -> list[tuple[int, ...]]:
+    """The shape of each of the structure's arrays in a buffer of `size` rows."""
+    return [
+        (size, pack.width) if pack.packed else (size, *pack.members[0][3])
+        for pack in layout.packs
+    ]
+
+
 def zeros(layout: Layout, size: int) -> tuple[Array, ...]:
     return tuple(
-        jnp.zeros(
-            (size, pack.width) if pack.packed else (size, *pack.members[0][3]),
-            pack.dtype,
-        )
-        for pack in layout.packs
+        jnp.zeros(shape, pack.dtype)
+        for shape, pack in zip(shapes(layout, size), layout.packs, strict=True)
     )
-
-
-def replicated(x: Any) -> Array:
-    """`x` as an array with no explicit mesh axis in its type: as is, or resharded.
-
-    Under a mesh of `Explicit` axes (`jax.make_mesh`'s default) a leaf sharded over
-    an axis (per-example values, say) would make a row of mixed shardings, which
-    `jnp.concatenate` and the row's update refuse; a buffer's rows are replicated
-    (they go to the host whole).
-    """
-    x = jnp.asarray(x)
-    sharding = jax.typeof(x).sharding
-    if sharding.mesh.empty or all(axis is None for axis in sharding.spec):
-        return x
-    return jax.sharding.reshard(x, jax.sharding.PartitionSpec())
 
 
 def packed_row(pack: Pack, arrays: list[Any]) -> Array:
     """One row of `pack`'s array: its leaves (of one step) raveled side by side."""
     if not pack.packed:
-        return replicated(jnp.asarray(arrays[pack.members[0][0]], pack.dtype))
-    parts = [
-        jnp.ravel(replicated(jnp.asarray(arrays[j], pack.dtype)))
-        for j, *_ in pack.members
+        return jnp.asarray(arrays[pack.members[0][0]], pack.dtype)
+    parts = [jnp.ravel(jnp.asarray(arrays[j], pack.dtype)) for j, *_ in pack.members]
+    return parts[0] if len(parts) == 1 else jnp.concatenate(replicated(parts))
+
+
+def replicated(arrays: list[Array]) -> list[Array]:
+    """`arrays`, replicated on the mesh one of them is typed on, if any.
+
+    Under Explicit mesh axes an array's type holds its mesh and sharding, and
+    `concatenate` / `dynamic_update_slice` need operands typed alike: summaries
+    of a batch sharded over the mesh next to replicated ones, or the buffer's
+    zeros (made on one device), would raise JAX's `ShardingTypeError`. A buffer's
+    rows are small: they are replicated. (Under Auto axes, types hold no mesh.)
+    """
+    meshes = [jax.typeof(x).sharding.mesh for x in arrays]
+    mesh = next((m for m in meshes if not m.empty), None)
+    if mesh is None:
+        return arrays
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return [
+        x
+        if m == mesh and all(p is None for p in jax.typeof(x).sharding.spec)
+        else jax.sharding.reshard(x, whole)
+        for x, m in zip(arrays, meshes, strict=True)
     ]
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
 def step_dtype() -> DType:

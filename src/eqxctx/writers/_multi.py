@@ -39,22 +39,47 @@ class MultiWriter(AbstractWriter):
             Exception: the first error a writer raised, after every writer was
                 called.
         """
-        self._each("write_host", lambda writer: writer.write_host(host))
+        self._each("write_host", lambda _, writer: writer.write_host(host))
+
+    def _write_row(self, host: HostSummaries, row: tuple[object, int]) -> None:
+        """Write a buffer's row with every writer that has not written it yet.
+
+        A `write_buffer` interrupted in one writer's `write_host` (Ctrl-C) is
+        called again with the same buffer: the writers that wrote that row
+        then are skipped, so that each writes every step once.
+        """
+        last = self._row
+        wrote = (
+            last[2]
+            if last is not None and last[0] is row[0] and last[1] == row[1]
+            else set()
+        )
+        self._row = (row[0], row[1], wrote)
+
+        def write(i: int, writer: AbstractWriter) -> None:
+            if i not in wrote:
+                writer._write_row(host, row)  # (a MultiWriter's skips its own)
+                wrote.add(i)
+
+        self._each("write_host", write)
+
+    #: `(buffer.marks, row, writers that wrote it)`: the row `_write_row` wrote last.
+    _row: tuple[object, int, set[int]] | None = None
 
     def flush(self) -> None:
         """Flush every writer; raise the first error after flushing all."""
-        self._each("flush", lambda writer: writer.flush())
+        self._each("flush", lambda _, writer: writer.flush())
 
     def close(self) -> None:
         """Close every writer; raise the first error after closing all."""
-        self._each("close", lambda writer: writer.close())
+        self._each("close", lambda _, writer: writer.close())
 
-    def _each(self, name: str, call: Callable[[AbstractWriter], None]) -> None:
-        """`call(writer)` for every writer; then raise the first error, if any."""
+    def _each(self, name: str, call: Callable[[int, AbstractWriter], None]) -> None:
+        """`call(i, writer)` for every writer; then raise the first error, if any."""
         error: BaseException | None = None
-        for writer in self.writers:
+        for i, writer in enumerate(self.writers):
             try:
-                call(writer)
+                call(i, writer)
             except BaseException as e:
                 if error is None:
                     error = e
