@@ -197,7 +197,10 @@ class TensorBoardWriter(AbstractWriter):
         logdir: the folder for the event file (created if missing).
         max_queue: events buffered before they are written to disk, an int >= 1.
         flush_secs: the longest time (seconds, a number >= 0) between a write and
-            the next flush, checked at each write.
+            the next flush, checked at each write. (A `write_buffer` whose steps
+            are read column-wise flushes once for all its steps of one structure,
+            after the last of them, where `write` would flush every `max_queue`
+            steps.)
 
     Raises:
         TypeError: if `max_queue` is not an int or `flush_secs` not a number.
