@@ -1,4 +1,4 @@
-"""TensorBoardWriter encodes a buffer's rows column-wise (`_tb_rows.block_rows`).
+"""TensorBoardWriter makes a buffer's rows column-wise (`_tb_rows.block_rows`).
 
 The reference is `TensorBoardWriter.write` of each step alone: every event parsed
 back from the event file (its step and summary values; no wall time) must equal
@@ -61,7 +61,7 @@ def _summaries(i: jax.Array, level: int) -> dict[str, Any]:
         "big": jnp.int32(2**31 - 1) - i,  # rounded to float32
         "flag": v[3] > 0,
         "nan": jnp.where(i % 3 == 0, jnp.nan, jnp.inf * v[4]),
-        "const": 0.25,  # static in the buffer
+        "const": 0.25,  # stacked in the buffer (a Python number)
         "moments": eqxctx.MomentsSummary(v * x),
         "ranged": eqxctx.HistogramSummary(v, bins=5, range=(-2.0, 2.0)),
         "batched": _BatchBuckets(counts),  # nothing counted in even rows
@@ -114,7 +114,7 @@ def _events(logdir: Path) -> list[tuple[int, bool, list[bytes]]]:
 
 
 @pytest.mark.parametrize("levels", [(1,), (0, 1)])
-def test_buffer_rows_encoded_together_equal_step_by_step(
+def test_buffer_rows_made_together_equal_step_by_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, levels: tuple[int, ...]
 ) -> None:
     writers_read._RECIPES.clear()  # pyright: ignore[reportPrivateUsage]
@@ -140,7 +140,7 @@ def test_buffer_rows_encoded_together_equal_step_by_step(
     with TensorBoardWriter(tmp_path / "b") as writer:
         for full in buffers:  # the first row by row (the recipes are made)
             writer.write_buffer(full)
-    # Each structure's rows of each later buffer encoded once.
+    # Each structure's rows of each later buffer made once.
     per = [size, steps - 2 * size]
     assert blocks == (per if len(levels) == 1 else [n // 2 for n in per for _ in "ab"])
     got, want = _events(tmp_path / "b"), _events(tmp_path / "s")
@@ -170,49 +170,3 @@ def test_a_buffer_flushes_once_at_its_end(
         writer.write_buffer(buffers[1])  # column-wise
         assert len(flushes) == 3  # 14 events pending: one flush, at its end
     assert len(read_events(str(tmp_path))) == 1 + 24
-
-
-@pytest.mark.parametrize(
-    "x",
-    [0.0, -0.0, 0.1, 1 / 3, 1e-50, 2.0**-140, 3.5e38, -1e300, np.inf, -np.inf, np.nan],
-)
-def test_scalar_rows_equal_protobufs_float_fields(x: float) -> None:
-    from tensorboardX.proto import summary_pb2
-
-    from eqxctx.writers._tb_rows import scalar_rows
-
-    tags = ["a", "b/é" * 60]  # a 2-byte length
-    floats = np.asarray([[x, -x], [x * 2, 1.0]], np.float64)
-    rows = scalar_rows(tags, floats)
-    for row, values in zip(rows, floats.tolist(), strict=True):
-        summary = summary_pb2.Summary(
-            value=[
-                summary_pb2.Summary.Value(tag=tag, simple_value=value)
-                for tag, value in zip(tags, values, strict=True)
-            ]
-        )
-        assert row == summary.SerializeToString()
-
-
-@pytest.mark.parametrize(
-    "doubles",
-    [(0.0, -0.0, 1.0, np.nan, -np.inf), (-1e308, 1e308, 3.0, 0.5, 2.0**-1074)],
-)
-@pytest.mark.parametrize("size", [0, 1, 40])
-def test_histogram_bytes_equal_protobufs(doubles: Any, size: int) -> None:
-    from tensorboardX.proto import summary_pb2
-
-    from eqxctx.writers._tb_rows import histogram_bytes
-
-    limits = np.linspace(-1.0, 1.0, size) ** 3
-    buckets = -np.arange(size, dtype=np.float64)  # -0.0 first
-    want = summary_pb2.HistogramProto(
-        min=doubles[0],
-        max=doubles[1],
-        num=doubles[2],
-        sum=doubles[3],
-        sum_squares=doubles[4],
-        bucket_limit=limits.tolist(),
-        bucket=buckets.tolist(),
-    ).SerializeToString()
-    assert histogram_bytes(doubles, limits, buckets) == want

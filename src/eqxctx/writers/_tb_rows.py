@@ -1,17 +1,16 @@
-"""A buffer's rows as TensorBoard `Summary` messages, encoded column-wise.
+"""A buffer's rows as TensorBoard `Summary` messages, made column-wise.
 
 `TensorBoardWriter` writes each row of a `SummaryBuffer` read column-wise
-(`_columns.RowBlock`) from bytes made once for all of the block's rows: the
-scalars of every row are converted to float32 at once and put between their tags'
-encodings (protobuf's wire format), and the histograms of a `HistogramSummary`
-column share their edges' arithmetic; other values (images, audio, raw arrays)
-are encoded row by row, as `write` encodes them. Each row's bytes parse to the
-`Summary` that `write` of that row alone makes.
+(`_columns.RowBlock`) from a `Summary` made for all of the block's rows at once,
+through protobuf's own API: the scalars of every row are converted at once and
+assigned to a copy of a message holding their tags, and the histograms of a
+`HistogramSummary` column share their edges' arithmetic; other values (images,
+audio, raw arrays) are added row by row, as `write` adds them. Each row's
+`Summary` equals the one that `write` of that row alone makes.
 """
 
 import functools
-import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -22,67 +21,40 @@ from ._columns import RecordRows, RowBlock
 from ._host import HostValue, Rows
 
 
-#: The serialized `Summary` of one step's values (a part, or one value), b"" for
-#: none: serialized `Summary` messages joined parse as one with all their values.
-Encode: TypeAlias = Callable[[dict[str, HostValue] | Rows], bytes]
+#: A tensorboardX protobuf message or class (`Summary`, `Summary.Value`'s list).
+#: `Any`: tensorboardX is optional, imported by the writer.
+Proto: TypeAlias = Any
+#: The writer's `_add_values`: add a part's `Summary.Value`s to a repeated field.
+AddValues: TypeAlias = Callable[[Proto, Mapping[str, HostValue] | Rows], None]
 
 DBL_MAX = float(np.finfo(np.float64).max)
-_BYTES = [bytes((k,)) for k in range(0x80)]
-
-
-def _varint(n: int) -> bytes:
-    if n < 0x80:
-        return _BYTES[n]
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _field(number: int, payload: bytes) -> bytes:
-    """A length-delimited protobuf field (a string, bytes or a message)."""
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
-
-
-def _histogram_entry(tag: str, histo: bytes) -> bytes:
-    """`Summary(value=[Value(tag=tag, histo=...)])` from the serialized histogram."""
-    return _field(1, _field(1, tag.encode()) + _field(5, histo))
 
 
 @functools.lru_cache(maxsize=256)  # one per scalar run of each layout
-def _scalar_template(tags: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """A row of `Summary(value=[Value(tag=t, simple_value=...) for t in tags])`.
-
-    Returns the row's bytes with 0 for every float (`uint8[length]`) and the
-    positions of the floats' 4 little-endian bytes, in `tags`' order
-    (`int[4 * len(tags)]`).
-    """
-    row = bytearray()
-    positions: list[int] = []
+def _scalar_template(summary: Proto, tags: tuple[str, ...]) -> Proto:
+    """`summary(value=[Value(tag=t) for t in tags])`: the tags of a scalar run."""
+    template = summary()
+    add = template.value.add
     for tag in tags:
-        entry = _field(1, _field(1, tag.encode()) + b"\x15\0\0\0\0")  # float field 2
-        positions.extend(range(len(row) + len(entry) - 4, len(row) + len(entry)))
-        row += entry
-    return np.frombuffer(bytes(row), np.uint8), np.asarray(positions, np.intp)
+        add(tag=tag)
+    return template
 
 
-def scalar_rows(tags: Sequence[str], floats: np.ndarray) -> list[bytes]:
-    """Each row's `Summary` of the scalars `floats` (`float64[n, len(tags)]`).
+def add_scalar_rows(
+    out: Sequence[Proto], summary: Proto, tags: Sequence[str], floats: np.ndarray
+) -> None:
+    """Add row `i` of the scalars `floats` (`float64[n, len(tags)]`) to `out[i]`.
 
-    Each value is stored as a float32 as protobuf stores a Python float (C's
-    conversion: overflow to ±infinity, NaN kept).
+    Each row's values are a copy of a message holding the tags (`MergeFrom`), with
+    their `simple_value`s assigned: protobuf stores each Python float as a float32,
+    as `write` stores `float(value)`.
     """
-    template, positions = _scalar_template(tuple(tags))
-    n = floats.shape[0]
-    with np.errstate(over="ignore"):
-        singles = floats.astype("<f4")
-    rows = np.tile(template, (n, 1))
-    rows[:, positions] = singles.view(np.uint8).reshape(n, -1)
-    data = rows.tobytes()
-    size = template.size
-    return [data[i * size : (i + 1) * size] for i in range(n)]
+    template = _scalar_template(summary, tuple(tags))
+    for message, row in zip(out, floats.tolist(), strict=True):
+        start = len(message.value)
+        message.MergeFrom(template)
+        for value, f in zip(message.value[start:], row, strict=True):
+            value.simple_value = f
 
 
 def center_sums(kept: np.ndarray, centers: np.ndarray) -> tuple[float, float, float]:
@@ -94,47 +66,6 @@ def center_sums(kept: np.ndarray, centers: np.ndarray) -> tuple[float, float, fl
     return float(kept.sum()), float(kept @ centers), float(kept @ centers**2)
 
 
-def histogram_bytes(
-    doubles: tuple[float, float, float, float, float],
-    limits: np.ndarray,
-    buckets: np.ndarray,
-) -> bytes:
-    """A serialized `HistogramProto`, the bytes protobuf itself gives.
-
-    `doubles`: `(min, max, num, sum, sum_squares)`, fields 1-5 (each left out
-    where its bits are 0, as proto3 does); `limits`, `buckets`: the packed
-    float64 fields 6 and 7 (left out where empty).
-    """
-    if 0.0 in doubles:  # (also -0.0, written: its bits are not 0)
-        out = b"".join(
-            _DOUBLE.pack(number << 3 | 1, x)
-            for number, x in enumerate(doubles, start=1)
-            if _DOUBLE.pack(0, x) != _DOUBLE.pack(0, 0.0)
-        )
-    else:
-        out = _DOUBLES.pack(
-            9,
-            doubles[0],
-            17,
-            doubles[1],
-            25,
-            doubles[2],
-            33,
-            doubles[3],
-            41,
-            doubles[4],
-        )
-    for number, array in ((6, limits), (7, buckets)):
-        if array.size:
-            out += _field(number, array.astype("<f8").tobytes())
-    return out
-
-
-#: A 64-bit field (key, value); the five of `histogram_bytes`.
-_DOUBLE = struct.Struct("<Bd")
-_DOUBLES = struct.Struct("<" + "Bd" * 5)
-
-
 def bucket_centers(span: np.ndarray) -> np.ndarray:
     """Each bucket's center; one open to ±DBL_MAX is represented by its finite edge."""
     left, right = span[:-1], span[1:]
@@ -143,12 +74,14 @@ def bucket_centers(span: np.ndarray) -> np.ndarray:
     return np.where(left <= -DBL_MAX, right, middle)
 
 
-def histogram_rows(tag: str, histograms: RecordRows, n: int) -> list[bytes]:
-    """Each row's `Summary` of a column of `Histogram`s (b"" where none counted).
+def add_histogram_rows(
+    out: Sequence[Proto], tag: str, histograms: RecordRows, n: int
+) -> None:
+    """Add row `i` of a column of `Histogram`s to `out[i]` (nothing where none counted).
 
-    Row `i` equals the row-by-row encoding of `histograms[i, ...]`: the same
-    spans, edges and centers (elementwise, from all edges at once), and the same
-    sums over fresh arrays of the span.
+    Row `i` equals `write`'s histogram of `histograms[i, ...]`: the same spans,
+    edges and centers (elementwise, from all edges at once), and the same sums
+    over fresh arrays of the span.
     """
     record: Histogram = histograms.record  # pyright: ignore[reportAssignmentType]
     counts = np.asarray(record.counts)
@@ -161,18 +94,19 @@ def histogram_rows(tag: str, histograms: RecordRows, n: int) -> list[bytes]:
     stops = (bins - nonzero[:, ::-1].argmax(axis=1)).tolist()
     edges = np.clip(np.asarray(record.edges), -DBL_MAX, DBL_MAX)
     centers = bucket_centers(edges)
-    out: list[bytes] = []
+    limits = edges.tolist()
     for i in range(n):
         if not counted[i]:
-            out.append(b"")
             continue
         first, stop = firsts[i], stops[i]
         kept = summed[i, first:stop].astype(np.float64)
-        sums = center_sums(kept, centers[first:stop].copy())
-        low, high = float(edges[first]), float(edges[stop])
-        histo = histogram_bytes((low, high, *sums), edges[first + 1 : stop + 1], kept)
-        out.append(_histogram_entry(tag, histo))
-    return out
+        histo = out[i].value.add(tag=tag).histo
+        histo.num, histo.sum, histo.sum_squares = center_sums(
+            kept, centers[first:stop].copy()
+        )
+        histo.min, histo.max = limits[first], limits[stop]
+        histo.bucket_limit.extend(limits[first + 1 : stop + 1])
+        histo.bucket.extend(kept.tolist())
 
 
 def _column(how: int, v: Any, n: int) -> np.ndarray | None:
@@ -186,23 +120,24 @@ def _column(how: int, v: Any, n: int) -> np.ndarray | None:
 
 def block_rows(
     block: RowBlock,
+    summary: Proto,
     tags: Callable[[tuple[str, ...]], list[str]],
-    encode: Encode,
-) -> list[bytes]:
-    """Each row's serialized `Summary`, as `encode` gives it row by row.
+    add_values: AddValues,
+) -> list[Proto]:
+    """Each row's `Summary` (of the class `summary`), as `write` makes it row by row.
 
-    `tags`: the tags of a part's paths; `encode`: the writer's row-by-row
-    encoding of a part (used for what is not read column-wise here).
+    `tags`: the tags of a part's paths; `add_values`: the writer's row-by-row
+    adding of a part's values (used for what is not read column-wise here).
     """
     n = block.n
-    segments: list[Sequence[bytes]] = []  # per segment, each row's bytes
-    run_tags: list[str] = []  # scalars not yet encoded: tags, float64 [n, k] blocks
+    out = [summary() for _ in range(n)]
+    run_tags: list[str] = []  # scalars not yet added: tags, float64 [n, k] blocks
     run: list[np.ndarray] = []
 
     def end_run() -> None:
         if run_tags:
             floats = run[0] if len(run) == 1 else np.concatenate(run, axis=1)
-            segments.append(scalar_rows(run_tags, floats))
+            add_scalar_rows(out, summary, run_tags, floats)
             run_tags.clear()
             run.clear()
 
@@ -218,12 +153,9 @@ def block_rows(
                 run.append(stacked.reshape(n, -1))
                 continue
             end_run()
-            segments.append(
-                [
-                    encode(Rows(paths, [block.value(how, v, i) for how, v in made]))
-                    for i in range(n)
-                ]
-            )
+            for i, message in enumerate(out):
+                values = [block.value(how, v, i) for how, v in made]
+                add_values(message.value, Rows(paths, values))
             continue
         for path, tag, (how, v) in zip(paths, part_tags, made, strict=True):
             column = _column(how, v, n)
@@ -238,16 +170,9 @@ def block_rows(
                 and type(v.record) is Histogram
                 and type(v.record.counts) is np.ndarray
             ):
-                segments.append(histogram_rows(tag, v, n))
-            elif how == 1:  # the same value every row: encoded once
-                segments.append([encode({path: block.value(how, v, 0)})] * n)
+                add_histogram_rows(out, tag, v, n)
             else:
-                segments.append(
-                    [encode({path: block.value(how, v, i)}) for i in range(n)]
-                )
+                for i, message in enumerate(out):
+                    add_values(message.value, {path: block.value(how, v, i)})
     end_run()
-    if not segments:
-        return [b""] * n
-    if len(segments) == 1:
-        return list(segments[0])
-    return [b"".join(row) for row in zip(*segments, strict=True)]
+    return out

@@ -304,9 +304,9 @@ class TensorBoardWriter(AbstractWriter):
     def write_host(self, host: HostSummaries) -> None:
         """Write one step as one event with every value.
 
-        A row of a buffer read column-wise (`HostValues.row`) is encoded from
-        bytes made once for all the block's rows (`_tb_rows.block_rows`: the same
-        event), and a flush it makes due waits for the block's last row.
+        A row of a buffer read column-wise (`HostValues.row`) is a copy of its
+        `Summary`, made with all the block's rows (`_tb_rows.block_rows`: the
+        same event), and a flush it makes due waits for the block's last row.
         """
         if self._file is None:
             return
@@ -317,9 +317,11 @@ class TensorBoardWriter(AbstractWriter):
         if isinstance(block, RowBlock):
             rows = block.cache.get(block_rows)
             if rows is None:
-                rows = block.cache[block_rows] = block_rows(block, _tags, self._encode)
-            if rows[i]:
-                event.summary.MergeFromString(rows[i])
+                rows = block.cache[block_rows] = block_rows(
+                    block, self._summary_pb2.Summary, _tags, self._add_values
+                )
+            if rows[i].value:  # (an event without values has no summary)
+                event.summary.CopyFrom(rows[i])
         else:
             # Values are added in place (`add`): a message passed to a constructor
             # would be copied.
@@ -337,12 +339,6 @@ class TensorBoardWriter(AbstractWriter):
         elapsed = time.monotonic() - self._last_flush
         if self._pending >= self._max_queue or elapsed >= self._flush_secs:
             self.flush()
-
-    def _encode(self, part: Mapping[str, HostValue] | Rows) -> bytes:
-        """The serialized `Summary` of a part's values, as `write_host` adds them."""
-        summary = self._summary_pb2.Summary()
-        self._add_values(summary.value, part)
-        return summary.SerializeToString()
 
     def _add_values(self, out: Proto, part: Mapping[str, HostValue] | Rows) -> None:
         """Add the `Summary.Value`s of a part of a step's values to `out`, in order."""
