@@ -37,7 +37,8 @@ that of one step's summaries. A third gives the host work of one `write_buffer` 
 N steps (the mean thread CPU of 21 calls, 2,000 on a coarse clock, the writer
 alone): all of it
 (`JsonlWriter.write_buffer`, on the calling thread), and the calling thread's part
-with `AsyncWriter` (the rest runs on its thread). A fourth gives the buffer inside the
+with `AsyncWriter` (the rest runs on its thread); with `--tensorboard` also all of
+`TensorBoardWriter.write_buffer`'s. A fourth gives the buffer inside the
 step: its arrays (each one more input and output of the step; a structure's rows are
 packed into one array per dtype), the optimized HLO instructions of the step with the
 buffer and of the step returning its summaries, and the time per call of a donating
@@ -297,13 +298,15 @@ def bench_loop(
     }
 
 
-def bench_host(setup: Setup, repeats: int) -> tuple[float, float]:
+def bench_host(
+    setup: Setup, repeats: int, tensorboard: bool = False
+) -> tuple[float, ...]:
     """One `write_buffer` of N steps: its thread CPU (seconds, the mean of `repeats`).
 
     `(JsonlWriter's, all the host work on the calling thread; AsyncWriter's, the
-    calling thread's part: starting the buffer's copy and queueing it)`. The same
-    full buffer is written each time, with a new `marks` array (a buffer not
-    written before).
+    calling thread's part: starting the buffer's copy and queueing it)`, and with
+    `tensorboard` `TensorBoardWriter`'s (all its host work). The same full buffer
+    is written each time, with a new `marks` array (a buffer not written before).
     """
     m, s = setup.model, setup.opt
     buffer = SummaryBuffer.create(N, {"train": setup.like})
@@ -316,12 +319,16 @@ def bench_host(setup: Setup, repeats: int) -> tuple[float, float]:
     def full() -> SummaryBuffer:  # the buffer, as not written yet
         return eqx.tree_at(lambda b: b.marks, buffer, buffer.marks.at[N, 0].set(N))
 
-    times: list[list[float]] = [[], []]
     with tempfile.TemporaryDirectory() as logdir:
-        writers = (
+        writers: list[AbstractWriter] = [
             JsonlWriter(f"{logdir}/sync.jsonl"),
             AsyncWriter(JsonlWriter(f"{logdir}/async.jsonl")),
-        )
+        ]
+        if tensorboard:
+            from eqxctx.writers import TensorBoardWriter
+
+            writers.append(TensorBoardWriter(f"{logdir}/tb"))
+        times: list[list[float]] = [[] for _ in writers]
         for k, writer in enumerate(writers):
             for r in range(repeats + 2):  # two to warm up
                 again = full()
@@ -331,8 +338,7 @@ def bench_host(setup: Setup, repeats: int) -> tuple[float, float]:
                     times[k].append(time.thread_time() - start)
                 writer.flush()
             writer.close()
-    sync, asynchronous = (statistics.mean(t) for t in times)
-    return sync, asynchronous
+    return tuple(statistics.mean(t) for t in times)
 
 
 def device_bytes(arrays: list[Any]) -> int | None:
@@ -505,7 +511,7 @@ def main() -> None:
     )
     emit("|---|---|--:|--:|--:|--:|--:|")
     memory: list[tuple[str, tuple[int | None, int | None, int, int]]] = []
-    host: list[tuple[str, tuple[float, float]]] = []
+    host: list[tuple[str, tuple[float, ...]]] = []
     step_costs: list[tuple[str, StepCost]] = []
     all_variants = variants(args.tensorboard)
     for width, batch in sizes:
@@ -519,7 +525,7 @@ def main() -> None:
                 f"| {ms[1]:.2f} | {ms[2]:.2f} | {ms[3]:.2f} |"
             )
         memory.append((label, bench_memory(setup)))
-        host.append((label, bench_host(setup, repeats)))
+        host.append((label, bench_host(setup, repeats, args.tensorboard)))
         step_costs.append((label, bench_step(setup)))
     emit(
         f"\n| model | buffer, `memory_analysis()` | {N} x one step's summaries, "
@@ -535,14 +541,15 @@ def main() -> None:
         emit(
             f"| {label} | {' | '.join(xla)} | {buffer_nbytes:,} | {N * one_nbytes:,} |"
         )
+    tb = " `TensorBoardWriter` (all its host work) |" if args.tensorboard else ""
     emit(
         f"\n| model | one `write_buffer` of {N} steps, thread CPU (ms): "
         "`JsonlWriter` (all its host work) | `AsyncWriter(JsonlWriter)` (the "
-        "calling thread) |"
+        f"calling thread) |{tb}"
     )
-    emit("|---|--:|--:|")
-    for label, (sync, asynchronous) in host:
-        emit(f"| {label} | {sync * 1e3:.2f} | {asynchronous * 1e3:.2f} |")
+    emit("|---|--:|--:|" + "--:|" * bool(tb))
+    for label, ms in host:
+        emit(f"| {label} | " + " | ".join(f"{t * 1e3:.2f}" for t in ms) + " |")
     emit(
         "\n| model | buffer's arrays (summary leaves) | HLO instructions: step with "
         "the buffer | step returning its summaries | a step only adding one step's "

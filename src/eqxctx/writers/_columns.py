@@ -206,7 +206,7 @@ def _made_stacked(
     op: tuple[Callable[..., Any], tuple[int, ...], object],
     columns: Sequence[Any],
     n: int,
-) -> "np.ndarray | _RecordRows | None":
+) -> "np.ndarray | RecordRows | None":
     """A rowwise value over stacked leaves (`[n, ...]`), or None: make it per row."""
     fn, ks, dtype = op
     if not _rowwise(fn):
@@ -218,7 +218,7 @@ def _made_stacked(
     if is_record_type(type(value)):  # rows of a record: its arrays' rows
         arrays = [getattr(value, f.name) for f in _array_fields(value)]
         if arrays and all(x.ndim >= 2 and x.shape[0] == n for x in arrays):
-            return _RecordRows(value)
+            return RecordRows(value)
         return None
     if (
         type(value) is not np.ndarray
@@ -238,7 +238,7 @@ def _array_fields(record: object) -> list[dataclasses.Field[Any]]:
     ]
 
 
-class _RecordRows:
+class RecordRows:
     """A host record of stacked arrays (validated stacked), read row by row.
 
     `self[i, ...]` is the record of row `i`: a copy whose arrays are their row `i`

@@ -22,8 +22,10 @@ from eqxctx._records import Audio, Histogram, Image
 from eqxctx._statistics import tensorflow_edges
 
 from ._base import AbstractWriter, HostSummaries, is_writing_process
+from ._columns import RowBlock
 from ._host import HostValue, HostValues, Rows
 from ._jsonl import nonempty_span
+from ._tb_rows import DBL_MAX, block_rows, bucket_centers, center_sums
 
 
 _MISSING = (
@@ -36,7 +38,6 @@ _MISSING = (
 #: tensorboardX's `_clean_tag`: characters other than these become "_".
 _INVALID_TAG_CHARACTERS = re.compile(r"[^-/\w.]")
 _DT_STRING = 7  # tensorflow/core/framework/types.proto
-_DBL_MAX = float(np.finfo(np.float64).max)
 
 #: A tensorboardX protobuf message (`Event`, `Summary.Value`, `HistogramProto`).
 #: `Any`: tensorboardX is optional and imported by the writer, so its classes (typed
@@ -196,7 +197,10 @@ class TensorBoardWriter(AbstractWriter):
         logdir: the folder for the event file (created if missing).
         max_queue: events buffered before they are written to disk, an int >= 1.
         flush_secs: the longest time (seconds, a number >= 0) between a write and
-            the next flush, checked at each write.
+            the next flush, checked at each write. (A `write_buffer` whose steps
+            are read column-wise flushes once for all its steps of one structure,
+            after the last of them, where `write` would flush every `max_queue`
+            steps.)
 
     Raises:
         TypeError: if `max_queue` is not an int or `flush_secs` not a number.
@@ -298,21 +302,40 @@ class TensorBoardWriter(AbstractWriter):
             self._layouts.add(layout)
 
     def write_host(self, host: HostSummaries) -> None:
-        """Write one step as one event with every value."""
+        """Write one step as one event with every value.
+
+        A row of a buffer read column-wise (`HostValues.row`) is a copy of its
+        `Summary`, made with all the block's rows (`_tb_rows.block_rows`: the
+        same event), and a flush it makes due waits for the block's last row.
+        """
         if self._file is None:
             return
         event = self._event_pb2.Event(wall_time=time.time(), step=host.step)
-        # Values are added in place (`add`): a message passed to a constructor
-        # would be copied.
-        out = event.summary.value
-        parts = host.values.parts if isinstance(host.values, HostValues) else None
-        if parts is not None and any(isinstance(part, Rows) for part in parts):
-            for part in parts:
-                self._add_values(out, part)
+        values = host.values
+        row = values.row if type(values) is HostValues else None
+        block, i = row if row is not None else (None, 0)
+        if isinstance(block, RowBlock):
+            rows = block.cache.get(block_rows)
+            if rows is None:
+                rows = block.cache[block_rows] = block_rows(
+                    block, self._summary_pb2.Summary, _tags, self._add_values
+                )
+            if rows[i].value:  # (an event without values has no summary)
+                event.summary.CopyFrom(rows[i])
         else:
-            self._add_values(out, host.values)
+            # Values are added in place (`add`): a message passed to a constructor
+            # would be copied.
+            out = event.summary.value
+            parts = values.parts if isinstance(values, HostValues) else None
+            if parts is not None and any(isinstance(part, Rows) for part in parts):
+                for part in parts:
+                    self._add_values(out, part)
+            else:
+                self._add_values(out, values)
         self._file.write_event(event)
         self._pending += 1
+        if isinstance(block, RowBlock) and i < block.n - 1:
+            return  # the block's rows are written together: one flush at its end
         elapsed = time.monotonic() - self._last_flush
         if self._pending >= self._max_queue or elapsed >= self._flush_secs:
             self.flush()
@@ -392,22 +415,19 @@ class TensorBoardWriter(AbstractWriter):
         first, stop = nonempty_span(counts)
         if first == stop:
             return None
-        span = np.clip(np.asarray(edges[first : stop + 1]), -_DBL_MAX, _DBL_MAX)
+        span = np.clip(np.asarray(edges[first : stop + 1]), -DBL_MAX, DBL_MAX)
         kept = counts[first:stop].astype(np.float64)
-        if values is None:
-            left, right = span[:-1], span[1:]
-            # A bucket open to ±DBL_MAX is represented by its finite edge.
-            middle = np.where(right >= _DBL_MAX, left, (left + right) / 2)
-            centers = np.where(left <= -_DBL_MAX, right, middle)
+        if values is None:  # as `_tb_rows.histogram_rows` makes a buffer's rows
             low, high = float(span[0]), float(span[-1])
-            total, squares = float(kept @ centers), float(kept @ centers**2)
+            num, total, squares = center_sums(kept, bucket_centers(span))
         else:
             low, high = float(values.min()), float(values.max())
-            total, squares = float(values.sum()), float(values @ values)
+            num, total = float(kept.sum()), float(values.sum())
+            squares = float(values @ values)
         return self._summary_pb2.HistogramProto(
             min=low,
             max=high,
-            num=float(kept.sum()),
+            num=num,
             sum=total,
             sum_squares=squares,
             bucket_limit=span[1:].tolist(),
