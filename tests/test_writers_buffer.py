@@ -563,6 +563,16 @@ def test_a_step_that_wraps_around_in_int32_says_so() -> None:
     assert any("a step of 2**31 or more wraps" in n for n in info.value.__notes__)
 
 
+def test_a_python_int_step_above_int32_is_refused_by_add() -> None:
+    # A new-user review: JAX's OverflowError named no step and no fix.
+    buffer = SummaryBuffer.create(2)
+    with pytest.raises(ValueError, match="step 2147483648 is above 2147483647"):
+        buffer.add(2**31, {"x": 1.0})
+    got = buffer.add(2**31 - 1, {"x": 1.0})  # the largest int32 is taken
+    assert int(got.count) == 1
+    assert int(got.steps[0]) == 2**31 - 1
+
+
 def test_the_buffer_holds_n_times_one_steps_summaries() -> None:
     one = {"a": jnp.zeros((3,), jnp.float32), "b": eqxctx.MaxSummary(jnp.int32(1))}
     buffer = SummaryBuffer.create(32, one)

@@ -178,9 +178,18 @@ class SummaryBuffer(eqx.Module):
         Raises:
             TypeError: for a step that is not an integer scalar, or summaries that
                 are not summaries (naming the leaf's path).
-            ValueError: for an invalid summary name (naming it).
+            ValueError: for an invalid summary name (naming it), or a Python int
+                step above what the buffer stores.
         """
         where = "SummaryBuffer.add"
+        if isinstance(step, int) and not isinstance(step, bool):
+            most = int(jnp.iinfo(step_dtype()).max)
+            if step > most:  # (JAX would raise an OverflowError naming no step)
+                raise ValueError(
+                    f"`{where}(step, summaries)`: step {step} is above {most}, the "
+                    f"largest the buffer stores ({np.dtype(step_dtype())}); turn on "
+                    "`jax_enable_x64` for int64 steps."
+                )
         step_array = jnp.asarray(step)
         if step_array.ndim != 0 or not jnp.issubdtype(step_array.dtype, jnp.integer):
             raise TypeError(
