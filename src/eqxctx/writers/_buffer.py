@@ -183,11 +183,12 @@ class SummaryBuffer(eqx.Module):
         """
         where = "SummaryBuffer.add"
         if isinstance(step, int) and not isinstance(step, bool):
-            most = int(jnp.iinfo(step_dtype()).max)
+            stored = np.dtype(step_dtype())
+            most = int(np.iinfo(stored).max)
             if step > most:  # (JAX would raise an OverflowError naming no step)
                 raise ValueError(
                     f"`{where}(step, summaries)`: step {step} is above {most}, the "
-                    f"largest the buffer stores ({np.dtype(step_dtype())}); turn on "
+                    f"largest the buffer stores ({stored}); turn on "
                     "`jax_enable_x64` for int64 steps."
                 )
         step_array = jnp.asarray(step)
